@@ -1,0 +1,330 @@
+"""Public API: save, load, load_into, open.
+
+save:   state -> tree -> plan -> ring (gather, compress, write) -> index, footer, fsync, rename
+load:   footer -> index (validated) -> ring (read, verify, decode into the tensors) -> tree
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__, codecs
+from . import format as fmt
+from .backend import gpu_status, make_backend
+from .dtypes import BY_NAME, name_of
+from .errors import CheckpointFormatError, StateMismatchError, UnsupportedStateError
+from .plan import make_plan
+from .ring import Timings, read_chunks, write_chunks
+from .storage import commit, pread_exact, pwrite_all, temp_path_for
+from .tree import flatten, unflatten
+
+DEFAULT_CHUNK_BYTES = {"gpu": 64 << 20, "cpu": 16 << 20}
+DEFAULT_RING_DEPTH = 3
+
+
+@dataclass
+class Stats:
+    """What one save or restore did. `io_path` is the path the bytes really took: gds, compat or cpu."""
+
+    op: str
+    path: str
+    backend: str
+    io_path: str
+    logical_bytes: int
+    stored_bytes: int
+    file_bytes: int
+    chunks: int
+    chunk_bytes: int
+    ring_depth: int
+    seconds: float
+    stages: dict = field(default_factory=dict)
+    latencies: list = field(default_factory=list, repr=False)
+    streams: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """stored / logical: 0.85 means 15% of the bytes saved."""
+        return self.stored_bytes / self.logical_bytes if self.logical_bytes else 1.0
+
+    @property
+    def gbps(self) -> float:
+        return self.logical_bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("latencies")
+        d["ratio"] = self.ratio
+        d["gbps"] = self.gbps
+        return d
+
+
+def _choose_backend(wants_gpu: bool, backend: str | None):
+    if backend in ("cpu", "gpu"):
+        return backend
+    if backend not in (None, "auto"):
+        raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', not {backend!r}")
+    return "gpu" if wants_gpu and gpu_status()[0] else "cpu"
+
+
+def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH,
+         io: str = "auto", io_threads: int | None = None, backend: str | None = None) -> Stats:
+    """Save `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
+
+    Durable on return: the file is fsync'd and renamed over `path`, and the directory
+    fsync'd; an existing checkpoint at `path` is replaced only by a complete one.
+    codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw",
+    or {dtype name: codec}. io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
+    """
+    t_start = time.perf_counter()
+    path = Path(path)
+    skeleton, leaves = flatten(state)
+    kind = _choose_backend(any(l.tensor.is_cuda for l in leaves), backend)
+    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES[kind]
+    if chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN}, got {chunk_bytes}")
+    if ring_depth < 2:
+        raise ValueError(f"ring_depth must be at least 2 so that compression overlaps I/O, got {ring_depth}")
+    with make_backend(kind, io=io, io_threads=io_threads) as be:
+        specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
+        plan = make_plan(specs, lambda dtype: codecs.resolve(codec, dtype, gpu=kind == "gpu",
+                                                             nvcomp_version=be.nvcomp_version), chunk_bytes)
+        views = [_byte_view(l.tensor) for l in leaves]
+        devices = ["cuda" if l.tensor.is_cuda else "cpu" for l in leaves]
+        timings = Timings()
+        tmp = temp_path_for(path)
+        file = be.open(tmp, "w")
+        try:
+            be.begin()
+            pwrite_all(file.fd, fmt.header_bytes(), 0)
+            records = write_chunks(plan, views, be, file, ring_depth, timings)
+            t = time.perf_counter()
+            index_offset = fmt.align_up(records[-1].file_offset + records[-1].stored) if records else fmt.HEADER_SIZE
+            meta = {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
+                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
+                               "torch": torch.__version__}}
+            index = fmt.encode_index(meta, skeleton, devices, plan, records)
+            pwrite_all(file.fd, index + fmt.footer_bytes(index_offset, index), index_offset)
+            os.fsync(file.fd)
+            file.close()
+            commit(tmp, path)
+            timings.add("commit", t)
+        except BaseException:
+            file.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        file_bytes = index_offset + len(index) + fmt.FOOTER_SIZE
+        return Stats("save", str(path), be.name, be.io_path, plan.logical_bytes,
+                     sum(r.stored for r in records), file_bytes, len(plan.chunks), chunk_bytes, ring_depth,
+                     time.perf_counter() - t_start, dict(timings.stages), timings.latencies,
+                     _stream_stats(plan, records), be.memory())
+
+
+def _stream_stats(plan, records) -> list[dict]:
+    out = [{"dtype": s.dtype, "codec": s.codec["name"], "logical_bytes": s.nbytes, "stored_bytes": 0,
+            "raw_chunks": 0, "tensors": len(s.tensors)} for s in plan.streams]
+    for c, r in zip(plan.chunks, records):
+        out[c.stream]["stored_bytes"] += r.stored
+        out[c.stream]["raw_chunks"] += r.raw
+    for s in out:
+        s["ratio"] = s["stored_bytes"] / s["logical_bytes"] if s["logical_bytes"] else 1.0
+    return out
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a 1-D uint8 tensor. Non-contiguous tensors are copied (that tensor only)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class Checkpoint:
+    """A checkpoint opened for reading: the validated index, and tensors read on demand.
+
+    Only the footer and index are read on open; `get_tensor` reads just the chunks
+    that hold that tensor.
+    """
+
+    def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = DEFAULT_RING_DEPTH,
+                 io_threads: int | None = None):
+        self.path = Path(path)
+        self.ring_depth = ring_depth
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            off, length, ck = fmt.read_footer(lambda n, o: pread_exact(fd, n, o), size, self.path)
+            raw = pread_exact(fd, length, off)
+        finally:
+            os.close(fd)
+        self.index = fmt.parse_index(raw, ck, off, self.path)
+        self._check_nvcomp()
+        self._backend_choice, self._io, self._io_threads = backend, io, io_threads
+        self._by_key = {t.key: i for i, t in enumerate(self.index.plan.tensors)}
+        self.last_stats: Stats | None = None
+
+    # -- metadata
+    def keys(self) -> list[str]:
+        return list(self._by_key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._by_key
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def info(self, key: str) -> dict:
+        t = self.index.plan.tensors[self._entry(key)]
+        s = self.index.plan.streams[t.stream]
+        return {"dtype": t.dtype, "shape": t.shape, "nbytes": t.nbytes, "codec": s.codec["name"],
+                "device": self.index.devices[self._entry(key)]}
+
+    @property
+    def metadata(self) -> dict:
+        return self.index.meta
+
+    def streams(self) -> list[dict]:
+        return _stream_stats(self.index.plan, self.index.records)
+
+    # -- data
+    def get_tensor(self, key: str, device=None) -> torch.Tensor:
+        i = self._entry(key)
+        return self._read([i], device)[i]
+
+    def load(self, device=None):
+        tensors = self._read(range(len(self.index.plan.tensors)), device)
+        return unflatten(self.index.skeleton, tensors)
+
+    def load_into(self, state, *, strict: bool = True) -> Stats:
+        skeleton, leaves = flatten(state)
+        targets = {l.key: l.tensor for l in leaves}
+        plan = self.index.plan
+        missing = [t.key for t in plan.tensors if t.key not in targets]
+        extra = [k for k in targets if k not in self._by_key]
+        if strict and (missing or extra):
+            raise StateMismatchError(f"{self.path}: keys differ from the checkpoint's: missing from the target "
+                                     f"{missing[:5]}, not in the checkpoint {extra[:5]}")
+        dest = {}
+        for i, t in enumerate(plan.tensors):
+            if t.key not in targets:
+                continue
+            tgt = targets[t.key]
+            if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
+                raise StateMismatchError(f"{self.path}: tensor {t.key!r} is {t.dtype}{list(t.shape)} in the "
+                                         f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
+            dest[i] = tgt
+        self._read(list(dest), None, into=dest)
+        return self.last_stats
+
+    def _entry(self, key: str) -> int:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise KeyError(f"{key!r} is not in {str(self.path)!r}") from None
+
+    def _check_nvcomp(self):
+        for s in self.index.plan.streams:
+            if s.codec["name"] in codecs.NVCOMP_CODECS:
+                mine = _nvcomp_version()
+                theirs = s.codec["nvcomp"]
+                if mine and mine.split(".")[0] != theirs.split(".")[0]:
+                    from .errors import VersionError
+                    raise VersionError(f"{s.codec['name']} chunks were written by nvCOMP {theirs}, whose bitstream "
+                                       f"nvCOMP {mine} cannot read; read it with nvCOMP {theirs.split('.')[0]}.x "
+                                       "and `gdsckpt convert --codec zstd`", path=self.path)
+
+    def _read(self, wanted, device, into: dict | None = None) -> dict:
+        """Read tensors `wanted` (indices); new tensors on `device` (None: where they were saved
+        from), or in place into `into[i]`."""
+        t_start = time.perf_counter()
+        plan = self.index.plan
+        out: dict[int, torch.Tensor] = {}
+        for i in wanted:
+            t = plan.tensors[i]
+            if into is not None:
+                out[i] = into[i]
+            else:
+                dev = device if device is not None else self.index.devices[i]
+                dev = torch.device(dev)
+                if dev.type == "cuda" and not torch.cuda.is_available():
+                    dev = torch.device("cpu")  # saved on a GPU, read where there is none
+                out[i] = torch.empty(t.shape, dtype=BY_NAME[t.dtype], device=dev)
+        needs_nvcomp = any(not rec.raw and plan.streams[c.stream].codec["name"] in codecs.NVCOMP_CODECS
+                           for c, rec in zip(plan.chunks, self.index.records))
+        kind = _choose_backend(needs_nvcomp or any(v.is_cuda for v in out.values()), self._backend_choice)
+        # Decode into contiguous memory; a non-contiguous target gets a temporary, copied back at the end.
+        work = {i: (v if v.is_contiguous() else torch.empty_like(v, memory_format=torch.contiguous_format))
+                for i, v in out.items()}
+        views = [None] * len(plan.tensors)
+        for i, v in work.items():
+            views[i] = v.reshape(-1).view(torch.uint8)
+        wanted_set = set(work)
+        chunk_ids = [c.index for c in plan.chunks if any(s.tensor in wanted_set for s in c.segments)]
+        timings = Timings()
+        with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
+            if kind == "cpu":
+                for ci in chunk_ids:
+                    spec = plan.streams[plan.chunks[ci].stream].codec
+                    if not self.index.records[ci].raw and not be.can_decode(spec):
+                        raise codecs.no_cpu_decoder(spec, self.path)
+            file = be.open(self.path, "r")
+            try:
+                be.begin()
+                read_chunks(self.index, chunk_ids, views, be, file, self.ring_depth, timings, self.path)
+                be.finish()
+            finally:
+                file.close()
+            for i, v in work.items():
+                if v is not out[i]:
+                    out[i].copy_(v)
+            stored = sum(self.index.records[c].stored for c in chunk_ids)
+            logical = sum(plan.chunks[c].length for c in chunk_ids)
+            self.last_stats = Stats("load", str(self.path), be.name, be.io_path, logical, stored, stored,
+                                    len(chunk_ids), max((plan.chunks[c].length for c in chunk_ids), default=0),
+                                    self.ring_depth, time.perf_counter() - t_start, dict(timings.stages),
+                                    timings.latencies, [], be.memory())
+        return out
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _nvcomp_version() -> str | None:
+    if not gpu_status()[0]:
+        return None
+    from .gpu.backend import nvcomp_version
+    return nvcomp_version()
+
+
+def open(path, **options) -> Checkpoint:  # noqa: A001 - mirrors safetensors.safe_open / builtins.open
+    """Open a checkpoint lazily: keys(), info(key), get_tensor(key), load()."""
+    return Checkpoint(path, **options)
+
+
+def load(path, *, device=None, **options):
+    """Load a checkpoint. device=None puts each tensor where it was saved from (cuda tensors on the
+    current CUDA device; on the CPU where there is no GPU); "cpu" or "cuda:N" puts all there."""
+    return Checkpoint(path, **options).load(device)
+
+
+def load_into(path, state, *, strict: bool = True, **options) -> Stats:
+    """Fill the tensors of `state` (e.g. model.state_dict()) in place from `path`: no second
+    full-size allocation. A missing key, or a shape or dtype mismatch, is a StateMismatchError
+    naming the key, raised before anything is read."""
+    return Checkpoint(path, **options).load_into(state, strict=strict)

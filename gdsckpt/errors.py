@@ -1,0 +1,46 @@
+"""Typed errors. Every error names the file, and where it applies the tensor key and chunk."""
+
+from __future__ import annotations
+
+
+class GdsckptError(Exception):
+    """Base class of every error gdsckpt raises on purpose."""
+
+
+class UnsupportedStateError(GdsckptError, TypeError):
+    """The state holds something gdsckpt will not save (raised before anything is written)."""
+
+
+class CheckpointFormatError(GdsckptError, ValueError):
+    """A file is not a valid gdsckpt checkpoint: torn, truncated, corrupt or hostile."""
+
+    def __init__(self, message: str, *, path=None, key: str | None = None, chunk: int | None = None):
+        where = []
+        if path is not None:
+            where.append(f"file {str(path)!r}")
+        if key is not None:
+            where.append(f"tensor {key!r}")
+        if chunk is not None:
+            where.append(f"chunk {chunk}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.path, self.key, self.chunk = path, key, chunk
+
+
+class ChecksumError(CheckpointFormatError):
+    """A chunk's stored bytes do not match the checksum recorded for them."""
+
+
+class VersionError(CheckpointFormatError):
+    """The file was written by a newer format, or by an nvCOMP whose bitstream this one cannot read."""
+
+
+class CodecUnavailableError(GdsckptError, RuntimeError):
+    """A chunk needs a decoder this machine does not have (ANS on a machine with no GPU, say)."""
+
+
+class StateMismatchError(GdsckptError, ValueError):
+    """`load_into`: the target's keys, shapes or dtypes differ from the checkpoint's."""
+
+
+class GDSUnavailableError(GdsckptError, RuntimeError):
+    """GPUDirect Storage was asked for explicitly on a host that does not have it."""

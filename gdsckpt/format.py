@@ -1,0 +1,294 @@
+"""The on-disk format (FORMAT.md): header, 4 KiB aligned chunk records, JSON index, footer.
+
+Everything read from a file is validated here before the rest of gdsckpt acts
+on it, so that a hostile or damaged file gives a CheckpointFormatError and never a
+large allocation, a crash or a wrong tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+from . import checksum as _ck
+from . import dtypes
+from .codecs import ALL_CODECS, NVCOMP_CODECS
+from .errors import CheckpointFormatError, VersionError
+from .plan import Chunk, Plan, Stream, TensorEntry, segments
+
+MAJOR, MINOR = 1, 0
+ALIGN = 4096
+HEADER_SIZE = ALIGN
+HEADER_MAGIC = b"GDSCKPT\x00"
+FOOTER_MAGIC = b"GDSCKIDX"
+_FOOTER = struct.Struct("<8sHHIQQQQ8s")  # magic, major, minor, flags, index off/len/checksum, file len, reserved
+FOOTER_SIZE = _FOOTER.size + 8  # + checksum of the footer itself
+MAX_INDEX_BYTES = 1 << 30
+MAX_CHUNK_BYTES = 1 << 31
+MAX_NDIM = 64
+MAX_DEPTH = 256
+MAX_TENSORS = 10_000_000
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def header_bytes() -> bytes:
+    return HEADER_MAGIC + struct.pack("<HH", MAJOR, MINOR) + bytes(HEADER_SIZE - 12)
+
+
+def footer_bytes(index_offset: int, index: bytes) -> bytes:
+    file_len = index_offset + len(index) + FOOTER_SIZE
+    body = _FOOTER.pack(FOOTER_MAGIC, MAJOR, MINOR, 0, index_offset, len(index), _ck.checksum(index), file_len, bytes(8))
+    return body + struct.pack("<Q", _ck.checksum(body))
+
+
+@dataclass
+class ChunkRecord:
+    file_offset: int
+    stored: int
+    raw: bool
+    checksum: int
+    frames: list[int] | None  # zstd: compressed length of each frame
+
+
+@dataclass
+class Index:
+    meta: dict  # format, library, nvcomp, writer
+    skeleton: dict
+    devices: list[str]  # per tensor: where it was saved from
+    plan: Plan
+    records: list[ChunkRecord]
+
+
+def encode_index(meta: dict, skeleton: dict, devices: list[str], plan: Plan, records: list[ChunkRecord]) -> bytes:
+    doc = dict(meta)
+    doc["format"] = [MAJOR, MINOR]
+    doc["skeleton"] = skeleton
+    doc["streams"] = [{"dtype": s.dtype, "codec": s.codec, "nbytes": s.nbytes} for s in plan.streams]
+    doc["tensors"] = [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "stream": t.stream,
+                       "offset": t.offset, "nbytes": t.nbytes, "device": d} for t, d in zip(plan.tensors, devices)]
+    doc["chunks"] = []
+    for c, r in zip(plan.chunks, records):
+        rec = {"stream": c.stream, "offset": c.offset, "length": c.length, "file_offset": r.file_offset,
+               "stored": r.stored, "checksum": f"{r.checksum:016x}"}
+        if r.raw:
+            rec["raw"] = True
+        if r.frames is not None:
+            rec["frames"] = r.frames
+        doc["chunks"].append(rec)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:
+    """(index offset, index length, index checksum), checked against the file's real size."""
+    def bad(msg):
+        return CheckpointFormatError(msg, path=path)
+
+    if file_size < HEADER_SIZE + FOOTER_SIZE:
+        raise bad(f"file is {file_size} bytes, too short to be a gdsckpt checkpoint (torn or not a checkpoint)")
+    head = pread(12, 0)
+    if head[:8] != HEADER_MAGIC:
+        raise bad("not a gdsckpt checkpoint (bad header magic)")
+    raw = pread(FOOTER_SIZE, file_size - FOOTER_SIZE)
+    body, (stored_ck,) = raw[:-8], struct.unpack("<Q", raw[-8:])
+    magic, major, minor, _flags, off, length, index_ck, file_len, _ = _FOOTER.unpack(body)
+    if magic != FOOTER_MAGIC:
+        raise bad("no gdsckpt footer at the end of the file: the file is torn, truncated or has bytes appended")
+    if _ck.checksum(body) != stored_ck:
+        raise bad("footer checksum mismatch: the footer is corrupt")
+    hmajor, _ = struct.unpack("<HH", head[8:12])
+    if major > MAJOR or hmajor > MAJOR:
+        raise VersionError(f"written in format {max(major, hmajor)}.{minor}; this gdsckpt reads format {MAJOR}.x "
+                           "and older: upgrade gdsckpt to read it", path=path)
+    if major != hmajor:
+        raise bad(f"header says format {hmajor}, footer says {major}")
+    if file_len != file_size:
+        raise bad(f"footer records {file_len} bytes but the file has {file_size}: truncated or bytes appended")
+    if not (HEADER_SIZE <= off and off % ALIGN == 0 and off + length + FOOTER_SIZE == file_size):
+        raise bad(f"footer locates the index at {off}+{length}, outside the file")
+    if length > MAX_INDEX_BYTES:
+        raise bad(f"index of {length} bytes exceeds the {MAX_INDEX_BYTES} byte limit")
+    return off, length, index_ck
+
+
+def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> Index:
+    def bad(msg, **kw):
+        return CheckpointFormatError(f"invalid index: {msg}", path=path, **kw)
+
+    if _ck.checksum(raw) != expected_checksum:
+        raise CheckpointFormatError("index checksum mismatch: the index is corrupt", path=path)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({type(e).__name__})") from None
+    if not isinstance(doc, dict):
+        raise bad("not a JSON object")
+    fmt = doc.get("format")
+    if not (isinstance(fmt, list) and len(fmt) == 2 and all(_is_int(v) for v in fmt)):
+        raise bad("missing format version")
+    if fmt[0] > MAJOR:
+        raise VersionError(f"index format {fmt[0]}.{fmt[1]} is newer than this gdsckpt's {MAJOR}.{MINOR}: "
+                           "upgrade gdsckpt to read it", path=path)
+
+    streams = []
+    for i, s in enumerate(_list(doc, "streams", bad)):
+        if not isinstance(s, dict) or s.get("dtype") not in dtypes.BY_NAME:
+            raise bad(f"stream {i}: unknown dtype {s.get('dtype') if isinstance(s, dict) else s!r}")
+        _uint(s.get("nbytes"), f"stream {i} nbytes", bad)
+        streams.append(Stream(s["dtype"], _codec(s.get("codec"), i, bad), s["nbytes"]))
+
+    tensor_docs = _list(doc, "tensors", bad)
+    if len(tensor_docs) > MAX_TENSORS:
+        raise bad(f"{len(tensor_docs)} tensors exceed the limit of {MAX_TENSORS}")
+    tensors, devices = [], []
+    for i, t in enumerate(tensor_docs):
+        if not isinstance(t, dict) or not isinstance(t.get("key"), str):
+            raise bad(f"tensor {i}: missing key")
+        key = t["key"]
+        if t.get("dtype") not in dtypes.BY_NAME:
+            raise bad(f"dtype {t.get('dtype')!r} is not one gdsckpt stores", key=key)
+        shape = t.get("shape")
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)):
+            raise bad(f"shape {shape!r} is not a list of at most {MAX_NDIM} non-negative ints", key=key)
+        stream = t.get("stream")
+        if not (_is_int(stream) and 0 <= stream < len(streams)) or streams[stream].dtype != t["dtype"]:
+            raise bad(f"stream {stream!r} does not exist or holds another dtype", key=key)
+        nbytes = math.prod(shape) * dtypes.ITEMSIZE[t["dtype"]]
+        if t.get("nbytes") != nbytes:
+            raise bad(f"nbytes {t.get('nbytes')!r} does not match shape {shape} of {t['dtype']}", key=key)
+        offset = _uint(t.get("offset"), "offset", bad)
+        if offset + nbytes > streams[stream].nbytes:
+            raise bad("byte range lies outside its stream", key=key)
+        if t.get("device") not in ("cpu", "cuda"):
+            raise bad(f"device {t.get('device')!r} is neither cpu nor cuda", key=key)
+        tensors.append(TensorEntry(key, t["dtype"], tuple(shape), stream, offset, nbytes))
+        streams[stream].tensors.append(i)
+        devices.append(t["device"])
+    for i, s in enumerate(streams):
+        pos = 0
+        for ti in s.tensors:  # tensors tile their stream in order, as the writer lays them out
+            if tensors[ti].offset != pos:
+                raise bad(f"tensors of stream {i} do not tile it", key=tensors[ti].key)
+            pos += tensors[ti].nbytes
+        if pos != s.nbytes:
+            raise bad(f"stream {i} is {s.nbytes} bytes but its tensors cover {pos}")
+
+    chunks, records = [], []
+    next_offset = [0] * len(streams)
+    members = [[ti for ti in s.tensors if tensors[ti].nbytes] for s in streams]
+    cursor = [0] * len(streams)
+    file_end = HEADER_SIZE
+    for i, c in enumerate(_list(doc, "chunks", bad)):
+        if not isinstance(c, dict):
+            raise bad("chunk record is not an object", chunk=i)
+        s = c.get("stream")
+        if not (_is_int(s) and 0 <= s < len(streams)):
+            raise bad(f"stream {s!r} does not exist", chunk=i)
+        off, length = _uint(c.get("offset"), "offset", bad), _uint(c.get("length"), "length", bad)
+        if off != next_offset[s] or not 0 < length <= MAX_CHUNK_BYTES or off + length > streams[s].nbytes:
+            raise bad(f"logical range {off}+{length} does not continue stream {s}", chunk=i)
+        next_offset[s] = off + length
+        fo, stored = _uint(c.get("file_offset"), "file_offset", bad), _uint(c.get("stored"), "stored", bad)
+        if fo % ALIGN or fo < file_end or fo + stored > index_offset or stored == 0:
+            raise bad(f"record {fo}+{stored} overlaps another or lies outside the data area", chunk=i)
+        file_end = align_up(fo + stored)
+        raw_flag = c.get("raw", False)
+        if raw_flag is not True and raw_flag is not False:
+            raise bad("raw flag is not a bool", chunk=i)
+        if raw_flag and stored != length:
+            raise bad(f"raw chunk stores {stored} bytes for {length} logical", chunk=i)
+        if not raw_flag and stored > length + (length >> 3) + (1 << 20):
+            raise bad(f"stores {stored} bytes for {length} logical, more than any codec emits", chunk=i)
+        ck = c.get("checksum")
+        if not (isinstance(ck, str) and len(ck) == 16 and all(ch in "0123456789abcdef" for ch in ck)):
+            raise bad("checksum is not 16 hex digits", chunk=i)
+        frames = c.get("frames")
+        codec = streams[s].codec
+        if codec["name"] == "zstd" and not raw_flag:
+            n_frames = -(-length // codec["frame_bytes"])
+            if not (isinstance(frames, list) and len(frames) == n_frames
+                    and all(_is_int(f) and f > 0 for f in frames) and sum(frames) == stored):
+                raise bad("zstd frame lengths do not match the chunk", chunk=i)
+        elif frames is not None:
+            raise bad("frame lengths on a chunk that has no frames", chunk=i)
+        segs, cursor[s] = segments(tensors, members[s], cursor[s], off, length)
+        chunks.append(Chunk(i, s, off, length, segs))
+        records.append(ChunkRecord(fo, stored, raw_flag, int(ck, 16), frames))
+    for s, stream in enumerate(streams):
+        if next_offset[s] != stream.nbytes:
+            raise bad(f"chunks cover {next_offset[s]} of stream {s}'s {stream.nbytes} bytes")
+
+    skeleton = doc.get("skeleton")
+    _check_skeleton(skeleton, len(tensors), bad)
+    meta = {k: doc.get(k) for k in ("format", "library", "nvcomp", "writer", "created")}
+    return Index(meta, skeleton, devices, Plan(tensors, streams, chunks), records)
+
+
+def _check_skeleton(node, n_tensors: int, bad) -> None:
+    seen = [False] * n_tensors
+    stack = [(node, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"skeleton nested deeper than {MAX_DEPTH}")
+        if not (isinstance(node, dict) and len(node) == 1):
+            raise bad("skeleton node is not a one-key object")
+        (kind, body), = node.items()
+        if kind == "tensor":
+            if not (_is_int(body) and 0 <= body < n_tensors) or seen[body]:
+                raise bad(f"skeleton refers to tensor {body!r} twice or out of range")
+            seen[body] = True
+        elif kind == "value":
+            if not (body is None or isinstance(body, (bool, int, float, str))):
+                raise bad("skeleton value is not a plain value")
+        elif kind == "dict":
+            if not isinstance(body, list):
+                raise bad("skeleton dict body is not a list")
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+                        and not isinstance(item[0], bool)):
+                    raise bad("skeleton dict item is not a [key, node] pair")
+                stack.append((item[1], depth + 1))
+        elif kind in ("list", "tuple"):
+            if not isinstance(body, list):
+                raise bad(f"skeleton {kind} body is not a list")
+            stack.extend((v, depth + 1) for v in body)
+        else:
+            raise bad(f"unknown skeleton node kind {kind!r}")
+    if not all(seen):
+        raise bad("skeleton does not place every tensor")
+
+
+def _codec(spec, stream: int, bad) -> dict:
+    if not isinstance(spec, dict) or spec.get("name") not in ALL_CODECS:
+        raise bad(f"stream {stream}: unknown codec {spec!r}")
+    if spec["name"] == "zstd" and not (_is_int(spec.get("frame_bytes")) and ALIGN <= spec["frame_bytes"] <= MAX_CHUNK_BYTES):
+        raise bad(f"stream {stream}: zstd codec without a valid frame size")
+    if spec["name"] in NVCOMP_CODECS and not (isinstance(spec.get("nvcomp"), str)
+                                             and isinstance(spec.get("data_type"), str)):
+        raise bad(f"stream {stream}: {spec['name']} codec without nvCOMP version or data type")
+    return spec
+
+
+def _list(doc, name, bad) -> list:
+    v = doc.get(name)
+    if not isinstance(v, list):
+        raise bad(f"{name!r} is not a list")
+    return v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _uint(v, what, bad) -> int:
+    if not _is_int(v) or v < 0 or v >= 1 << 62:
+        raise bad(f"{what} {v!r} is not a non-negative int")
+    return v
