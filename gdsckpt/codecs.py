@@ -65,9 +65,23 @@ def no_cpu_decoder(spec: dict, path) -> CodecUnavailableError:
         f"`gdsckpt convert {path} OUT --codec zstd` (zstd and raw chunks decode on any CPU)")
 
 
+FRAME_ALIGN = 16  # nvCOMP reads each frame from a 16-byte aligned address
+
+
 def frame_bounds(length: int, frame_bytes: int):
     """(offset, length) of each uncompressed zstd frame of a chunk."""
     return [(o, min(frame_bytes, length - o)) for o in range(0, length, frame_bytes)]
+
+
+def frame_offsets(frames: list[int]) -> list[int]:
+    """Where each compressed frame starts in the stored bytes: each at the next 16-byte
+    boundary after the previous one, the gap zero-filled. Returns len(frames)+1 offsets,
+    the last being the stored length."""
+    offsets, pos = [], 0
+    for k in frames:
+        offsets.append(pos)
+        pos = pos + k if len(offsets) == len(frames) else (pos + k + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
+    return offsets + [pos]
 
 
 class CpuCodecs:
@@ -83,21 +97,21 @@ class CpuCodecs:
             return -1, None
         pos, frames = 0, []
         for o, n in frame_bounds(len(src), spec["frame_bytes"]):
+            start = (pos + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
             data = self._c.compress(src[o:o + n])
-            if pos + len(data) >= len(src):
+            if start + len(data) >= len(src):
                 return -1, None
-            out[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            pos += len(data)
+            out[pos:start] = 0
+            out[start:start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            pos = start + len(data)
             frames.append(len(data))
         return pos, frames
 
     def decode(self, spec: dict, stored: np.ndarray, out: np.ndarray, frames: list | None) -> None:
         if spec["name"] != "zstd":
             raise CodecUnavailableError(f"no CPU decoder for codec {spec['name']!r}")
-        pos = 0
-        for (o, n), clen in zip(frame_bounds(len(out), spec["frame_bytes"]), frames or [len(stored)], strict=True):
+        for (o, n), pos, clen in zip(frame_bounds(len(out), spec["frame_bytes"]), frame_offsets(frames), frames):
             data = self._d.decompress(stored[pos:pos + clen], max_output_size=n)
             if len(data) != n:
                 raise ValueError(f"zstd frame decoded to {len(data)} bytes, expected {n}")
             out[o:o + n] = np.frombuffer(data, dtype=np.uint8)
-            pos += clen

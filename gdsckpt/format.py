@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import checksum as _ck
 from . import dtypes
-from .codecs import ALL_CODECS, NVCOMP_CODECS
+from .codecs import ALL_CODECS, NVCOMP_CODECS, frame_offsets
 from .errors import CheckpointFormatError, VersionError
 from .plan import Chunk, Plan, Stream, TensorEntry, segments
 
@@ -214,7 +214,7 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
         if codec["name"] == "zstd" and not raw_flag:
             n_frames = -(-length // codec["frame_bytes"])
             if not (isinstance(frames, list) and len(frames) == n_frames
-                    and all(_is_int(f) and f > 0 for f in frames) and sum(frames) == stored):
+                    and all(_is_int(f) and f > 0 for f in frames) and frame_offsets(frames)[-1] == stored):
                 raise bad("zstd frame lengths do not match the chunk", chunk=i)
         elif frames is not None:
             raise bad("frame lengths on a chunk that has no frames", chunk=i)

@@ -1,0 +1,98 @@
+"""The GPU backend: torch CUDA tensors viewed as CuPy arrays (no copies), nvCOMP on the
+pipeline's own CUDA stream, KvikIO for chunk I/O."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cupy
+import torch
+
+from .codecs import NvcompCodecs, nvcomp_version
+from .io import DeviceFile, io_settings
+from .kernels import Checksummer
+
+__all__ = ["GpuBackend", "nvcomp_version"]
+
+
+def as_cupy(t: torch.Tensor) -> cupy.ndarray:
+    """A uint8 CuPy view of a CUDA tensor's bytes that keeps the tensor alive; no sync, no copy."""
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.nbytes, t, device_id=t.device.index)
+    return cupy.ndarray((t.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+
+class GpuBackend:
+    name = "gpu"
+
+    def __init__(self, io: str = "auto", io_threads: int | None = None, task_size: int | None = None,
+                 device=None):
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None
+                                   else torch.device(device).index or 0)
+        self.io_path, self._settings = io_settings(io, io_threads, task_size)
+        self.task_size = task_size
+        self.nvcomp_version = nvcomp_version()
+        self._torch_stream = torch.cuda.Stream(self.device)
+        self._stream = cupy.cuda.ExternalStream(self._torch_stream.cuda_stream, self.device.index)
+        self._codecs = NvcompCodecs(self._stream, self.device.index)
+        self._checksum = Checksummer(self._stream)
+        self._ring_bytes = 0
+        self._free_at_start = 0
+        self._min_free = 0
+
+    def __enter__(self):
+        self._settings.__enter__()
+        self._stream_ctx = torch.cuda.stream(self._torch_stream)
+        self._stream_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._torch_stream.synchronize()
+        self._stream_ctx.__exit__(*exc)
+        self._settings.__exit__(*exc)
+        return False
+
+    def begin(self) -> None:
+        """Order the pipeline after the caller's pending work on these tensors."""
+        self._torch_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._free_at_start = self._min_free = torch.cuda.mem_get_info(self.device)[0]
+
+    def finish(self) -> None:
+        self._torch_stream.synchronize()
+
+    def memory(self) -> dict:
+        return {"ring_gpu_bytes": self._ring_bytes,
+                "peak_extra_gpu_bytes": max(0, self._free_at_start - self._min_free),
+                "pinned_host_bytes": 0}
+
+    def can_decode(self, spec: dict) -> bool:
+        return True
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        self._ring_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def direct(self, view: torch.Tensor) -> bool:
+        return view.device == self.device and view.data_ptr() % 16 == 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=dst.is_cuda and src.is_cuda)
+
+    def max_stored(self, spec: dict, nbytes: int) -> int:
+        return self._codecs.max_stored(spec, nbytes)
+
+    def encode(self, spec, src, out, scratch):
+        stored, frames, buf = self._codecs.encode(spec, as_cupy(src), as_cupy(out), as_cupy(scratch))
+        self._min_free = min(self._min_free, torch.cuda.mem_get_info(self.device)[0])
+        return stored, frames, (None if buf is None else (out if buf.data.ptr == out.data_ptr() else scratch))
+
+    def decode(self, spec, stored, out, frames) -> None:
+        self._codecs.decode(spec, as_cupy(stored), as_cupy(out), frames)
+
+    def checksum(self, buf: torch.Tensor) -> int:
+        return self._checksum(as_cupy(buf))
+
+    def open(self, path: Path, mode: str) -> DeviceFile:
+        return DeviceFile(path, mode, as_cupy, self.task_size)
+
+    def synchronize(self) -> None:
+        self._torch_stream.synchronize()

@@ -1,0 +1,107 @@
+"""nvCOMP codecs on the pipeline's CUDA stream, writing into preallocated buffers.
+
+ans and bitcomp use nvCOMP's native bitstream (one encode call per chunk, split by
+nvCOMP into 64 KiB pieces that compress in parallel). zstd uses the RAW bitstream,
+which is a standard zstd frame: a chunk is a batch of `frame_bytes` frames, packed
+back to back, which CPU zstandard decodes byte-exact.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+from nvidia import nvcomp
+
+from ..codecs import frame_bounds, frame_offsets
+
+_ALGORITHM = {"ans": "ANS", "bitcomp": "Bitcomp", "zstd": "Zstd"}
+_ALIGN = 16  # nvCOMP's most restrictive buffer alignment
+
+
+def nvcomp_version() -> str:
+    return nvcomp.__version__
+
+
+class NvcompCodecs:
+    def __init__(self, stream: cupy.cuda.Stream, device_id: int):
+        self._stream = stream
+        self._device = device_id
+        self._codecs: dict[tuple, nvcomp.Codec] = {}
+
+    def _codec(self, spec: dict) -> nvcomp.Codec:
+        key = (spec["name"], spec.get("data_type"))
+        codec = self._codecs.get(key)
+        if codec is None:
+            opts = {"algorithm": _ALGORITHM[spec["name"]], "device_id": self._device, "cuda_stream": self._stream.ptr}
+            if spec["name"] == "zstd":
+                opts["bitstream_kind"] = nvcomp.BitstreamKind.RAW
+            else:
+                opts["data_type"] = spec["data_type"]
+            codec = self._codecs[key] = nvcomp.Codec(**opts)
+        return codec
+
+    def max_stored(self, spec: dict, nbytes: int) -> int:
+        if spec["name"] == "raw":
+            return nbytes
+        if spec["name"] == "zstd":
+            frame = spec["frame_bytes"]
+            return max(nbytes, self._bound(spec, min(frame, nbytes)) * len(frame_bounds(nbytes, frame)))
+        return max(nbytes, self._bound(spec, nbytes))
+
+    def _bound(self, spec: dict, nbytes: int) -> int:
+        """nvCOMP's worst-case compressed size. It asks for an array, not a size: an untouched
+        host allocation of that size costs only address space."""
+        probe = np.empty(nbytes, dtype=np.uint8)
+        return _round(self._codec(spec).get_max_comp_buffer_size(nvcomp.as_array(probe)))
+
+    def encode(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray):
+        """(stored length, frames, buffer holding the stored bytes), or (-1, None, None) if it would not shrink.
+
+        Always the batched call: with caller-owned output buffers only a BatchArray reports the
+        compressed sizes. ans/bitcomp: one entry (nvCOMP splits it internally); zstd: one per frame."""
+        if spec["name"] == "raw":
+            return -1, None, None
+        codec, n, ptr = self._codec(spec), src.nbytes, self._stream.ptr
+        if spec["name"] != "zstd":
+            srcs = nvcomp.as_arrays(_typed(src, spec), [0], [n], cuda_stream=ptr)
+            outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
+            stored = codec.encode(srcs, out=outs).buffer_sizes[0]  # waits: the ring needs the size
+            return (stored, None, out) if stored < n else (-1, None, None)
+        bounds = frame_bounds(n, spec["frame_bytes"])
+        stride = self._bound(spec, bounds[0][1])
+        srcs = nvcomp.as_arrays(src, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
+        outs = nvcomp.as_arrays(out, [i * stride for i in range(len(bounds))], [stride] * len(bounds), cuda_stream=ptr)
+        frames = list(codec.encode(srcs, out=outs).buffer_sizes)
+        offsets = frame_offsets(frames)
+        stored = offsets[-1]
+        if stored >= n:
+            return -1, None, None
+        # Pack the frames into scratch as FORMAT.md lays them out (src is consumed: stream order).
+        with self._stream:
+            scratch[:stored].fill(0)
+            for i, k in enumerate(frames):
+                scratch[offsets[i]:offsets[i] + k] = out[i * stride:i * stride + k]
+        return stored, frames, scratch
+
+    def decode(self, spec: dict, stored: cupy.ndarray, out: cupy.ndarray, frames) -> None:
+        codec, ptr = self._codec(spec), self._stream.ptr
+        if spec["name"] != "zstd":
+            srcs = nvcomp.as_arrays(stored, [0], [stored.nbytes], cuda_stream=ptr)
+            outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
+        else:
+            bounds = frame_bounds(out.nbytes, spec["frame_bytes"])
+            srcs = nvcomp.as_arrays(stored, frame_offsets(frames)[:-1], list(frames), cuda_stream=ptr)
+            outs = nvcomp.as_arrays(out, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
+        result = codec.decode(srcs, out=outs)
+        expected = [out.nbytes] if spec["name"] != "zstd" else [k for _, k in bounds]
+        if list(result.buffer_sizes) != expected:
+            raise ValueError(f"decoded sizes {list(result.buffer_sizes)} differ from the expected {expected}")
+
+
+def _typed(buf: cupy.ndarray, spec: dict) -> cupy.ndarray:
+    """Typed ANS and Bitcomp read the symbol type from the array they are given."""
+    return buf.view(cupy.dtype(spec["data_type"]))
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+
+def _gpu_ready() -> tuple[bool, str]:
+    from gdsckpt.backend import gpu_status
+    return gpu_status()
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, why = _gpu_ready()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU with nvCOMP and KvikIO: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def assert_same(a, b, where="<root>"):
+    """Bit-exact equality of two state trees (tensors compared by bytes, so NaNs and -0.0 count)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
+        ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(ab, bb), f"tensor bytes differ at {where}"
+        return
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)
+
+
+def all_dtype_tensors(device="cpu", n=1000, seed=0):
+    """One tensor of every dtype gdsckpt stores, with real (non-zero) data."""
+    from gdsckpt.dtypes import BY_NAME
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, dt in BY_NAME.items():
+        raw = torch.randint(0, 256, (n * dt.itemsize,), dtype=torch.uint8, generator=g)
+        if dt.is_floating_point and dt.itemsize >= 2:
+            t = (torch.randn(n, generator=g) * 3).to(dt)  # realistic floats, not random bit patterns
+        elif dt == torch.bool:
+            t = raw[:n] > 127
+        else:
+            t = raw.view(dt)[:n].clone()
+        out[name] = t.to(device)
+    return out

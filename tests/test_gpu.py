@@ -1,0 +1,114 @@
+"""GPU tests: nvCOMP codecs, KvikIO I/O, restore into GPU memory. Run on the H100 machine."""
+
+import os
+
+import pytest
+import torch
+
+import gdsckpt
+from conftest import all_dtype_tensors, assert_same
+
+pytestmark = pytest.mark.gpu
+CODECS = ["ans", "zstd", "bitcomp", "raw"]
+
+
+def _odd_state(device):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    big = torch.randn(5_000_000, generator=g)
+    return {
+        "dtypes": all_dtype_tensors(device),
+        "scalar": torch.tensor(3.25, device=device),
+        "empty": torch.empty(0, 7, device=device),
+        "strided": torch.randn(64, 48, generator=g).to(device).t(),
+        "sliced": big.to(device)[1::3],
+        "big_bf16": (big * 0.02).to(torch.bfloat16).to(device),
+        "tiny": [torch.randn(3, generator=g).to(device) for _ in range(2000)],
+        "cpu_step": torch.tensor(150.0),
+        "plain": {"lr": 1e-3, "betas": (0.9, 0.95), "name": "adamw", "flag": True, "none": None},
+    }
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_roundtrip_every_codec_and_dtype(tmp_path, codec):
+    state = _odd_state("cuda")
+    p = tmp_path / f"{codec}.gdsckpt"
+    stats = gdsckpt.save(state, p, codec=codec, chunk_bytes=1 << 20)
+    assert stats.backend == "gpu" and stats.io_path in ("gds", "compat")
+    out = gdsckpt.load(p)
+    assert out["big_bf16"].is_cuda and not out["cpu_step"].is_cuda
+    assert_same(out, state)
+    assert_same(gdsckpt.load(p, device="cuda")["tiny"], state["tiny"])
+
+
+def test_default_codec_is_typed_ans_and_shrinks_bf16(tmp_path):
+    torch.manual_seed(0)
+    w = (torch.randn(4096, 4096, device="cuda") * 0.02).to(torch.bfloat16)
+    stats = gdsckpt.save({"w": w}, tmp_path / "w.gdsckpt")
+    (s,) = stats.streams
+    assert s["codec"] == "ans" and s["ratio"] < 0.85, s
+
+
+def test_load_into_fills_gpu_tensors_in_place(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).cuda()
+    p = tmp_path / "m.gdsckpt"
+    gdsckpt.save(model.state_dict(), p)
+    target = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).cuda()
+    ptrs = [t.data_ptr() for t in target.state_dict().values()]
+    gdsckpt.load_into(p, target.state_dict())
+    assert ptrs == [t.data_ptr() for t in target.state_dict().values()]
+    assert_same(dict(target.state_dict()), dict(model.state_dict()))
+
+
+def test_lazy_reader_reads_one_tensor(tmp_path):
+    state = {f"layer{i}": torch.randn(1 << 18, device="cuda") for i in range(16)}
+    p = tmp_path / "lazy.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=1 << 20)
+    with gdsckpt.open(p) as ck:
+        assert ck.info("layer3")["shape"] == (1 << 18,)
+        t = ck.get_tensor("layer3")
+        assert ck.last_stats.chunks == 1
+    assert torch.equal(t, state["layer3"])
+
+
+def test_gpu_zstd_file_reads_on_cpu(tmp_path):
+    state = _odd_state("cuda")
+    p = tmp_path / "z.gdsckpt"
+    gdsckpt.save(state, p, codec="zstd", chunk_bytes=4 << 20)
+    out = gdsckpt.load(p, device="cpu", backend="cpu")
+    assert_same(out, state)
+
+
+def test_cpu_zstd_file_reads_on_gpu(tmp_path):
+    state = {k: v for k, v in _odd_state("cpu").items()}
+    p = tmp_path / "cz.gdsckpt"
+    gdsckpt.save(state, p, backend="cpu")
+    out = gdsckpt.load(p, device="cuda")
+    assert_same(out, state)
+
+
+def test_ans_file_on_cpu_says_how_to_convert(tmp_path):
+    p = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"w": torch.randn(1 << 20, device="cuda")}, p, codec="ans")
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="gdsckpt convert"):
+        gdsckpt.load(p, device="cpu", backend="cpu")
+
+
+def test_corrupt_chunk_is_caught_before_decoding(tmp_path):
+    p = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": torch.randn(1 << 20, device="cuda")}, p, codec="ans")
+    with open(p, "r+b") as f:
+        f.seek(4096 + 1000)
+        b = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(gdsckpt.ChecksumError, match="chunk 0"):
+        gdsckpt.load(p)
+
+
+def test_explicit_gds_without_gds_is_a_clear_error(tmp_path):
+    from gdsckpt.gpu.io import gds_available
+    if gds_available():
+        pytest.skip("this host has GDS")
+    with pytest.raises(gdsckpt.GDSUnavailableError, match="is_gds_available=False"):
+        gdsckpt.save({"w": torch.randn(10, device="cuda")}, tmp_path / "g.gdsckpt", io="gds")
+    assert not os.listdir(tmp_path)
