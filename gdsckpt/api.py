@@ -18,7 +18,8 @@ from . import __version__, codecs
 from . import format as fmt
 from .backend import gpu_status, make_backend
 from .dtypes import BY_NAME, name_of
-from .errors import CheckpointFormatError, StateMismatchError, UnsupportedStateError
+from .checksum import checksum
+from .errors import CheckpointFormatError, ChecksumError, StateMismatchError
 from .plan import make_plan
 from .ring import Timings, read_chunks, write_chunks
 from .storage import commit, pread_exact, pwrite_all, temp_path_for
@@ -294,6 +295,32 @@ class Checkpoint:
                                     self.ring_depth, time.perf_counter() - t_start, dict(timings.stages),
                                     timings.latencies, [], be.memory())
         return out
+
+    def verify(self, deep: bool = False) -> dict:
+        """Check every chunk's checksum on the CPU, reading chunk by chunk (no GPU needed).
+        deep=True also decodes every chunk (on the GPU where a codec needs one) into fresh
+        tensors. Raises ChecksumError / CheckpointFormatError naming the file, key and chunk."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for c, rec in zip(self.index.plan.chunks, self.index.records):
+                data = pread_exact(fd, rec.stored, rec.file_offset)
+                key = self.index.plan.tensors[c.segments[0].tensor].key
+                if len(data) != rec.stored:
+                    raise CheckpointFormatError("chunk extends past the end of the file", path=self.path,
+                                                key=key, chunk=c.index)
+                if checksum(data) != rec.checksum:
+                    raise ChecksumError("stored bytes do not match their checksum: the chunk is corrupt",
+                                        path=self.path, key=key, chunk=c.index)
+        finally:
+            os.close(fd)
+        if deep:
+            self.load(device="cpu" if all(self._cpu_decodable()) else None)
+        return {"chunks": len(self.index.records), "tensors": len(self.index.plan.tensors),
+                "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep}
+
+    def _cpu_decodable(self):
+        return (r.raw or codecs.cpu_can_decode(self.index.plan.streams[c.stream].codec)
+                for c, r in zip(self.index.plan.chunks, self.index.records))
 
     def close(self):
         pass

@@ -1,0 +1,127 @@
+"""`gdsckpt`: inspect, verify, convert and clean checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import api
+from .errors import GdsckptError
+from .storage import TMP_MARK
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args) -> int:
+    ck = api.open(args.path)
+    meta, streams = ck.metadata, ck.streams()
+    if args.json:
+        json.dump({"metadata": meta, "streams": streams,
+                   "tensors": {k: {**ck.info(k), "shape": list(ck.info(k)["shape"])} for k in ck.keys()}},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    w = meta.get("writer") or {}
+    print(f"{args.path}: format {meta['format'][0]}.{meta['format'][1]}, {meta.get('library')}, "
+          f"nvCOMP {meta.get('nvcomp') or '-'}, written by the {w.get('backend')} backend "
+          f"(io {w.get('io_path')}) {meta.get('created')}")
+    print(f"\n{'stream':<16}{'codec':<9}{'tensors':>8}{'logical':>12}{'stored':>12}{'saved':>8}{'raw chunks':>12}")
+    tot_l = tot_s = 0
+    for s in streams:
+        tot_l, tot_s = tot_l + s["logical_bytes"], tot_s + s["stored_bytes"]
+        print(f"{s['dtype']:<16}{s['codec']:<9}{s['tensors']:>8}{_size(s['logical_bytes']):>12}"
+              f"{_size(s['stored_bytes']):>12}{1 - s['ratio']:>8.1%}{s['raw_chunks']:>12}")
+    print(f"{'total':<16}{'':<9}{len(ck):>8}{_size(tot_l):>12}{_size(tot_s):>12}"
+          f"{(1 - tot_s / tot_l) if tot_l else 0:>8.1%}")
+    if not args.summary:
+        print(f"\n{'tensor':<60}{'dtype':<16}{'shape':<24}{'device':<7}")
+        for k in ck.keys():
+            i = ck.info(k)
+            print(f"{k:<60}{i['dtype']:<16}{str(list(i['shape'])):<24}{i['device']:<7}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    r = api.open(args.path).verify(deep=args.deep)
+    print(f"{args.path}: OK, {r['chunks']} chunks of {r['tensors']} tensors verified"
+          + (" and decoded" if args.deep else " (checksums)"))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    state = api.load(args.src)
+    stats = api.save(state, args.dst, codec=args.codec)
+    print(f"{args.src} -> {args.dst}: codec {args.codec}, {_size(stats.logical_bytes)} logical, "
+          f"{_size(stats.stored_bytes)} stored ({1 - stats.ratio:.1%} saved)")
+    return 0
+
+
+def stale_temporaries(directory: Path) -> list[Path]:
+    """Temporaries whose writer process is gone (a save that was killed)."""
+    out = []
+    for p in directory.iterdir():
+        if TMP_MARK not in p.name:
+            continue
+        try:
+            pid = int(p.name.split(TMP_MARK, 1)[1].split(".")[0])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            out.append(p)
+        except PermissionError:
+            pass  # alive, another user's
+    return sorted(out)
+
+
+def cmd_clean(args) -> int:
+    stale = stale_temporaries(Path(args.directory))
+    for p in stale:
+        print(("removing " if args.yes else "stale: ") + str(p))
+        if args.yes:
+            p.unlink(missing_ok=True)
+    if stale and not args.yes:
+        print("re-run with --yes to remove them")
+    if not stale:
+        print(f"no stale gdsckpt temporaries in {args.directory}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="gdsckpt", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="tensors, dtypes, shapes, and codec and ratio per stream")
+    p.add_argument("path")
+    p.add_argument("--summary", action="store_true", help="streams only, no tensor list")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("verify", help="check every chunk's checksum (no GPU needed)")
+    p.add_argument("path")
+    p.add_argument("--deep", action="store_true", help="also decode every chunk")
+    p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("convert", help="rewrite with another codec (zstd: readable on any CPU)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--codec", default="zstd", choices=["zstd", "raw", "ans", "bitcomp", "auto"])
+    p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves")
+    p.add_argument("directory")
+    p.add_argument("--yes", action="store_true")
+    p.set_defaults(fn=cmd_clean)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (GdsckptError, FileNotFoundError, KeyError) as e:
+        print(f"gdsckpt {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
