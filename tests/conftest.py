@@ -22,8 +22,8 @@ def assert_same(a, b, where="<root>"):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
-        ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        ab = a.detach().cpu().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
+        bb = b.detach().cpu().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(ab, bb), f"tensor bytes differ at {where}"
         return
     assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (where, type(a), type(b))
