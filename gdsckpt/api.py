@@ -75,7 +75,7 @@ def _choose_backend(wants_gpu: bool, backend: str | None):
 
 
 def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH,
-         io: str = "auto", io_threads: int | None = None, backend: str | None = None) -> Stats:
+         io: str = "auto", io_threads: int | None = None, backend: str | None = None, _sink=None) -> Stats:
     """Save `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
 
     Durable on return: the file is fsync'd and renamed over `path`, and the directory
@@ -99,6 +99,13 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
         views = [_byte_view(l.tensor) for l in leaves]
         devices = ["cuda" if l.tensor.is_cuda else "cpu" for l in leaves]
         timings = Timings()
+        if _sink is not None:  # gdsckpt-bench's null targets: the pipeline with storage removed
+            be.begin()
+            records = write_chunks(plan, views, be, _sink(be), ring_depth, timings)
+            be.finish()
+            return Stats("save", "<null>", be.name, be.io_path, plan.logical_bytes, sum(r.stored for r in records),
+                         0, len(plan.chunks), chunk_bytes, ring_depth, time.perf_counter() - t_start,
+                         dict(timings.stages), timings.latencies, _stream_stats(plan, records), be.memory())
         tmp = temp_path_for(path)
         file = be.open(tmp, "w")
         try:
