@@ -84,7 +84,7 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     or {dtype name: codec}. io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
     """
     t_start = time.perf_counter()
-    path = Path(path)
+    path = Path(path) if path is not None else None
     skeleton, leaves = flatten(state)
     kind = _choose_backend(any(l.tensor.is_cuda for l in leaves), backend)
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES[kind]

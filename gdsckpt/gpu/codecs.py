@@ -41,12 +41,10 @@ class NvcompCodecs:
         return codec
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
-        if spec["name"] == "raw":
-            return nbytes
-        if spec["name"] == "zstd":
-            frame = spec["frame_bytes"]
-            return max(nbytes, self._bound(spec, min(frame, nbytes)) * len(frame_bounds(nbytes, frame)))
-        return max(nbytes, self._bound(spec, nbytes))
+        if spec["name"] != "zstd":
+            return nbytes  # see encode: output beyond n bytes means the chunk is stored raw
+        frame = spec["frame_bytes"]  # zstd frames land at a fixed stride of nvCOMP's bound each
+        return max(nbytes, self._bound(spec, min(frame, nbytes)) * len(frame_bounds(nbytes, frame)))
 
     def _bound(self, spec: dict, nbytes: int) -> int:
         """nvCOMP's worst-case compressed size. It asks for an array, not a size: an untouched
@@ -64,8 +62,13 @@ class NvcompCodecs:
         codec, n, ptr = self._codec(spec), src.nbytes, self._stream.ptr
         if spec["name"] != "zstd":
             srcs = nvcomp.as_arrays(_typed(src, spec), [0], [n], cuda_stream=ptr)
-            outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
-            stored = codec.encode(srcs, out=outs).buffer_sizes[0]  # waits: the ring needs the size
+            # The output holds at most n bytes: anything that does not fit would be stored raw anyway,
+            # and it keeps the ring within 2 x chunk size per slot.
+            outs = nvcomp.as_arrays(out, [0], [min(out.nbytes, n)], cuda_stream=ptr)
+            try:
+                stored = codec.encode(srcs, out=outs).buffer_sizes[0]  # waits: the ring needs the size
+            except ValueError:  # "too small to hold the compressed data"
+                return -1, None, None
             return (stored, None, out) if stored < n else (-1, None, None)
         bounds = frame_bounds(n, spec["frame_bytes"])
         stride = self._bound(spec, bounds[0][1])

@@ -1,0 +1,446 @@
+"""gdsckpt-bench: save/restore throughput, fio-style, and the alternatives side by side.
+
+Saves are timed to their durable commit (fsync'd file, rename, fsync'd directory).
+Reads are cold unless --warm: the file's page cache is dropped first. Every result names
+its device, date, data and I/O path. JSON schema: see SCHEMA below (stable; additions only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import mmap
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import gdsckpt
+from gdsckpt import api, tree
+from gdsckpt.backend import gpu_status
+
+SCHEMA = 1
+SCHEMA_DOC = """
+{schema: 1, date, host, device: {kind: gpu|cpu, name}, versions: {gdsckpt, torch, nvcomp, kvikio, python},
+ data: {kind: realistic|random|zeros|file, description, logical_bytes, by_dtype: {dtype: bytes}},
+ disk: {directory, direct_write_gbps, direct_read_gbps, bytes} | null,
+ jobs: [{name, rw: write|read, target: file|null|null-d2h, bs, iodepth, numjobs, codec, ioengine,
+         io_path: gds|compat|cpu, direct, warm, loops, logical_bytes, stored_bytes, ratio, seconds,
+         logical_gbps, stored_gbps, iops, lat_ms: {p50, p90, p99, p99.9}, stages: {stage: seconds},
+         memory: {ring_gpu_bytes, peak_extra_gpu_bytes, pinned_host_bytes}, streams: [...], verified}],
+ compare: [{name, save_s, load_s, save_gbps, load_gbps, stored_bytes, logical_bytes, io_path,
+            save_speedup_vs_gdsckpt, load_speedup_vs_gdsckpt, notes}] | null}
+"""
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+def _list(s: str | None, conv):
+    return [conv(x) for x in s.split(",")] if s else [None]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
+
+
+def drop_page_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_probe(directory: Path, nbytes: int, block: int = 64 << 20) -> dict:
+    """Raw O_DIRECT write (fsync'd) and cold read of `nbytes` random bytes: the storage's own speed."""
+    nbytes = max(block, nbytes // block * block)
+    buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT wants
+    buf.write(os.urandom(block))
+    path = directory / ".gdsckpt-bench-disk-probe"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        t = time.perf_counter()
+        for off in range(0, nbytes, block):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+        w = time.perf_counter() - t
+        os.close(fd)
+        drop_page_cache(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        t = time.perf_counter()
+        for off in range(0, nbytes, block):
+            os.preadv(fd, [buf], off)
+        r = time.perf_counter() - t
+        os.close(fd)
+        return {"directory": str(directory), "bytes": nbytes, "direct_write_gbps": nbytes / w / 1e9,
+                "direct_read_gbps": nbytes / r / 1e9}
+    except OSError as e:  # tmpfs and some file systems refuse O_DIRECT
+        return {"directory": str(directory), "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def versions() -> dict:
+    v = {"gdsckpt": gdsckpt.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    for mod in ("nvidia.nvcomp", "kvikio"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            v[mod.split(".")[-1]] = m.__version__
+        except Exception:
+            v[mod.split(".")[-1]] = None
+    return v
+
+
+def make_data(spec: str, size: str, device: str) -> tuple[dict, dict]:
+    from . import workload
+    if spec == "default":
+        state = workload.make_state(size, device=device)
+        kind, desc = "realistic", f"GPT-2-shaped model after AdamW training under bf16 autocast, size {size}"
+    elif spec in ("random", "zeros"):
+        nbytes = parse_size(size) if size not in ("auto", "tiny", "gpt2-small") else (
+            500 << 20 if device.startswith("cuda") else 32 << 20)
+        state = (workload.random_state if spec == "random" else workload.zeros_state)(nbytes, device)
+        kind, desc = spec, f"{spec} tensors" + (" (ZEROS: compress unrealistically well)" if spec == "zeros" else "")
+    elif spec.startswith("file:"):
+        state = workload.file_state(spec[5:], device)
+        kind, desc = "file", spec[5:]
+    else:
+        raise SystemExit(f"--data must be default, random, zeros or file:PATH, not {spec!r}")
+    by_dtype: dict[str, int] = {}
+    _, leaves = tree.flatten(state)
+    for leaf in leaves:
+        key = str(leaf.tensor.dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + leaf.tensor.nbytes
+    return state, {"kind": kind, "description": desc, "logical_bytes": sum(by_dtype.values()), "by_dtype": by_dtype}
+
+
+class Progress:
+    """One self-overwriting status line, on a terminal only."""
+
+    def __init__(self):
+        self.on = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str):
+        if self.on:
+            sys.stderr.write(f"\r\x1b[K[{time.perf_counter() - self.t0:6.1f}s] {msg}")
+            sys.stderr.flush()
+
+    def done(self):
+        if self.on:
+            sys.stderr.write("\r\x1b[K")
+
+
+def _job_result(name, rw, target, args, bs, depth, stats_list, verified=None) -> dict:
+    logical = sum(s.logical_bytes for s in stats_list)
+    stored = sum(s.stored_bytes for s in stats_list)
+    secs = sum(s.seconds for s in stats_list)
+    lats = [x for s in stats_list for x in s.latencies]
+    stages: dict[str, float] = {}
+    for s in stats_list:
+        for k, v in s.stages.items():
+            stages[k] = stages.get(k, 0.0) + v
+    mem: dict[str, int] = {}
+    for s in stats_list:
+        for k, v in s.memory.items():
+            mem[k] = max(mem.get(k, 0), v)
+    last = stats_list[-1]
+    return {"name": name, "rw": rw, "target": target, "bs": last.chunk_bytes or bs, "iodepth": depth,
+            "numjobs": args.numjobs, "codec": args.codec, "ioengine": args.ioengine, "io_path": last.io_path,
+            "direct": args.direct, "warm": bool(args.warm) if rw == "read" else None, "loops": len(stats_list),
+            "logical_bytes": logical, "stored_bytes": stored, "ratio": stored / logical if logical else 1.0,
+            "seconds": secs, "logical_gbps": logical / secs / 1e9 if secs else 0.0,
+            "stored_gbps": stored / secs / 1e9 if secs else 0.0,
+            "iops": sum(s.chunks for s in stats_list) / secs if secs else 0.0,
+            "lat_ms": {f"p{q:g}": _pct(lats, q) * 1e3 for q in (50, 90, 99, 99.9)},
+            "stages": {k: v / len(stats_list) for k, v in stages.items()}, "memory": mem,
+            "streams": last.streams, "verified": verified, "per_loop_gbps": [s.gbps for s in stats_list]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    _, la = tree.flatten(a)
+    _, lb = tree.flatten(b)
+    return len(la) == len(lb) and all(
+        x.key == y.key and x.tensor.dtype == y.tensor.dtype and x.tensor.shape == y.tensor.shape
+        and torch.equal(x.tensor.reshape(-1).view(torch.uint8).cpu(), y.tensor.reshape(-1).view(torch.uint8).cpu())
+        for x, y in zip(la, lb))
+
+
+def run_jobs(args, state, directory: Path, device: str, progress) -> list[dict]:
+    from .sinks import HostCopySink, NullSink
+    backend = {"posix": "cpu", "gds": "gpu", "compat": "gpu", None: None}[args.ioengine]
+    io = args.ioengine if args.ioengine in ("gds", "compat") else "auto"
+    jobs = []
+    for bs, depth in itertools.product(_list(args.bs, parse_size), _list(args.iodepth, int)):
+        depth = depth or api.DEFAULT_RING_DEPTH
+        opts = dict(codec=args.codec, chunk_bytes=bs, ring_depth=depth, io=io, io_threads=args.numjobs,
+                    backend=backend)
+        label = f"bs={bs or 'default'} iodepth={depth}"
+        path = Path(args.filename) if args.filename else directory / "bench.gdsckpt"
+        if args.target != "file":
+            sink = {"null": NullSink, "null-d2h": HostCopySink}[args.target]
+            runs = []
+            for i in _loops(args):
+                progress(f"{label} write -> {args.target}, loop {i + 1}")
+                made = []
+                runs.append(gdsckpt.save(state, None, _sink=lambda be: made.append(sink(be)) or made[-1], **opts))
+                runs[-1].memory["pinned_host_bytes"] = made[-1].pinned_bytes
+            jobs.append(_job_result(f"write-{args.target} {label}", "write", args.target, args, bs, depth, runs))
+            continue
+        if args.rw in ("write", "rw"):
+            runs = []
+            for i in _loops(args):
+                progress(f"{label} write {path.name}, loop {i + 1}")
+                runs.append(gdsckpt.save(state, path, **opts))
+            jobs.append(_job_result(f"write {label}", "write", "file", args, bs, depth, runs))
+        if args.rw in ("read", "rw"):
+            runs, verified = [], None
+            for i in _loops(args):
+                progress(f"{label} read {path.name} ({'warm' if args.warm else 'cold'}), loop {i + 1}")
+                if not args.warm:
+                    drop_page_cache(path)
+                ck = gdsckpt.open(path, ring_depth=depth, io=io, io_threads=args.numjobs, backend=backend)
+                out = ck.load(device=device)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                runs.append(ck.last_stats)
+                if verified is None and args.rw == "rw":
+                    verified = _same(out, state)
+                del out
+            jobs.append(_job_result(f"read {label}", "read", "file", args, bs, depth, runs, verified))
+    progress.done()
+    return jobs
+
+
+def _loops(args):
+    t0 = time.perf_counter()
+    i = 0
+    while i < args.loops or (args.runtime and time.perf_counter() - t0 < args.runtime):
+        yield i
+        i += 1
+
+
+def run_compare(args, state, directory: Path, device: str, progress) -> list[dict]:
+    from . import baselines
+    rows = []
+    for name, fn in baselines.BASELINES.items():
+        progress(f"compare: {name}")
+        try:
+            rows.append(fn(state, str(directory), device))
+        except Exception as e:  # a missing optional library is reported, not fatal
+            rows.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+    gpu = device.startswith("cuda")
+    variants = [("gdsckpt (default)", {}), ("gdsckpt (fastest: raw, no compression)", {"codec": "raw"})]
+    for name, opts in variants:
+        progress(f"compare: {name}")
+        path = directory / "compare.gdsckpt"
+        s = gdsckpt.save(state, path, **opts)
+        drop_page_cache(path)
+        ck = gdsckpt.open(path)
+        out = ck.load(device=device)
+        if gpu:
+            torch.cuda.synchronize()
+        ld = ck.last_stats
+        rows.append({"name": name, "save_s": s.seconds, "load_s": ld.seconds, "stored_bytes": s.file_bytes,
+                     "logical_bytes": s.logical_bytes, "io_path": s.io_path,
+                     "notes": f"codec {opts.get('codec', 'auto')}, bit-exact: {_same(out, state)}"})
+        del out
+        path.unlink()
+    ref = rows[-2]
+    for r in rows:
+        if "error" in r:
+            continue
+        r["save_gbps"] = r["logical_bytes"] / r["save_s"] / 1e9
+        r["load_gbps"] = r["logical_bytes"] / r["load_s"] / 1e9
+        r["save_speedup_vs_gdsckpt"] = r["save_s"] / ref["save_s"]
+        r["load_speedup_vs_gdsckpt"] = r["load_s"] / ref["load_s"]
+    progress.done()
+    return rows
+
+
+def print_normal(result: dict, out=sys.stdout) -> None:
+    d = result
+    print(f"gdsckpt-bench {d['date']}  device: {d['device']['name']}  data: {d['data']['kind']} "
+          f"({d['data']['description']}), {d['data']['logical_bytes'] / 1e9:.3f} GB", file=out)
+    print("  by dtype: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in d["data"]["by_dtype"].items()), file=out)
+    if d.get("disk"):
+        k = d["disk"]
+        if "error" in k:
+            print(f"  disk probe: {k['error']}", file=out)
+        else:
+            print(f"  disk (O_DIRECT, same run): write {k['direct_write_gbps']:.2f} GB/s, "
+                  f"read {k['direct_read_gbps']:.2f} GB/s cold", file=out)
+    for j in d["jobs"]:
+        print(f"\n{j['name']}: io={j['io_path']} codec={j['codec']} loops={j['loops']}"
+              + (f" ({'warm' if j['warm'] else 'cold'})" if j["rw"] == "read" else ""), file=out)
+        print(f"  bw: logical {j['logical_gbps']:.2f} GB/s, stored {j['stored_gbps']:.2f} GB/s, "
+              f"iops {j['iops']:.0f} chunks/s, ratio {j['ratio']:.3f} (saved {1 - j['ratio']:.1%})", file=out)
+        lat = j["lat_ms"]
+        print(f"  chunk lat (ms): p50={lat['p50']:.2f} p90={lat['p90']:.2f} p99={lat['p99']:.2f} "
+              f"p99.9={lat['p99.9']:.2f}", file=out)
+        print("  stages (s/loop): " + ", ".join(f"{k} {v:.3f}" for k, v in j["stages"].items()), file=out)
+        if j["memory"]:
+            print("  memory: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in j["memory"].items()), file=out)
+        if j.get("verified") is not None:
+            print(f"  restored bit-exact: {j['verified']}", file=out)
+    if d.get("compare"):
+        print(f"\n{'method':<42}{'save s':>8}{'GB/s':>7}{'load s':>8}{'GB/s':>7}{'stored GB':>10}"
+              f"{'save x':>8}{'load x':>8}  io", file=out)
+        for r in d["compare"]:
+            if "error" in r:
+                print(f"{r['name']:<42}  skipped: {r['error']}", file=out)
+                continue
+            print(f"{r['name']:<42}{r['save_s']:>8.2f}{r['save_gbps']:>7.2f}{r['load_s']:>8.2f}{r['load_gbps']:>7.2f}"
+                  f"{r['stored_bytes'] / 1e9:>10.3f}{r['save_speedup_vs_gdsckpt']:>8.2f}"
+                  f"{r['load_speedup_vs_gdsckpt']:>8.2f}  {r.get('io_path', '')}", file=out)
+        print("  (save x / load x: that method's time over gdsckpt default's; above 1 means gdsckpt is faster)",
+              file=out)
+
+
+def print_terse(result: dict, out=sys.stdout) -> None:
+    for j in result["jobs"]:
+        print(";".join(str(x) for x in (
+            "gdsckpt", SCHEMA, j["name"], j["rw"], j["target"], j["io_path"], j["codec"], j["bs"], j["iodepth"],
+            j["logical_bytes"], j["stored_bytes"], f"{j['logical_gbps']:.4f}", f"{j['stored_gbps']:.4f}",
+            f"{j['iops']:.1f}", *(f"{v:.4f}" for v in j["lat_ms"].values()))), file=out)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = []
+    if result.get("compare"):
+        panels.append("compare")
+    sweep = [j for j in result["jobs"] if j["rw"] == "write"]
+    if len(sweep) > 1:
+        panels.append("sweep")
+    if not panels:
+        raise SystemExit("--plot needs --compare or a --bs/--iodepth sweep (comma lists)")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, kind in zip(axes[0], panels):
+        if kind == "compare":
+            rows = [r for r in result["compare"] if "error" not in r]
+            x = range(len(rows))
+            ax.bar([i - 0.2 for i in x], [r["save_gbps"] for r in rows], 0.4, label="save (durable)")
+            ax.bar([i + 0.2 for i in x], [r["load_gbps"] for r in rows], 0.4, label="load (cold)")
+            ax.set_xticks(list(x), [r["name"] for r in rows], rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel("GB/s of logical state")
+            ax.legend()
+        else:
+            for depth in sorted({j["iodepth"] for j in sweep}):
+                pts = sorted((j["bs"], j["logical_gbps"]) for j in sweep if j["iodepth"] == depth)
+                ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], marker="o", label=f"iodepth {depth}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("chunk size (MiB)")
+            ax.set_ylabel("save GB/s (logical)")
+            ax.legend()
+    fig.suptitle(f"gdsckpt-bench {result['date']} on {result['device']['name']}: {result['data']['description']}",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="gdsckpt-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SCHEMA_DOC)
+    ap.add_argument("--rw", choices=["write", "read", "rw"], default="rw")
+    ap.add_argument("--size", default="auto", help="state size: auto, tiny, gpt2-small, or bytes like 4GB")
+    ap.add_argument("--bs", help="chunk size, e.g. 64M; a comma list sweeps")
+    ap.add_argument("--iodepth", help="ring depth (slots in flight); a comma list sweeps")
+    ap.add_argument("--numjobs", type=int, default=None, help="I/O threads (KvikIO num_threads / host pool)")
+    ap.add_argument("--direct", type=int, choices=[0, 1], default=None,
+                    help="KvikIO O_DIRECT for compat-mode I/O (default: KvikIO's own)")
+    ap.add_argument("--filename", help="checkpoint file to write/read")
+    ap.add_argument("--directory", help="directory for the checkpoint (default: a temporary one)")
+    ap.add_argument("--loops", type=int, default=1)
+    ap.add_argument("--runtime", type=float, default=0, help="repeat each job for at least this many seconds")
+    ap.add_argument("--output-format", choices=["normal", "json", "terse"], default="normal")
+    ap.add_argument("--output", help="also write the JSON result to this file")
+    ap.add_argument("--codec", default="auto")
+    ap.add_argument("--ioengine", choices=["gds", "compat", "posix"], default=None,
+                    help="gds: cuFile (fail if absent); compat: KvikIO POSIX path; posix: the CPU path")
+    ap.add_argument("--target", choices=["file", "null", "null-d2h"], default="file",
+                    help="null: storage removed; null-d2h: plus the copy into a pinned host ring")
+    ap.add_argument("--data", default="default", help="default (realistic), random, zeros, file:PATH")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if usable)")
+    ap.add_argument("--warm", action="store_true", help="read from the page cache (labelled warm)")
+    ap.add_argument("--compare", action="store_true", help="also run torch.save, safetensors, raw KvikIO, ...")
+    ap.add_argument("--plot", help="PNG chart of the compare table and/or the sweep")
+    ap.add_argument("--no-disk-probe", action="store_true")
+    args = ap.parse_args(argv)
+
+    gpu_ok, why = gpu_status()
+    device = args.device or ("cuda" if gpu_ok else "cpu")
+    if device.startswith("cuda") and not gpu_ok:
+        raise SystemExit(f"--device cuda: {why}")
+    if args.ioengine == "posix" and device.startswith("cuda"):
+        print("note: --ioengine posix runs the CPU path; the state is saved from host memory", file=sys.stderr)
+    if args.direct is not None and gpu_ok:
+        import kvikio.defaults
+        kvikio.defaults.set({"auto_direct_io_read": bool(args.direct), "auto_direct_io_write": bool(args.direct)})
+
+    progress = Progress()
+    progress("building the workload state")
+    state, data = make_data(args.data, args.size, device)
+    if args.ioengine == "posix":
+        state = _to(state, "cpu")
+    tmp = None
+    directory = Path(args.directory) if args.directory else Path(tmp := tempfile.mkdtemp(prefix="gdsckpt-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        disk = None
+        if args.target == "file" and not args.no_disk_probe:
+            progress("probing the disk with O_DIRECT")
+            disk = disk_probe(directory, min(data["logical_bytes"], 4 << 30))
+        jobs = run_jobs(args, state, directory, device, progress)
+        compare = run_compare(args, state, directory, device, progress) if args.compare else None
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "host": platform.node(),
+              "device": {"kind": "gpu" if device.startswith("cuda") else "cpu",
+                         "name": torch.cuda.get_device_name() if device.startswith("cuda")
+                         else (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"},
+              "versions": versions(), "data": data, "disk": disk, "jobs": jobs, "compare": compare,
+              "args": vars(args)}
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    if args.output_format == "json":
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    elif args.output_format == "terse":
+        print_terse(result)
+    else:
+        print_normal(result)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+def _to(state, device):
+    skeleton, leaves = tree.flatten(state)
+    return tree.unflatten(skeleton, [l.tensor.to(device) for l in leaves])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
