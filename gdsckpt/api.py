@@ -101,7 +101,7 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
         timings = Timings()
         if _sink is not None:  # gdsckpt-bench's null targets: the pipeline with storage removed
             be.begin()
-            records = write_chunks(plan, views, be, _sink(be), ring_depth, timings)
+            records = write_chunks(plan, views, be, _sink, ring_depth, timings)
             be.finish()
             return Stats("save", "<null>", be.name, be.io_path, plan.logical_bytes, sum(r.stored for r in records),
                          0, len(plan.chunks), chunk_bytes, ring_depth, time.perf_counter() - t_start,

@@ -16,8 +16,7 @@ class _Done:
 class NullSink:
     fd = None
 
-    def __init__(self, backend):
-        self.pinned_bytes = 0
+    pinned_bytes = 0
 
     def pwrite(self, buf, nbytes: int, offset: int):
         return _Done(nbytes)
@@ -36,28 +35,33 @@ class _CopyDone:
 
 
 class HostCopySink:
-    """Device-to-host copies on their own stream into a ring of pinned buffers, one per
-    outstanding write, so they overlap compression of the next chunk as a file write would."""
+    """Device-to-host copies on their own stream into a ring of pinned buffers, so that they
+    overlap compression of the next chunk as a file write would. Buffers are sized on first use
+    and kept, so build one sink per job and reuse it across loops."""
 
     fd = None
 
-    def __init__(self, backend, slots: int = 4, slot_bytes: int = 128 << 20):
+    def __init__(self, device, slots: int = 4):
         import torch
         self._torch = torch
-        self._stream = torch.cuda.Stream(backend.device)
-        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self._stream = torch.cuda.Stream(device)
+        self._slots = [None] * slots
         self._next = 0
-        self.pinned_bytes = slots * slot_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(s.numel() for s in self._slots if s is not None)
 
     def pwrite(self, buf, nbytes: int, offset: int):
         torch = self._torch
-        dst = self._slots[self._next % len(self._slots)]
+        i = self._next % len(self._slots)
         self._next += 1
-        if nbytes > dst.numel():
-            raise ValueError(f"chunk of {nbytes} bytes exceeds the pinned slot of {dst.numel()}")
+        if self._slots[i] is None or self._slots[i].numel() < nbytes:
+            self._stream.synchronize()
+            self._slots[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(buf.device))
         with torch.cuda.stream(self._stream):
-            dst[:nbytes].copy_(buf[:nbytes], non_blocking=True)
+            self._slots[i][:nbytes].copy_(buf[:nbytes], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         return _CopyDone(ev, nbytes)

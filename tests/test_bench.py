@@ -1,0 +1,37 @@
+"""CPU smoke test of gdsckpt-bench's JSON output (the schema is documented in gdsckpt/bench/cli.py)."""
+
+import json
+
+from gdsckpt.bench.cli import main
+
+
+def test_bench_json_schema(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--size", "tiny", "--device", "cpu", "--output-format", "json", "--output", str(out),
+                 "--directory", str(tmp_path / "d"), "--bs", "1M,4M", "--no-disk-probe"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = json.loads(out.read_text())
+    assert printed["jobs"] == saved["jobs"]
+    assert saved["schema"] == 1 and saved["device"]["kind"] == "cpu"
+    assert saved["data"]["kind"] == "realistic" and saved["data"]["logical_bytes"] > 1_000_000
+    assert {"bfloat16", "float32"} <= set(saved["data"]["by_dtype"])
+    kinds = [(j["rw"], j["bs"]) for j in saved["jobs"]]
+    assert kinds == [("write", 1 << 20), ("read", 1 << 20), ("write", 4 << 20), ("read", 4 << 20)]
+    for j in saved["jobs"]:
+        assert j["io_path"] == "cpu" and 0 < j["ratio"] < 1 and j["logical_gbps"] > 0
+        assert set(j["lat_ms"]) == {"p50", "p90", "p99", "p99.9"}
+        assert j["iops"] > 0 and j["stages"]
+    assert all(j["verified"] for j in saved["jobs"] if j["rw"] == "read")
+
+
+def test_bench_null_target_and_terse(tmp_path, capsys):
+    assert main(["--size", "tiny", "--device", "cpu", "--target", "null", "--output-format", "terse"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[0].split(";")
+    assert line[0] == "gdsckpt" and line[3] == "write" and line[4] == "null"
+
+
+def test_bench_zeros_are_labelled(tmp_path, capsys):
+    assert main(["--data", "zeros", "--size", "4M", "--device", "cpu", "--output-format", "json",
+                 "--directory", str(tmp_path), "--no-disk-probe"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["data"]["kind"] == "zeros" and "ZEROS" in d["data"]["description"]
