@@ -276,7 +276,8 @@ def run_compare(args, state, directory: Path, device: str, progress) -> list[dic
     return rows
 
 
-def print_normal(result: dict, out=sys.stdout) -> None:
+def print_normal(result: dict, out=None) -> None:
+    out = out or sys.stdout
     d = result
     print(f"gdsckpt-bench {d['date']}  device: {d['device']['name']}  data: {d['data']['kind']} "
           f"({d['data']['description']}), {d['data']['logical_bytes'] / 1e9:.3f} GB", file=out)
@@ -315,7 +316,8 @@ def print_normal(result: dict, out=sys.stdout) -> None:
               file=out)
 
 
-def print_terse(result: dict, out=sys.stdout) -> None:
+def print_terse(result: dict, out=None) -> None:
+    out = out or sys.stdout
     for j in result["jobs"]:
         print(";".join(str(x) for x in (
             "gdsckpt", SCHEMA, j["name"], j["rw"], j["target"], j["io_path"], j["codec"], j["bs"], j["iodepth"],
