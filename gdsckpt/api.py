@@ -25,7 +25,7 @@ from .ring import Timings, read_chunks, write_chunks
 from .storage import commit, pread_exact, pwrite_all, temp_path_for
 from .tree import flatten, unflatten
 
-DEFAULT_CHUNK_BYTES = {"gpu": 64 << 20, "cpu": 16 << 20}
+DEFAULT_CHUNK_BYTES = {"gpu": 128 << 20, "cpu": 16 << 20}
 DEFAULT_RING_DEPTH = 3
 
 
