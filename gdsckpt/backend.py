@@ -39,6 +39,11 @@ class CpuBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
+    def gather(self, dst: torch.Tensor, pieces) -> None:
+        """pieces: (offset in dst, source byte view, offset in source, length)."""
+        for at, src, off, n in pieces:
+            dst[at:at + n].copy_(src[off:off + n])
+
     def max_stored(self, spec: dict, nbytes: int) -> int:
         return nbytes  # anything larger is stored raw instead
 

@@ -106,9 +106,7 @@ def _gather(chunk: Chunk, views, slot: _Slot, backend):
         if backend.direct(view):
             return view
     dst = slot.staging[:chunk.length]
-    for s in chunk.segments:
-        backend.copy(dst[s.chunk_offset:s.chunk_offset + s.length],
-                     views[s.tensor][s.tensor_offset:s.tensor_offset + s.length])
+    backend.gather(dst, [(s.chunk_offset, views[s.tensor], s.tensor_offset, s.length) for s in chunk.segments])
     return dst
 
 

@@ -3,14 +3,20 @@ pipeline's own CUDA stream, KvikIO for chunk I/O."""
 
 from __future__ import annotations
 
+import functools
+import threading
 from pathlib import Path
 
 import cupy
+import numpy as np
 import torch
 
+from . import kernels
 from .codecs import NvcompCodecs, nvcomp_version
 from .io import DeviceFile, io_settings
 from .kernels import Checksummer
+
+SMALL_SEGMENT = 1 << 20  # below this a segment is gathered by the batched kernel, above by cudaMemcpy
 
 __all__ = ["GpuBackend", "nvcomp_version"]
 
@@ -19,6 +25,23 @@ def as_cupy(t: torch.Tensor) -> cupy.ndarray:
     """A uint8 CuPy view of a CUDA tensor's bytes that keeps the tensor alive; no sync, no copy."""
     mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.nbytes, t, device_id=t.device.index)
     return cupy.ndarray((t.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+
+class _DeviceResources:
+    """What a save or restore on one GPU reuses: its stream, nvCOMP codecs (slow to create, and
+    their configs), the checksum accumulator. One pipeline at a time per GPU holds them."""
+
+    def __init__(self, index: int):
+        self.torch_stream = torch.cuda.Stream(index)
+        self.stream = cupy.cuda.ExternalStream(self.torch_stream.cuda_stream, index)
+        self.codecs = NvcompCodecs(self.stream, index)
+        self.checksum = Checksummer(self.stream)
+        self.lock = threading.Lock()
+
+
+@functools.cache
+def _resources(index: int) -> _DeviceResources:
+    return _DeviceResources(index)
 
 
 class GpuBackend:
@@ -31,15 +54,15 @@ class GpuBackend:
         self.io_path, self._settings = io_settings(io, io_threads, task_size)
         self.task_size = task_size
         self.nvcomp_version = nvcomp_version()
-        self._torch_stream = torch.cuda.Stream(self.device)
-        self._stream = cupy.cuda.ExternalStream(self._torch_stream.cuda_stream, self.device.index)
-        self._codecs = NvcompCodecs(self._stream, self.device.index)
-        self._checksum = Checksummer(self._stream)
+        self._res = _resources(self.device.index)
+        self._torch_stream, self._stream = self._res.torch_stream, self._res.stream
+        self._codecs, self._checksum = self._res.codecs, self._res.checksum
         self._ring_bytes = 0
         self._free_at_start = 0
         self._min_free = 0
 
     def __enter__(self):
+        self._res.lock.acquire()
         self._settings.__enter__()
         self._stream_ctx = torch.cuda.stream(self._torch_stream)
         self._stream_ctx.__enter__()
@@ -49,6 +72,7 @@ class GpuBackend:
         self._torch_stream.synchronize()
         self._stream_ctx.__exit__(*exc)
         self._settings.__exit__(*exc)
+        self._res.lock.release()
         return False
 
     def begin(self) -> None:
@@ -76,6 +100,18 @@ class GpuBackend:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=dst.is_cuda and src.is_cuda)
+
+    def gather(self, dst: torch.Tensor, pieces) -> None:
+        """pieces: (offset in dst, source byte view, offset in source, length). Small device
+        segments go in one kernel launch; large ones and host ones are copied one by one."""
+        base, table = dst.data_ptr(), []
+        for at, src, off, n in pieces:
+            if n < SMALL_SEGMENT and src.device == self.device:
+                table += (src.data_ptr() + off, base + at, n)
+            else:
+                self.copy(dst[at:at + n], src[off:off + n])
+        if table:
+            kernels.gather(self._stream, np.array(table, dtype=np.uint64))
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
         return self._codecs.max_stored(spec, nbytes)

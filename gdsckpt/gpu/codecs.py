@@ -8,6 +8,10 @@ back to back, which CPU zstandard decodes byte-exact.
 
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
+
 import cupy
 import numpy as np
 from nvidia import nvcomp
@@ -32,6 +36,17 @@ def _use_cupy_pools() -> None:
 
 
 _use_cupy_pools()
+_live: "weakref.WeakSet[NvcompCodecs]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release() -> None:
+    """Drop nvCOMP codecs before interpreter teardown: their scratch lives in CuPy's pool, and
+    freeing it after CuPy is gone crashed the process at exit."""
+    for c in list(_live):
+        c._codecs.clear()
+        c._configs.clear()
+    gc.collect()
 
 
 class NvcompCodecs:
@@ -40,6 +55,7 @@ class NvcompCodecs:
         self._device = device_id
         self._codecs: dict[tuple, nvcomp.Codec] = {}
         self._configs: dict[tuple, object] = {}
+        _live.add(self)
 
     def _codec(self, spec: dict) -> nvcomp.Codec:
         key = (spec["name"], spec.get("data_type"))

@@ -33,6 +33,38 @@ extern "C" __global__ void gdsckpt_checksum(const unsigned char* data, unsigned 
 }
 """
 _kernel = cupy.RawKernel(_SOURCE, "gdsckpt_checksum")
+
+# Many small tensors into one chunk in one launch: a block per segment, the widest loads the
+# segment's alignment allows. Large segments go to cudaMemcpy (gdsckpt/gpu/backend.py).
+_GATHER = r"""
+extern "C" __global__ void gdsckpt_gather(const unsigned long long* table, int n) {
+    for (int seg = blockIdx.x; seg < n; seg += gridDim.x) {
+        const unsigned char* src = (const unsigned char*)table[3 * seg];
+        unsigned char* dst = (unsigned char*)table[3 * seg + 1];
+        unsigned long long len = table[3 * seg + 2];
+        unsigned long long align = ((unsigned long long)src | (unsigned long long)dst | len);
+        if ((align & 15ULL) == 0) {
+            for (unsigned long long i = threadIdx.x; i < len / 16; i += blockDim.x)
+                ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        } else if ((align & 3ULL) == 0) {
+            for (unsigned long long i = threadIdx.x; i < len / 4; i += blockDim.x)
+                ((unsigned int*)dst)[i] = ((const unsigned int*)src)[i];
+        } else {
+            for (unsigned long long i = threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+        }
+    }
+}
+"""
+_gather_kernel = cupy.RawKernel(_GATHER, "gdsckpt_gather")
+
+
+def gather(stream: cupy.cuda.Stream, table) -> None:
+    """table: numpy uint64 array of (src pointer, dst pointer, length) triples."""
+    n = len(table) // 3
+    if n:
+        with stream:
+            dev = cupy.asarray(table)  # pool memory; the copy is ordered on `stream`
+            _gather_kernel((min(n, 65535),), (256,), (dev, cupy.int32(n)))
 _THREADS = 256
 
 
