@@ -396,9 +396,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--device cuda: {why}")
     if args.ioengine == "posix" and device.startswith("cuda"):
         print("note: --ioengine posix runs the CPU path; the state is saved from host memory", file=sys.stderr)
-    if args.direct is not None and gpu_ok:
-        import kvikio.defaults
-        kvikio.defaults.set({"auto_direct_io_read": bool(args.direct), "auto_direct_io_write": bool(args.direct)})
+    if args.direct is not None:  # gdsckpt leaves KvikIO's O_DIRECT alone when these are set
+        os.environ["KVIKIO_AUTO_DIRECT_IO_WRITE"] = os.environ["KVIKIO_AUTO_DIRECT_IO_READ"] = str(args.direct)
+        if gpu_ok:
+            import kvikio.defaults
+            kvikio.defaults.set({"auto_direct_io_read": bool(args.direct), "auto_direct_io_write": bool(args.direct)})
 
     progress = Progress()
     progress("building the workload state")

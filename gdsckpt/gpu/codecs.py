@@ -41,12 +41,15 @@ _live: "weakref.WeakSet[NvcompCodecs]" = weakref.WeakSet()
 
 @atexit.register
 def _release() -> None:
-    """Drop nvCOMP codecs before interpreter teardown: their scratch lives in CuPy's pool, and
-    freeing it after CuPy is gone crashed the process at exit."""
+    """Hand nvCOMP its own allocators back while Python is still alive: it holds our Python
+    callables in static storage, and releasing them after interpreter teardown segfaulted every
+    process at exit (seen on the H100 host, nvCOMP 6.0.0)."""
     for c in list(_live):
         c._codecs.clear()
         c._configs.clear()
     gc.collect()
+    nvcomp.set_device_allocator(None)
+    nvcomp.set_pinned_allocator(None)
 
 
 class NvcompCodecs:

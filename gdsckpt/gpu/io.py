@@ -4,7 +4,7 @@ The calls are the same in both modes, so a GDS host runs this code unchanged."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -15,6 +15,14 @@ import kvikio.defaults
 from ..errors import GDSUnavailableError
 
 
+# Chosen from bench/results/2026-11-22-h100-b/kvikio-sweep.json (H100 host, compat mode, virtio
+# ext4): 4 threads, 4 MiB tasks and O_DIRECT gave the best cold restore (2.9 GB/s logical) and a
+# save within the sweep's noise of the best; 8 threads were slower on both.
+DEFAULT_THREADS = 4
+DEFAULT_DIRECT = True
+
+
+@functools.cache
 def gds_available() -> bool:
     try:
         return bool(kvikio.cufile_driver.get("is_gds_available"))
@@ -24,11 +32,13 @@ def gds_available() -> bool:
 
 def io_settings(requested: str, io_threads: int | None, task_size: int | None):
     """(io path that will run, context manager applying the KvikIO settings for it)."""
-    settings = {}
-    if io_threads:
-        settings["num_threads"] = io_threads
+    settings = {"num_threads": io_threads or DEFAULT_THREADS}
     if task_size:
         settings["task_size"] = task_size
+    if "KVIKIO_AUTO_DIRECT_IO_WRITE" not in os.environ:  # a user's own KvikIO setting wins
+        settings["auto_direct_io_write"] = DEFAULT_DIRECT
+    if "KVIKIO_AUTO_DIRECT_IO_READ" not in os.environ:
+        settings["auto_direct_io_read"] = DEFAULT_DIRECT
     gds = gds_available()
     if requested == "gds":
         if not gds:
@@ -45,7 +55,7 @@ def io_settings(requested: str, io_threads: int | None, task_size: int | None):
         path = "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
     else:
         raise ValueError(f"io must be 'auto', 'gds' or 'compat', not {requested!r}")
-    return path, (kvikio.defaults.set(settings) if settings else contextlib.nullcontext())
+    return path, kvikio.defaults.set(settings)
 
 
 class DeviceFile:
