@@ -24,7 +24,10 @@ logical = nbytes(state)
 rows = [{"disk": disk_probe(d, 4 << 30), "logical_bytes": logical}]
 print(rows[0], flush=True)
 p = d / "s.gdsckpt"
-for threads, task, direct, depth in itertools.product((1, 4, 8), (4 << 20, 16 << 20), (False, True), (2, 4)):
+GRID = {"threads": (1, 4, 8), "task": (4 << 20, 16 << 20), "direct": (False, True), "depth": (2, 4)}
+if os.environ.get("SWEEP_GRID") == "large-tasks":  # the second sweep: larger I/O per task
+    GRID = {"threads": (1, 2, 4), "task": (32 << 20, 64 << 20), "direct": (True,), "depth": (2, 3)}
+for threads, task, direct, depth in itertools.product(*GRID.values()):
     with kvikio.defaults.set({"task_size": task, "auto_direct_io_write": direct, "auto_direct_io_read": direct}):
         s = gdsckpt.save(state, p, io_threads=threads, ring_depth=depth)
         drop_page_cache(p)
@@ -39,4 +42,5 @@ for threads, task, direct, depth in itertools.product((1, 4, 8), (4 << 20, 16 <<
     print(json.dumps(row), flush=True)
     rows.append(row)
 p.unlink(missing_ok=True)
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "kvikio-sweep.json"), "w"), indent=1)
+name = "kvikio-sweep-large-tasks.json" if os.environ.get("SWEEP_GRID") else "kvikio-sweep.json"
+json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), name), "w"), indent=1)

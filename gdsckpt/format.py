@@ -103,12 +103,14 @@ def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:
         raise bad("no gdsckpt footer at the end of the file: the file is torn, truncated or has bytes appended")
     if _ck.checksum(body) != stored_ck:
         raise bad("footer checksum mismatch: the footer is corrupt")
-    hmajor, _ = struct.unpack("<HH", head[8:12])
+    hmajor, hminor = struct.unpack("<HH", head[8:12])
     if major > MAJOR or hmajor > MAJOR:
         raise VersionError(f"written in format {max(major, hmajor)}.{minor}; this gdsckpt reads format {MAJOR}.x "
                            "and older: upgrade gdsckpt to read it", path=path)
-    if major != hmajor:
-        raise bad(f"header says format {hmajor}, footer says {major}")
+    if (major, minor) != (hmajor, hminor):
+        raise bad(f"header says format {hmajor}.{hminor}, footer says {major}.{minor}: the header is corrupt")
+    if major < 1:
+        raise bad(f"format {major}.{minor} does not exist")
     if file_len != file_size:
         raise bad(f"footer records {file_len} bytes but the file has {file_size}: truncated or bytes appended")
     if not (HEADER_SIZE <= off and off % ALIGN == 0 and off + length + FOOTER_SIZE == file_size):
