@@ -111,6 +111,10 @@ class CpuCodecs:
         if spec["name"] != "zstd":
             raise CodecUnavailableError(f"no CPU decoder for codec {spec['name']!r}")
         for (o, n), pos, clen in zip(frame_bounds(len(out), spec["frame_bytes"]), frame_offsets(frames), frames):
+            # zstandard sizes its output from the frame header, not max_output_size: check the claim first
+            claimed = zstandard.frame_content_size(stored[pos:pos + clen])
+            if claimed not in (-1, n):
+                raise ValueError(f"zstd frame header claims {claimed} bytes, the frame holds {n}")
             data = self._d.decompress(stored[pos:pos + clen], max_output_size=n)
             if len(data) != n:
                 raise ValueError(f"zstd frame decoded to {len(data)} bytes, expected {n}")

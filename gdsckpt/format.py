@@ -30,6 +30,10 @@ MAX_CHUNK_BYTES = 1 << 31
 MAX_NDIM = 64
 MAX_DEPTH = 256
 MAX_TENSORS = 10_000_000
+# Logical bytes one stored byte can expand to, at most: zstd's densest block (RLE) is 4 bytes
+# for 128 KiB; nvCOMP's native bitstreams spend at least a size-table entry per 64 KiB piece.
+# A chunk claiming more is lying, and would make the reader allocate tensors it cannot fill.
+MAX_EXPANSION = {"zstd": 1 << 15, "ans": 1 << 16, "bitcomp": 1 << 16}
 
 
 def align_up(n: int) -> int:
@@ -138,10 +142,17 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
     if fmt[0] > MAJOR:
         raise VersionError(f"index format {fmt[0]}.{fmt[1]} is newer than this gdsckpt's {MAJOR}.{MINOR}: "
                            "upgrade gdsckpt to read it", path=path)
+    if fmt[0] < 1:
+        raise bad(f"format {fmt[0]}.{fmt[1]} does not exist")
+    for k in ("library", "nvcomp", "created"):
+        if not (doc.get(k) is None or isinstance(doc[k], str)):
+            raise bad(f"{k!r} is not a string")
+    if not (doc.get("writer") is None or isinstance(doc["writer"], dict)):
+        raise bad("'writer' is not an object")
 
     streams = []
     for i, s in enumerate(_list(doc, "streams", bad)):
-        if not isinstance(s, dict) or s.get("dtype") not in dtypes.BY_NAME:
+        if not isinstance(s, dict) or not _is_dtype(s.get("dtype")):
             raise bad(f"stream {i}: unknown dtype {s.get('dtype') if isinstance(s, dict) else s!r}")
         _uint(s.get("nbytes"), f"stream {i} nbytes", bad)
         streams.append(Stream(s["dtype"], _codec(s.get("codec"), i, bad), s["nbytes"]))
@@ -149,21 +160,26 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
     tensor_docs = _list(doc, "tensors", bad)
     if len(tensor_docs) > MAX_TENSORS:
         raise bad(f"{len(tensor_docs)} tensors exceed the limit of {MAX_TENSORS}")
-    tensors, devices = [], []
+    tensors, devices, keys = [], [], set()
     for i, t in enumerate(tensor_docs):
         if not isinstance(t, dict) or not isinstance(t.get("key"), str):
             raise bad(f"tensor {i}: missing key")
         key = t["key"]
-        if t.get("dtype") not in dtypes.BY_NAME:
+        if key in keys:
+            raise bad("two tensors share this key", key=key)
+        keys.add(key)
+        if not _is_dtype(t.get("dtype")):
             raise bad(f"dtype {t.get('dtype')!r} is not one gdsckpt stores", key=key)
         shape = t.get("shape")
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)):
             raise bad(f"shape {shape!r} is not a list of at most {MAX_NDIM} non-negative ints", key=key)
+        if math.prod(max(d, 1) for d in shape) >= 1 << 62:  # even with no elements: torch overflows
+            raise bad(f"shape {shape!r} is absurdly large", key=key)
         stream = t.get("stream")
         if not (_is_int(stream) and 0 <= stream < len(streams)) or streams[stream].dtype != t["dtype"]:
             raise bad(f"stream {stream!r} does not exist or holds another dtype", key=key)
         nbytes = math.prod(shape) * dtypes.ITEMSIZE[t["dtype"]]
-        if t.get("nbytes") != nbytes:
+        if not _is_int(t.get("nbytes")) or t["nbytes"] != nbytes:
             raise bad(f"nbytes {t.get('nbytes')!r} does not match shape {shape} of {t['dtype']}", key=key)
         offset = _uint(t.get("offset"), "offset", bad)
         if offset + nbytes > streams[stream].nbytes:
@@ -197,6 +213,7 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
         if off != next_offset[s] or not 0 < length <= MAX_CHUNK_BYTES or off + length > streams[s].nbytes:
             raise bad(f"logical range {off}+{length} does not continue stream {s}", chunk=i)
         next_offset[s] = off + length
+        codec = streams[s].codec
         fo, stored = _uint(c.get("file_offset"), "file_offset", bad), _uint(c.get("stored"), "stored", bad)
         if fo % ALIGN or fo < file_end or fo + stored > index_offset or stored == 0:
             raise bad(f"record {fo}+{stored} overlaps another or lies outside the data area", chunk=i)
@@ -206,13 +223,16 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
             raise bad("raw flag is not a bool", chunk=i)
         if raw_flag and stored != length:
             raise bad(f"raw chunk stores {stored} bytes for {length} logical", chunk=i)
+        if not raw_flag and codec["name"] == "raw":
+            raise bad("chunk of a raw stream is not marked raw", chunk=i)
         if not raw_flag and stored > length + (length >> 3) + (1 << 20):
             raise bad(f"stores {stored} bytes for {length} logical, more than any codec emits", chunk=i)
+        if not raw_flag and length > stored * MAX_EXPANSION[codec["name"]]:
+            raise bad(f"stores {stored} bytes for {length} logical, more than {codec['name']} can expand to", chunk=i)
         ck = c.get("checksum")
         if not (isinstance(ck, str) and len(ck) == 16 and all(ch in "0123456789abcdef" for ch in ck)):
             raise bad("checksum is not 16 hex digits", chunk=i)
         frames = c.get("frames")
-        codec = streams[s].codec
         if codec["name"] == "zstd" and not raw_flag:
             n_frames = -(-length // codec["frame_bytes"])
             if not (isinstance(frames, list) and len(frames) == n_frames
@@ -284,6 +304,10 @@ def _list(doc, name, bad) -> list:
     if not isinstance(v, list):
         raise bad(f"{name!r} is not a list")
     return v
+
+
+def _is_dtype(v) -> bool:
+    return isinstance(v, str) and v in dtypes.BY_NAME
 
 
 def _is_int(v) -> bool:

@@ -1,0 +1,72 @@
+"""Test helpers: take a checkpoint file apart and put it back together.
+
+`rebuild` writes a file around a modified JSON index with a correct index checksum and
+footer, so that what a hostile-index test exercises is the index validation itself and not
+the checksums in front of it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from gdsckpt import format as fmt
+from gdsckpt.checksum import checksum
+
+
+def split(data: bytes) -> tuple[bytes, dict, int]:
+    """(bytes before the index, parsed index, index offset) of an intact file."""
+    body = data[-fmt.FOOTER_SIZE:-8]
+    _, _, _, _, off, length, _, _, _ = fmt._FOOTER.unpack(body)
+    return data[:off], json.loads(data[off:off + length]), off
+
+
+def footer(index_offset: int, index: bytes, *, major=fmt.MAJOR, minor=fmt.MINOR, flags=0, index_length=None,
+           index_checksum=None, file_len=None, reserved=bytes(8), magic=fmt.FOOTER_MAGIC) -> bytes:
+    """A footer with a valid footer checksum around whatever fields it is given."""
+    body = fmt._FOOTER.pack(
+        magic, major, minor, flags, index_offset, len(index) if index_length is None else index_length,
+        checksum(index) if index_checksum is None else index_checksum,
+        index_offset + len(index) + fmt.FOOTER_SIZE if file_len is None else file_len, reserved)
+    return body + struct.pack("<Q", checksum(body))
+
+
+def rebuild(data: bytes, index, *, data_area: bytes | None = None, **footer_fields) -> bytes:
+    """A checkpoint with the data area of `data` (or `data_area`), the index `index` (a dict,
+    dumped as the writer does, or raw bytes) and a valid footer (fields overridable)."""
+    head, _, off = split(data)
+    if data_area is not None:
+        head = data_area
+        off = fmt.align_up(len(head))
+        head = head + bytes(off - len(head))
+    raw = index if isinstance(index, bytes) else json.dumps(index, separators=(",", ":")).encode()
+    return head + raw + footer(off, raw, **footer_fields)
+
+
+def covered_ranges(data: bytes) -> list[tuple[int, int]]:
+    """The byte ranges [start, end) a reader reads (and checks) in an intact file: the header's
+    magic and version, every chunk record's stored bytes, the index and the footer. Everything
+    else is zero padding that nothing reads."""
+    _, doc, off = split(data)
+    out = [(0, 12)]
+    out += [(c["file_offset"], c["file_offset"] + c["stored"]) for c in doc["chunks"]]
+    out.append((off, len(data)))
+    return out
+
+
+def set_chunk(data: bytes, doc: dict, i: int, stored: bytes, **fields) -> tuple[bytes, dict]:
+    """Replace chunk i's stored bytes in place (same record, recomputed checksum): a hostile
+    chunk that passes its checksum. Returns the new data area and index."""
+    head, _, _ = split(data)
+    rec = doc["chunks"][i]
+    assert len(stored) <= fmt.align_up(rec["file_offset"] + rec["stored"]) - rec["file_offset"] or \
+        i == len(doc["chunks"]) - 1
+    area = bytearray(head)
+    end = rec["file_offset"] + len(stored)
+    if end > len(area):
+        area += bytes(end - len(area))
+    area[rec["file_offset"]:rec["file_offset"] + rec["stored"]] = bytes(rec["stored"])
+    area[rec["file_offset"]:end] = stored
+    rec.update(stored=len(stored), checksum=f"{checksum(stored):016x}", **fields)
+    return bytes(area), doc
