@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -124,9 +125,12 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
             file.close()
             commit(tmp, path)
             timings.add("commit", t)
-        except BaseException:
+        except BaseException as e:
             file.close()
             tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno is not None:  # a full disk, an I/O error: say which save
+                raise OSError(e.errno, f"{e.strerror} while saving (the temporary file was removed)",
+                              str(path)) from e
             raise
         file_bytes = index_offset + len(index) + fmt.FOOTER_SIZE
         return Stats("save", str(path), be.name, be.io_path, plan.logical_bytes,
@@ -168,14 +172,18 @@ class Checkpoint:
                  io_threads: int | None = None):
         self.path = Path(path)
         self.ring_depth = ring_depth
-        fd = os.open(self.path, os.O_RDONLY)
+        # The file stays open: every later read goes to this file even if a save replaces the path.
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd, self._closer = fd, weakref.finalize(self, os.close, fd)
         try:
-            size = os.fstat(fd).st_size
-            off, length, ck = fmt.read_footer(lambda n, o: pread_exact(fd, n, o), size, self.path)
+            st = os.fstat(fd)
+            self._identity = (st.st_dev, st.st_ino)
+            off, length, ck = fmt.read_footer(lambda n, o: pread_exact(fd, n, o), st.st_size, self.path)
             raw = pread_exact(fd, length, off)
-        finally:
-            os.close(fd)
-        self.index = fmt.parse_index(raw, ck, off, self.path)
+            self.index = fmt.parse_index(raw, ck, off, self.path)
+        except BaseException:
+            self._closer()
+            raise
         self._check_nvcomp()
         self._backend_choice, self._io, self._io_threads = backend, io, io_threads
         self._by_key = {t.key: i for i, t in enumerate(self.index.plan.tensors)}
@@ -285,8 +293,9 @@ class Checkpoint:
                     spec = plan.streams[plan.chunks[ci].stream].codec
                     if not self.index.records[ci].raw and not be.can_decode(spec):
                         raise codecs.no_cpu_decoder(spec, self.path)
-            file = be.open(self.path, "r")
+            file = be.open(self._reopen_path(), "r")
             try:
+                self._same_file(file.fd)
                 be.begin()
                 read_chunks(self.index, chunk_ids, views, be, file, self.ring_depth, timings, self.path)
                 be.finish()
@@ -307,8 +316,9 @@ class Checkpoint:
         """Check every chunk's checksum on the CPU, reading chunk by chunk (no GPU needed).
         deep=True also decodes every chunk (on the GPU where a codec needs one) into fresh
         tensors. Raises ChecksumError / CheckpointFormatError naming the file, key and chunk."""
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self._reopen_path(), os.O_RDONLY)
         try:
+            self._same_file(fd)
             for c, rec in zip(self.index.plan.chunks, self.index.records):
                 data = pread_exact(fd, rec.stored, rec.file_offset)
                 key = self.index.plan.tensors[c.segments[0].tensor].key
@@ -329,13 +339,28 @@ class Checkpoint:
         return (r.raw or codecs.cpu_can_decode(self.index.plan.streams[c.stream].codec)
                 for c, r in zip(self.index.plan.chunks, self.index.records))
 
+    def _reopen_path(self) -> Path:
+        """The file this Checkpoint opened, by a path a concurrent save's rename cannot redirect
+        (/proc/self/fd on Linux); the path itself once closed, or where there is no /proc."""
+        if self._closer.alive:
+            p = Path(f"/proc/self/fd/{self._fd}")
+            if p.exists():
+                return p
+        return self.path
+
+    def _same_file(self, fd: int) -> None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise CheckpointFormatError("the file was replaced since it was opened: open it again", path=self.path)
+
     def close(self):
-        pass
+        self._closer()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        self.close()
         return False
 
 

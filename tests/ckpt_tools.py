@@ -70,3 +70,19 @@ def set_chunk(data: bytes, doc: dict, i: int, stored: bytes, **fields) -> tuple[
     area[rec["file_offset"]:end] = stored
     rec.update(stored=len(stored), checksum=f"{checksum(stored):016x}", **fields)
     return bytes(area), doc
+
+
+def make_state(k: int, mb: float = 2.0) -> dict:
+    """A deterministic training-like state of about `mb` MB, told apart by its "id" k (the same
+    bytes in every process: subprocess tests rebuild it to compare)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + k)
+    n = int(mb * (1 << 20)) // 10  # float32 weights + bf16 copy + float32 moment ~ 10 bytes per element
+    w = torch.randn(n, generator=g)
+    return {
+        "id": k,
+        "model": {"w": w, "w_bf16": (w * 0.02).to(torch.bfloat16), "bias": torch.full((1000,), float(k))},
+        "optim": {"exp_avg": w * 0.1, "step": torch.tensor(k, dtype=torch.int64)},
+        "meta": {"step": k, "lr": 1e-3 * (k + 1), "tag": f"state {k}"},
+    }
