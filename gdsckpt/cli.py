@@ -69,7 +69,7 @@ def stale_temporaries(directory: Path) -> list[Path]:
     """Temporaries whose writer process is gone (a save that was killed)."""
     out = []
     for p in directory.iterdir():
-        if TMP_MARK not in p.name:
+        if TMP_MARK not in p.name or not p.is_file():
             continue
         try:
             pid = int(p.name.split(TMP_MARK, 1)[1].split(".")[0])
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
-    except (GdsckptError, FileNotFoundError, KeyError) as e:
+    except (GdsckptError, OSError, KeyError) as e:  # OSError: missing, unreadable, a directory...
         print(f"gdsckpt {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 
