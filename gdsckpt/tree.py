@@ -16,6 +16,7 @@ from .errors import UnsupportedStateError
 
 MAX_DEPTH = 256
 _PLAIN = (bool, int, float, str, type(None))
+_INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             kind = "list" if isinstance(obj, list) else "tuple"
             return {kind: [walk(v, path + (i,)) for i, v in enumerate(obj)]}
         if isinstance(obj, _PLAIN):
+            if isinstance(obj, int) and not -_INT_LIMIT < obj < _INT_LIMIT:
+                raise UnsupportedStateError(f"int at {where!r} has more than 4300 digits, more than a reader accepts")
             return {"value": obj}
         raise UnsupportedStateError(
             f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {where!r}: "
