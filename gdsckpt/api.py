@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import stat
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -177,10 +178,13 @@ class Checkpoint:
         self.path = Path(path)
         self.ring_depth = ring_depth
         # The file stays open: every later read goes to this file even if a save replaces the path.
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO given by mistake must not hang the open.
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         self._fd, self._closer = fd, weakref.finalize(self, os.close, fd)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointFormatError("not a regular file, so not a checkpoint", path=self.path)
             self._identity = (st.st_dev, st.st_ino)
             off, length, ck = fmt.read_footer(lambda n, o: pread_exact(fd, n, o), st.st_size, self.path)
             raw = pread_exact(fd, length, off)

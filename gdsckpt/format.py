@@ -101,6 +101,8 @@ def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:
     if head[:8] != HEADER_MAGIC:
         raise bad("not a gdsckpt checkpoint (bad header magic)")
     raw = pread(FOOTER_SIZE, file_size - FOOTER_SIZE)
+    if len(head) != 12 or len(raw) != FOOTER_SIZE:
+        raise bad("the file shrank while being opened (truncated in place?)")
     body, (stored_ck,) = raw[:-8], struct.unpack("<Q", raw[-8:])
     magic, major, minor, _flags, off, length, index_ck, file_len, _ = _FOOTER.unpack(body)
     if magic != FOOTER_MAGIC:

@@ -14,6 +14,7 @@ import copy
 import importlib
 import io
 import json
+import os
 import pickle
 import re
 import struct
@@ -630,3 +631,22 @@ def test_all_zero_state_is_within_the_expansion_bound(tmp_path):
     assert 20_000 < worst <= fmt.MAX_EXPANSION["zstd"], worst
     out = ck.load()
     assert not out["z"].any() and not out["f"].any()
+
+
+def test_not_a_regular_file(tmp_path):
+    """A directory, a FIFO (which must not hang the open) or a device: refused as not a checkpoint."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for p in (tmp_path, fifo, Path("/dev/zero")):
+        with pytest.raises(gdsckpt.CheckpointFormatError, match="not a regular file"):
+            gdsckpt.open(p)
+        rc, text = _cli("verify", str(p))
+        assert rc == 2 and "not a regular file" in text
+
+
+def test_file_shrinking_while_opened(base):
+    """The footer reader copes with a file truncated between its size check and its reads."""
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="shrank"):
+        fmt.read_footer(lambda n, o: base[o:o + n] if o == 0 else base[o:o + 5], len(base), "shrinking")
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="shrank"):
+        fmt.read_footer(lambda n, o: base[:10] if o == 0 else base[o:o + n], len(base), "shrinking")
