@@ -84,6 +84,21 @@ def frame_offsets(frames: list[int]) -> list[int]:
     return offsets + [pos]
 
 
+ZSTD_HEADER_MAX = 18  # magic + the longest frame header
+
+
+def check_zstd_header(head, n: int) -> None:
+    """A frame must start with zstd's magic and, if it states its content size, claim `n` bytes.
+    zstandard sizes its output from that claim, and nVCOMP's decoder trusts its input: both
+    see a frame only after this check (and the chunk checksum) passed."""
+    try:
+        claimed = zstandard.frame_content_size(bytes(head))
+    except zstandard.ZstdError as e:
+        raise ValueError(f"not a zstd frame header ({e})") from None
+    if claimed not in (-1, n):
+        raise ValueError(f"zstd frame header claims {claimed} bytes, the frame holds {n}")
+
+
 class CpuCodecs:
     """raw and zstd on host memory. zstandard releases the GIL, so the ring overlaps it with I/O."""
 
@@ -111,10 +126,7 @@ class CpuCodecs:
         if spec["name"] != "zstd":
             raise CodecUnavailableError(f"no CPU decoder for codec {spec['name']!r}")
         for (o, n), pos, clen in zip(frame_bounds(len(out), spec["frame_bytes"]), frame_offsets(frames), frames):
-            # zstandard sizes its output from the frame header, not max_output_size: check the claim first
-            claimed = zstandard.frame_content_size(stored[pos:pos + clen])
-            if claimed not in (-1, n):
-                raise ValueError(f"zstd frame header claims {claimed} bytes, the frame holds {n}")
+            check_zstd_header(stored[pos:pos + min(clen, ZSTD_HEADER_MAX)], n)
             data = self._d.decompress(stored[pos:pos + clen], max_output_size=n)
             if len(data) != n:
                 raise ValueError(f"zstd frame decoded to {len(data)} bytes, expected {n}")

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 from nvidia import nvcomp
 
-from ..codecs import frame_bounds, frame_offsets
+from ..codecs import ZSTD_HEADER_MAX, check_zstd_header, frame_bounds, frame_offsets
 
 _ALGORITHM = {"ans": "ANS", "bitcomp": "Bitcomp", "zstd": "Zstd"}
 _ALIGN = 16  # nvCOMP's most restrictive buffer alignment
@@ -126,12 +126,23 @@ class NvcompCodecs:
             outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
         else:
             bounds = frame_bounds(out.nbytes, spec["frame_bytes"])
-            srcs = nvcomp.as_arrays(stored, frame_offsets(frames)[:-1], list(frames), cuda_stream=ptr)
+            offsets = frame_offsets(frames)[:-1]
+            _check_headers(stored, offsets, frames, [k for _, k in bounds], self._stream)
+            srcs = nvcomp.as_arrays(stored, offsets, list(frames), cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
         result = codec.decode(srcs, out=outs)
         expected = [out.nbytes] if spec["name"] != "zstd" else [k for _, k in bounds]
         if list(result.buffer_sizes) != expected:
             raise ValueError(f"decoded sizes {list(result.buffer_sizes)} differ from the expected {expected}")
+
+
+def _check_headers(stored: cupy.ndarray, offsets, lengths, sizes, stream) -> None:
+    """Read each frame's header back to the host and check it before nvCOMP, which trusts its input."""
+    with stream:
+        idx = (np.asarray(offsets)[:, None] + np.arange(ZSTD_HEADER_MAX)[None, :]).clip(0, stored.nbytes - 1)
+        heads = stored[cupy.asarray(idx)].get()
+    for head, clen, n in zip(heads, lengths, sizes):
+        check_zstd_header(head[:min(clen, ZSTD_HEADER_MAX)], n)
 
 
 def _typed(buf: cupy.ndarray, spec: dict) -> cupy.ndarray:
