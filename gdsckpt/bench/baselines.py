@@ -1,8 +1,12 @@
-"""The alternatives gdsckpt-bench --compare measures on the same state, target and process.
+"""The alternatives gdsckpt-bench compares against, on the same state, directory and process.
 
 Each takes (state, directory, device) and returns {name, save_s, load_s, stored_bytes,
-logical_bytes, io_path, notes}. Saves are timed to fsync; loads start from a dropped page
-cache and end when the tensors are on `device` (synchronized).
+logical_bytes, io_path, notes}. Saves are timed until the data is durable (fsync returned).
+Loads start cold (the file's pages dropped from the page cache) and end when every tensor is on
+`device` (CUDA synchronized). Files are removed afterwards, also on failure. GPU-only baselines
+raise RuntimeError with the reason where CUDA, KvikIO or nvCOMP is missing; the caller reports
+it. Self-contained: needs nothing from gdsckpt (the KvikIO rows borrow gdsckpt's KvikIO
+settings where gdsckpt is importable, so that the comparison is like for like).
 """
 
 from __future__ import annotations
@@ -10,19 +14,15 @@ from __future__ import annotations
 import io
 import os
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from gdsckpt.tree import flatten
 
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _drop(path) -> None:
+def drop_page_cache(path) -> None:
+    """fsync `path`, then evict its pages, so that the next read comes from storage. Dirty pages
+    cannot be evicted, hence the fsync first. No effect on tmpfs (the data only lives in memory)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,133 +31,260 @@ def _drop(path) -> None:
         os.close(fd)
 
 
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tensors(obj, prefix=""):
+    """(key, tensor) for every tensor in nested dicts, lists and tuples; the count of other leaves."""
+    out, skipped = [], 0
+
+    def walk(o, p):
+        nonlocal skipped
+        if isinstance(o, torch.Tensor):
+            out.append((p, o))
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{p}/{k}" if p else str(k))
+        elif isinstance(o, (list, tuple)):
+            for k, v in enumerate(o):
+                walk(v, f"{p}/{k}" if p else str(k))
+        else:
+            skipped += 1
+    walk(obj, prefix)
+    return out, skipped
+
+
 def _logical(state) -> int:
-    return sum(leaf.tensor.nbytes for leaf in flatten(state)[1])
+    return sum(t.nbytes for _, t in _tensors(state)[0])
 
 
-def _result(name, save_s, load_s, path, state, io_path, notes=""):
-    return {"name": name, "save_s": save_s, "load_s": load_s, "stored_bytes": os.path.getsize(path),
-            "logical_bytes": _logical(state), "io_path": io_path, "notes": notes}
+def _same(a: list, b: list) -> bool:
+    """Bitwise equality of two tensor lists (byte views: NaN-safe, -0.0 != 0.0)."""
+    def raw(t):
+        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(raw(x), raw(y).to(x.device))
+        for x, y in zip(a, b))
+
+
+def _fs_note(directory) -> str:
+    """Cold reads are only cold on real storage: say so where the directory is in memory."""
+    best, fstype = "", ""
+    target = os.path.realpath(directory)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, fs = line.split()[:3]
+                if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, fs
+    except OSError:
+        return ""
+    return f"; {fstype} at {best}: reads come from memory, not storage" if fstype in ("tmpfs", "ramfs") else ""
+
+
+@contextmanager
+def _scratch(directory, name):
+    path = Path(directory) / name
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _kvikio_setup(kvikio):
+    """(io path, settings context, description). gdsckpt's own KvikIO settings (threads,
+    O_DIRECT) where gdsckpt is importable, so that both sides of the comparison do the same I/O;
+    else KvikIO's defaults, as the notes then say."""
+    import kvikio.defaults  # noqa: F401  (not every KvikIO imports it with the package)
+    try:
+        from gdsckpt.gpu.io import io_settings
+        io_path, ctx = io_settings("auto", None, None)
+        how = "gdsckpt's KvikIO settings"
+    except Exception:
+        try:
+            io_path = "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
+        except AttributeError:  # older KvikIO
+            io_path = "compat" if kvikio.defaults.compat_mode() else "gds"
+        ctx, how = nullcontext(), "KvikIO defaults"
+    return io_path, ctx, how
+
+
+def _kvikio_desc(kvikio, how: str) -> str:
+    try:
+        get = kvikio.defaults.get
+        return f"{how}: {get('num_threads')} threads, {get('task_size') >> 20} MiB tasks"
+    except Exception:
+        return how
+
+
+def _need_gpu(device: str, *modules: str):
+    """Lazy imports for the GPU baselines, with a clear reason where one is missing."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"needs a CUDA device (device is {device!r})")
+    mods = []
+    for m in modules:
+        try:
+            mods.append(__import__(m, fromlist=["_"]))
+        except ImportError as e:
+            raise RuntimeError(f"needs {m}, which is not installed ({e})") from None
+    return mods
 
 
 def torch_save(state, directory, device):
-    path = Path(directory) / "baseline.pt"
-    _sync(device)
-    t = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    save_s = time.perf_counter() - t
-    _drop(path)
-    t = time.perf_counter()
-    out = torch.load(path, map_location=device, weights_only=True)
-    _sync(device)
-    load_s = time.perf_counter() - t
-    del out
-    r = _result("torch.save + fsync / torch.load", save_s, load_s, path, state, "cpu",
-                f"map_location={device}, weights_only=True")
-    path.unlink()
-    return r
+    """torch.save of the whole state to one file; torch.load(map_location=device, weights_only=True)."""
+    originals = [t for _, t in _tensors(state)[0]]
+    with _scratch(directory, "baseline.pt") as path:
+        _sync(device)
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        save_s = time.perf_counter() - t0
+        drop_page_cache(path)
+        t0 = time.perf_counter()
+        out = torch.load(path, map_location=device, weights_only=True)
+        _sync(device)
+        load_s = time.perf_counter() - t0
+        exact = _same([t for _, t in _tensors(out)[0]], originals)
+        return {"name": "torch.save + fsync / torch.load", "save_s": save_s, "load_s": load_s,
+                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": "cpu",
+                "notes": f"weights_only=True, map_location={device}; bit-exact: {exact}{_fs_note(directory)}"}
 
 
 def safetensors_file(state, directory, device):
+    """safetensors save_file of the flattened tensors ("/"-joined keys); load_file(device=device)."""
     from safetensors.torch import load_file, save_file
-    path = Path(directory) / "baseline.safetensors"
-    tensors = {leaf.key: leaf.tensor.contiguous() for leaf in flatten(state)[1]}
-    _sync(device)
-    t = time.perf_counter()
-    save_file(tensors, path)
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-    save_s = time.perf_counter() - t
-    _drop(path)
-    t = time.perf_counter()
-    out = load_file(path, device=device)
-    _sync(device)
-    load_s = time.perf_counter() - t
-    del out
-    r = _result("safetensors save_file / load_file", save_s, load_s, path, state, "cpu",
-                "tensors only (plain values dropped); shared storage not supported")
-    path.unlink()
-    return r
+    originals, skipped = _tensors(state)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # safetensors wants an explicit index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    with _scratch(directory, "baseline.safetensors") as path:
+        _sync(device)
+        t0 = time.perf_counter()
+        # safetensors refuses tensors that share storage (tied weights): those get their own copy.
+        seen, tensors, cloned = set(), {}, 0
+        for k, t in originals:
+            ptr = (t.device, t.untyped_storage().data_ptr())
+            if t.numel() and ptr in seen:
+                t, cloned = t.clone(), cloned + 1
+            seen.add(ptr)
+            tensors[k] = t.contiguous()
+        save_file(tensors, path)
+        _fsync(path)
+        save_s = time.perf_counter() - t0
+        drop_page_cache(path)
+        t0 = time.perf_counter()
+        out = load_file(path, device=str(dev))
+        _sync(device)
+        load_s = time.perf_counter() - t0
+        exact = _same([out[k] for k, _ in originals], [t for _, t in originals])
+        notes = f"tensors only: {skipped} non-tensor values (e.g. param_groups) not saved"
+        notes += f"; {cloned} shared-storage tensors copied" if cloned else ""
+        return {"name": "safetensors save_file / load_file", "save_s": save_s, "load_s": load_s,
+                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": "cpu",
+                "notes": f"{notes}; bit-exact: {exact}{_fs_note(directory)}"}
+
+
+def _u8(cupy, t: torch.Tensor):
+    """A uint8 CuPy view of a contiguous CUDA tensor's bytes (bf16 has no array-interface type)."""
+    return cupy.asarray(t.detach().reshape(-1).view(torch.uint8))
 
 
 def kvikio_raw(state, directory, device):
-    """The uncompressed floor of the same I/O path: every tensor's bytes from device memory."""
-    if not device.startswith("cuda"):
-        raise RuntimeError("needs a CUDA device")
-    import kvikio
-    from gdsckpt.gpu.backend import as_cupy
-    path = Path(directory) / "baseline.raw"
-    views = [leaf.tensor.contiguous().reshape(-1).view(torch.uint8) for leaf in flatten(state)[1]]
-    views = [v if v.is_cuda else v.to(device) for v in views]
-    offsets, pos = [], 0
-    for v in views:
-        offsets.append(pos)
-        pos = (pos + v.numel() + 4095) // 4096 * 4096
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    with kvikio.CuFile(path, "w") as f:
-        futs = [f.pwrite(as_cupy(v), v.numel(), o) for v, o in zip(views, offsets) if v.numel()]
-        for fut in futs:
-            fut.get()
-        os.fsync(f.fileno())
-    save_s = time.perf_counter() - t
-    _drop(path)
-    dst = [torch.empty_like(v) for v in views]
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    with kvikio.CuFile(path, "r") as f:
-        futs = [f.pread(as_cupy(v), v.numel(), o) for v, o in zip(dst, offsets) if v.numel()]
-        for fut in futs:
-            fut.get()
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - t
-    mode = "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
-    r = _result("KvikIO raw (uncompressed)", save_s, load_s, path, state, mode, "one CuFile, 4 KiB aligned")
-    path.unlink()
-    return r
+    """The uncompressed floor of gdsckpt's I/O path: every tensor's bytes written from device
+    memory with KvikIO into one file (back to back, 4 KiB aligned), read back into preallocated
+    device tensors."""
+    kvikio, cupy = _need_gpu(device, "kvikio", "cupy")
+    originals = [t for _, t in _tensors(state)[0]]
+    with _scratch(directory, "baseline.raw") as path:
+        # Staging tensors that are not contiguous on `device` is a copy this baseline would make
+        # too; keep it out of the timing so that the row measures I/O alone.
+        src = [t.to(device).contiguous() for t in originals]
+        offsets, pos = [], 0
+        for t in src:
+            offsets.append(pos)
+            pos += -(-t.nbytes // 4096) * 4096
+        io_path, settings, how = _kvikio_setup(kvikio)
+        with settings:
+            desc = _kvikio_desc(kvikio, how)
+            _sync(device)
+            t0 = time.perf_counter()
+            with kvikio.CuFile(path, "w") as f:
+                futures = [f.pwrite(_u8(cupy, t), t.nbytes, off) for t, off in zip(src, offsets) if t.nbytes]
+                for fut in futures:
+                    fut.get()
+            _fsync(path)
+            save_s = time.perf_counter() - t0
+            del src
+            drop_page_cache(path)
+            dst = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in originals]
+            _sync(device)
+            t0 = time.perf_counter()
+            with kvikio.CuFile(path, "r") as f:
+                futures = [f.pread(_u8(cupy, t), t.nbytes, off) for t, off in zip(dst, offsets) if t.nbytes]
+                for fut in futures:
+                    fut.get()
+            _sync(device)
+            load_s = time.perf_counter() - t0
+        exact = _same(dst, originals)
+        return {"name": "KvikIO raw (uncompressed)", "save_s": save_s, "load_s": load_s,
+                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": io_path,
+                "notes": f"{len(dst)} tensors, one CuFile, 4 KiB aligned, {desc}; no container format "
+                         f"(offsets kept in memory); bit-exact: {exact}{_fs_note(directory)}"}
 
 
 def nvcomp_zstd_blob(state, directory, device):
-    """NVIDIA's checkpoint-compression blog approach: torch.save to memory, one nvCOMP Zstd
-    compression of the whole blob on the GPU, one KvikIO write; the reverse on load."""
-    if not device.startswith("cuda"):
-        raise RuntimeError("needs a CUDA device")
-    import cupy
-    import kvikio
-    from nvidia import nvcomp
-    path = Path(directory) / "baseline.zst"
-    codec = nvcomp.Codec(algorithm="Zstd")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    blob = cupy.asarray(memoryview(buf.getbuffer()).cast("B"))
-    comp = cupy.asarray(codec.encode(nvcomp.as_array(blob))).view(cupy.uint8)
-    with kvikio.CuFile(path, "w") as f:
-        f.pwrite(comp, comp.nbytes, 0).get()
-        os.fsync(f.fileno())
-    save_s = time.perf_counter() - t
-    n = comp.nbytes
-    del blob, comp, buf
-    _drop(path)
-    t = time.perf_counter()
-    comp = cupy.empty(n, dtype=cupy.uint8)
-    with kvikio.CuFile(path, "r") as f:
-        f.pread(comp, n, 0).get()
-    raw = cupy.asarray(codec.decode(nvcomp.as_array(comp))).view(cupy.uint8).get()
-    out = torch.load(io.BytesIO(raw.tobytes()), map_location=device, weights_only=True)
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - t
-    del out
-    mode = "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
-    r = _result("torch.save -> nvCOMP Zstd blob (NVIDIA blog)", save_s, load_s, path, state, mode,
-                "serialize on the CPU, compress whole blob on the GPU")
-    path.unlink()
-    return r
+    """The approach of NVIDIA's checkpoint-compression blog post: torch.save into memory, copy
+    the blob to the GPU, compress it with nvCOMP Zstd in one call, write it with KvikIO; load
+    reads the blob, decompresses it on the GPU and torch.loads the bytes."""
+    kvikio, cupy, nvcomp = _need_gpu(device, "kvikio", "cupy", "nvidia.nvcomp")
+    import numpy as np
+    originals = [t for _, t in _tensors(state)[0]]
+    codec = nvcomp.Codec(algorithm="Zstd")  # created once, as a trainer would
+    io_path, settings, how = _kvikio_setup(kvikio)
+    with _scratch(directory, "baseline.nvcomp-zstd") as path, settings:
+        desc = _kvikio_desc(kvikio, how)
+        _sync(device)
+        t0 = time.perf_counter()
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        blob = cupy.asarray(np.frombuffer(buf.getbuffer(), dtype=np.uint8))
+        comp = codec.encode(nvcomp.as_array(blob))
+        n = comp.buffer_size
+        comp_u8 = cupy.asarray(comp).view(cupy.uint8).reshape(-1)[:n]
+        _sync(device)  # nvCOMP may run on its own stream; KvikIO must see the finished output
+        with kvikio.CuFile(path, "w") as f:
+            f.pwrite(comp_u8, n, 0).get()
+        _fsync(path)
+        save_s = time.perf_counter() - t0
+        pickle_bytes = buf.getbuffer().nbytes
+        del buf, blob, comp, comp_u8
+        drop_page_cache(path)
+        t0 = time.perf_counter()
+        comp_u8 = cupy.empty(n, dtype=cupy.uint8)
+        with kvikio.CuFile(path, "r") as f:
+            f.pread(comp_u8, n, 0).get()
+        raw = cupy.asarray(codec.decode(nvcomp.as_array(comp_u8))).view(cupy.uint8).reshape(-1)
+        _sync(device)
+        out = torch.load(io.BytesIO(raw.get().tobytes()), map_location=device, weights_only=True)
+        _sync(device)
+        load_s = time.perf_counter() - t0
+        exact = _same([t for _, t in _tensors(out)[0]], originals)
+        return {"name": "torch.save -> nvCOMP Zstd blob (NVIDIA blog)", "save_s": save_s, "load_s": load_s,
+                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": io_path,
+                "notes": f"pickled on the CPU ({pickle_bytes} B), one nvCOMP Zstd call on the whole blob, "
+                         f"one KvikIO write ({desc}); bit-exact: {exact}{_fs_note(directory)}"}
 
 
 BASELINES = {"torch_save": torch_save, "safetensors": safetensors_file, "kvikio_raw": kvikio_raw,
