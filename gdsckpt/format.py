@@ -298,6 +298,9 @@ def _codec(spec, stream: int, bad) -> dict:
     if spec["name"] in NVCOMP_CODECS and not (isinstance(spec.get("nvcomp"), str)
                                              and isinstance(spec.get("data_type"), str)):
         raise bad(f"stream {stream}: {spec['name']} codec without nvCOMP version or data type")
+    ucs = spec.get("uncomp_chunk_size")
+    if ucs is not None and not (_is_int(ucs) and ALIGN <= ucs <= 16 << 20 and ucs & (ucs - 1) == 0):
+        raise bad(f"stream {stream}: nvCOMP chunk size {ucs!r} is not a power of two in [4 KiB, 16 MiB]")
     return spec
 
 

@@ -61,7 +61,7 @@ class NvcompCodecs:
         _live.add(self)
 
     def _codec(self, spec: dict) -> nvcomp.Codec:
-        key = (spec["name"], spec.get("data_type"))
+        key = (spec["name"], spec.get("data_type"), spec.get("uncomp_chunk_size"))
         codec = self._codecs.get(key)
         if codec is None:
             opts = {"algorithm": _ALGORITHM[spec["name"]], "device_id": self._device, "cuda_stream": self._stream.ptr}
@@ -69,6 +69,8 @@ class NvcompCodecs:
                 opts["bitstream_kind"] = nvcomp.BitstreamKind.RAW
             else:
                 opts["data_type"] = spec["data_type"]
+            if "uncomp_chunk_size" in spec:  # encode only: the native bitstream records it for decode
+                opts["uncomp_chunk_size"] = spec["uncomp_chunk_size"]
             codec = self._codecs[key] = nvcomp.Codec(**opts)
         return codec
 
