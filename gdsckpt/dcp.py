@@ -1,0 +1,428 @@
+"""torch.distributed.checkpoint storage plugin: each rank saves through gdsckpt, PyTorch plans.
+
+    import torch.distributed.checkpoint as dcp
+    from gdsckpt.dcp import GdsckptWriter, GdsckptReader
+
+    dcp.save(state_dict, storage_writer=GdsckptWriter("/ckpt/step100"))
+    dcp.load(state_dict, storage_reader=GdsckptReader("/ckpt/step100"))
+    fut = dcp.async_save(state_dict, storage_writer=GdsckptWriter("/ckpt/step200"))
+
+A checkpoint is a directory: one gdsckpt file per rank that had something to write,
+`__{rank}_0.gdsckpt`, holding all of that rank's write items (tensors from the device they
+are on, so a rank's GPU shards are compressed by its own GPU; byte items as uint8 tensors),
+and DCP's own `.metadata` (DCP's Metadata object, pickled as FileSystemWriter does). Each
+item's storage_data is a plain dict {"file": name, "key": key}: nothing of ours is pickled,
+and planning, deduplication and resharding stay with PyTorch's planners.
+
+Commit point: `.metadata`. DCP calls `finish` on the coordinator only after every rank's
+`write_data` succeeded (an exception on any rank is gathered and raised as a
+CheckpointException on every rank, and `finish` does not run). When overwriting, the
+coordinator removes the old `.metadata` before any rank writes, so a failed overwrite leaves
+no committed checkpoint rather than old metadata over a mix of old and new files. `finish`
+writes `.metadata` to a temporary, fsyncs it, renames it and fsyncs the directory; every
+rank file is already durable (gdsckpt.save fsyncs and renames), so the checkpoint is durable
+once dcp.save returns.
+
+Loading reads each file's index once and only the chunks of the tensors the rank needs; a
+read item that covers a whole stored tensor is decoded straight into the target shard's
+memory (its GPU memory for GPU shards), others are read into a temporary on the target's
+device and the requested slice copied in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import re
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import api
+from .dtypes import name_of
+from .errors import CheckpointFormatError, GdsckptError
+from .storage import fsync_dir
+
+__all__ = ["GdsckptWriter", "GdsckptReader", "DCP_VERSION", "METADATA_FILE", "SUFFIX"]
+
+METADATA_FILE = ".metadata"  # DCP's name for it: FileSystemReader finds it there too
+SUFFIX = ".gdsckpt"
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION in torch 2.4-2.13
+_RANK_FILE = re.compile(r"^__\d+_\d+" + re.escape(SUFFIX) + "$")
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The gdsckpt key of a write item: its FQN, and for tensors the chunk's offset in the
+    global tensor (one rank may hold several chunks of one FQN)."""
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+def _metadata_path(root: Path, rank: int | None) -> Path:
+    return root / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+
+
+def _cuda_device(tensors) -> int | None:
+    for t in tensors:
+        if t.is_cuda:
+            return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return None
+
+
+def _settle(tensors) -> None:
+    """Wait for work the caller queued on its current CUDA stream(s), which may still be writing
+    these tensors (gdsckpt's ring runs on its own stream)."""
+    for dev in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
+class _OnDevice:
+    """Make `index` the current CUDA device (gdsckpt's GPU backend works on the current one;
+    DCP's async save runs write_data on a thread whose current device is 0)."""
+
+    def __init__(self, index: int | None):
+        self.ctx = torch.cuda.device(index) if index is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        return False
+
+
+class GdsckptWriter(StorageWriter, AsyncStager):
+    """StorageWriter for dcp.save / dcp.async_save: one gdsckpt file per rank.
+
+    path: the checkpoint directory (created if missing; the checkpoint_id passed to dcp.save
+    replaces it). overwrite: replace a checkpoint already in the directory (its `.metadata` is
+    removed before any rank writes, and its rank files that the new checkpoint does not use
+    are removed after it commits); False raises instead. codec, chunk_bytes, ring_depth, io,
+    io_threads, backend: passed to gdsckpt.save (backend None: the GPU when a rank's items
+    include CUDA tensors and the GPU backend is usable, else the CPU).
+
+    As dcp.async_save's stager (used when no async_stager is passed), `async_staging`
+    decides where the snapshot lives: "device" (default) copies each tensor on its own device
+    (GPU shards device-to-device on a side stream, synchronized before dcp.async_save
+    returns), so the background save still compresses on the GPU; it costs one full copy of
+    the rank's state on its GPU. "cpu" stages to host memory as DCP's default stager does
+    (no GPU memory; the background save then compresses on the CPU). After dcp.async_save
+    returns the state dict is safe to mutate; wait on its future before the next save to
+    the same directory.
+    """
+
+    _synchronize_after_execute = False  # stage() is complete when it returns
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, codec="auto",
+                 chunk_bytes: int | None = None, ring_depth: int = api.DEFAULT_RING_DEPTH, io: str = "auto",
+                 io_threads: int | None = None, backend: str | None = None, async_staging: str = "device"):
+        super().__init__()
+        if async_staging not in ("device", "cpu"):
+            raise ValueError(f"async_staging must be 'device' or 'cpu', not {async_staging!r}")
+        self.path = Path(path)
+        self.overwrite = overwrite
+        self.save_options = dict(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
+                                 io_threads=io_threads, backend=backend)
+        self.async_staging = async_staging
+        self.save_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+        self.last_stats: api.Stats | None = None  # this rank's gdsckpt.save Stats from the last write_data
+
+    # -- StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _own_metadata(self) -> Path:
+        return _metadata_path(self.path, None if self.use_collectives or self.rank is None else self.rank)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta = self._own_metadata()
+        if meta.exists() and not self.overwrite:
+            raise GdsckptError(f"a checkpoint is already committed in {str(self.path)!r} "
+                               f"({meta.name} exists) and overwrite=False")
+        if not self.use_collectives:
+            if self.rank is None:
+                raise GdsckptError("use_collectives=False needs DCP to pass the rank to set_up_storage_writer")
+            self._uncommit(meta)  # no coordinator: each rank retires its own metadata
+            plan = dataclasses.replace(plan, storage_data=f"__{self.rank}_")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator after every rank planned and before any rank writes.
+        self._uncommit(_metadata_path(self.path, None))
+        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=f"__{i}_")
+                for i, p in enumerate(plans)]
+
+    def _uncommit(self, meta: Path) -> None:
+        if meta.exists():
+            meta.unlink()
+            fsync_dir(self.path)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        prefix = plan.storage_data
+        if not isinstance(prefix, str):
+            raise GdsckptError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
+                               "prepare_global_plan skipped?")
+        name = f"{prefix}0{SUFFIX}"
+        state: dict[str, torch.Tensor] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            key = item_key(item.index)
+            if key in state:
+                raise GdsckptError(f"two write items share the key {key!r}")
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
+                    torch.empty(0, dtype=torch.uint8)
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise GdsckptError(f"write item {key!r} resolved to {type(data).__name__}, not a tensor")
+                t = data.detach()
+            state[key] = t
+            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
+                                       storage_data={"file": name, "key": key}))
+        self.last_stats = None
+        if state:
+            _settle(state.values())
+            with _OnDevice(_cuda_device(state.values())):
+                self.last_stats = api.save(state, self.path / name, **self.save_options)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.version = DCP_VERSION  # as FileSystemWriter: the object dcp.save returns is the one stored
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        final = self._own_metadata()
+        tmp = final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump(metadata, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.path)
+        if self.use_collectives:  # old rank files the new checkpoint does not use (a larger world before)
+            used = {sd["file"] for sd in storage_md.values() if isinstance(sd, dict)}
+            for p in self.path.iterdir():
+                if _RANK_FILE.match(p.name) and p.name not in used:
+                    p.unlink(missing_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _local_dir_id(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    # -- AsyncStager (dcp.async_save)
+    def stage(self, state_dict):
+        if self.async_staging == "cpu":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)
+            finally:
+                stager.close()
+        from .async_save import snapshot_state_dict
+        return snapshot_state_dict(state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class GdsckptReader(StorageReader):
+    """StorageReader for dcp.load of a checkpoint written by GdsckptWriter.
+
+    backend, io, io_threads, ring_depth: passed to gdsckpt.open (backend None: the GPU when
+    a target is a CUDA tensor or a chunk needs nvCOMP, else the CPU).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, backend: str | None = None, io: str = "auto",
+                 io_threads: int | None = None, ring_depth: int = api.DEFAULT_RING_DEPTH):
+        super().__init__()
+        self.path = Path(path)
+        self.open_options = dict(backend=backend, io=io, io_threads=io_threads, ring_depth=ring_depth)
+        self.storage_data: dict = {}
+        self.load_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.last_stats: list[api.Stats] = []  # one per gdsckpt read of the last read_data
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = _metadata_path(self.path, kwargs.get("rank"))
+        # DCP's own metadata file, unpickled exactly as DCP's FileSystemReader does.
+        with open(path, "rb") as f:
+            metadata = pickle.load(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointFormatError("the DCP metadata has no storage_data", path=self.path)
+        bad = next((v for v in metadata.storage_data.values()
+                    if not (isinstance(v, dict) and isinstance(v.get("file"), str) and isinstance(v.get("key"), str))),
+                   None)
+        if bad is not None:
+            raise CheckpointFormatError(
+                f"this checkpoint was not written by GdsckptWriter (an item's storage data is "
+                f"{type(bad).__name__}); read it with the StorageReader that wrote it, e.g. FileSystemReader",
+                path=self.path)
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: dict[str, list[tuple[ReadItem, str]]] = defaultdict(list)
+        for ri in plan.items:
+            sd = self.storage_data[ri.storage_index]
+            name = sd["file"]
+            if "/" in name or "\\" in name or name in ("", ".", ".."):
+                raise CheckpointFormatError(f"the metadata names a file outside the checkpoint: {name!r}",
+                                            path=self.path)
+            per_file[name].append((ri, sd["key"]))
+        self.last_stats = []
+        for name, reqs in per_file.items():
+            with api.open(self.path / name, **self.open_options) as ck:
+                self._read_file(ck, reqs, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, ck: api.Checkpoint, reqs, planner: LoadPlanner) -> None:
+        entries = ck.index.plan.tensors
+        index_of = {}
+        for _, key in reqs:
+            if key not in ck:
+                raise CheckpointFormatError("the DCP metadata names a key the file does not hold",
+                                            path=ck.path, key=key)
+            index_of[key] = ck._by_key[key]
+        # Byte items (pickled non-tensor values, as DCP's planner made them): host memory.
+        byte_reqs = [(ri, index_of[k]) for ri, k in reqs if ri.type == LoadItemType.BYTE_IO]
+        if byte_reqs:
+            got = ck._read(sorted({i for _, i in byte_reqs}), "cpu")
+            self._stats(ck)
+            for ri, i in byte_reqs:
+                planner.load_bytes(ri, io.BytesIO(got[i].numpy().tobytes()))
+        # Tensor items: resolve every target first, then read per stored tensor.
+        by_stored: dict[int, list[tuple[ReadItem, torch.Tensor]]] = defaultdict(list)
+        for ri, k in reqs:
+            if ri.type != LoadItemType.BYTE_IO:
+                by_stored[index_of[k]].append((ri, planner.resolve_tensor(ri).detach()))
+        direct: dict[int, torch.Tensor] = {}
+        staged: dict[torch.device, list[int]] = defaultdict(list)
+        for i, items in by_stored.items():
+            e = entries[i]
+            ri, target = items[0]
+            whole = (len(items) == 1 and all(int(o) == 0 for o in ri.storage_offsets)
+                     and tuple(int(n) for n in ri.lengths) == tuple(e.shape))
+            if (whole and tuple(target.shape) == tuple(e.shape) and name_of(target.dtype) == e.dtype
+                    and target.device.type in ("cpu", "cuda") and target.layout == torch.strided):
+                direct[i] = target  # decoded straight into the target shard's memory
+            else:
+                staged[items[0][1].device].append(i)
+        if direct:
+            _settle(direct.values())  # nothing queued before may land on the shards after the decode
+            with _OnDevice(_cuda_device(direct.values())):
+                ck._read(list(direct), None, into=direct)
+            self._stats(ck)
+            for i in direct:
+                ri, target = by_stored[i][0]
+                planner.commit_tensor(ri, target)
+        for device, idx in staged.items():
+            dev = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+            with _OnDevice(dev.index if dev.type == "cuda" else None):
+                got = ck._read(idx, dev)
+            self._stats(ck)
+            for i in idx:
+                for ri, target in by_stored[i]:
+                    src = _narrow(got[i], ri.storage_offsets, ri.lengths)
+                    if tuple(src.shape) != tuple(target.shape):
+                        raise CheckpointFormatError(
+                            f"read item {ri.storage_index} is {list(src.shape)} in the checkpoint but the target "
+                            f"is {list(target.shape)}", path=ck.path, key=entries[i].key)
+                    target.copy_(src)
+                    planner.commit_tensor(ri, target)
+                del got[i]
+
+    def _stats(self, ck: api.Checkpoint) -> None:
+        if ck.last_stats is not None:
+            self.last_stats.append(ck.last_stats)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _local_dir_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+
+def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        t = t.narrow(dim, int(o), int(n))
+    return t
+
+
+def _local_dir_id(checkpoint_id) -> bool:
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    s = os.fspath(checkpoint_id)
+    if isinstance(s, bytes) or "://" in s:
+        return False
+    p = Path(s)
+    return not p.exists() or p.is_dir()
