@@ -7,8 +7,8 @@ python3 -m pytest -q -m gpu -W ignore::DeprecationWarning -W ignore::UserWarning
 grep -E "passed|failed|overall|garbage" $OUT/gpu-tests.log | tail -8
 $B --compare --plot $OUT/compare.png --output $OUT/compare.json --directory /tmp/bench > $OUT/compare.txt 2>&1; echo "compare rc=$?"
 cat $OUT/compare.txt
-$B --size 4GB --compare --output $OUT/disk4g.json --directory /tmp/bench > $OUT/disk4g.txt 2>&1; echo "disk rc=$?"
-cat $OUT/disk4g.txt
+# (the 4.4 GB disk run of round E stands: the change is codec-internal)
+
 $B --size 4GB --target null --loops 5 --output $OUT/null.json > /dev/null 2>&1; echo "null rc=$?"
 $B --size 4GB --target null-d2h --loops 5 --output $OUT/d2h.json > /dev/null 2>&1; echo "d2h rc=$?"
 python3 -c "

@@ -63,6 +63,7 @@ class GpuBackend:
 
     def __enter__(self):
         self._res.lock.acquire()
+        self._caller_stream = torch.cuda.current_stream(self.device)  # before we switch streams
         self._settings.__enter__()
         self._stream_ctx = torch.cuda.stream(self._torch_stream)
         self._stream_ctx.__enter__()
@@ -77,7 +78,7 @@ class GpuBackend:
 
     def begin(self) -> None:
         """Order the pipeline after the caller's pending work on these tensors."""
-        self._torch_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._torch_stream.wait_stream(self._caller_stream)
         self._free_at_start = self._min_free = torch.cuda.mem_get_info(self.device)[0]
 
     def finish(self) -> None:
