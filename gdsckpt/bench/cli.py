@@ -114,7 +114,8 @@ def make_data(spec: str, size: str, device: str) -> tuple[dict, dict]:
     from . import workload
     if spec == "default":
         state = workload.make_state(size, device=device)
-        kind, desc = "realistic", f"GPT-2-shaped model after AdamW training under bf16 autocast, size {size}"
+        where = "" if device.startswith("cuda") else " (emulated on the CPU)"
+        kind, desc = "realistic", f"GPT-2-shaped model after AdamW training under bf16 autocast{where}, size {size}"
     elif spec in ("random", "zeros"):
         nbytes = parse_size(size) if size not in ("auto", "tiny", "gpt2-small") else (
             500 << 20 if device.startswith("cuda") else 32 << 20)
