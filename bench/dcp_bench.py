@@ -40,6 +40,9 @@ from pathlib import Path
 
 import torch
 
+from gdsckpt.bench.baselines import drop_page_cache
+from gdsckpt.storage import fsync_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -173,23 +176,10 @@ def make_reader(method: str, d: Path):
     return timed(FileSystemReader)(d)  # its default extension registry decodes ZStandard streams
 
 
-def fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def drop_cache(d: Path) -> None:
     for p in d.iterdir():
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(p)
 
 
 def rank_files_bytes(d: Path, rank: int) -> int:

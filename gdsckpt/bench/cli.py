@@ -27,6 +27,8 @@ import gdsckpt
 from gdsckpt import api, tree
 from gdsckpt.backend import gpu_status
 
+from .baselines import drop_page_cache
+
 SCHEMA = 1
 SCHEMA_DOC = """
 {schema: 1, date, host, device: {kind: gpu|cpu, name}, versions: {gdsckpt, torch, nvcomp, kvikio, python},
@@ -59,15 +61,6 @@ def _pct(values: list[float], q: float) -> float:
         return 0.0
     v = sorted(values)
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
-
-
-def drop_page_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def disk_probe(directory: Path, nbytes: int, block: int = 64 << 20) -> dict:
