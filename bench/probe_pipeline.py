@@ -5,7 +5,6 @@ trained model's). Used to choose defaults; the committed figures come from gdsck
 import json
 import os
 import sys
-import time
 
 import torch
 

@@ -6,7 +6,6 @@ import itertools
 import json
 import os
 import sys
-import time
 
 import kvikio.defaults
 import torch

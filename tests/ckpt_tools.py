@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
 
 from gdsckpt import format as fmt
 from gdsckpt.checksum import checksum
