@@ -37,23 +37,21 @@ class _Slot:
     stored: object  # stored bytes: codec output on save, read buffer on restore
     pending: object = None  # the I/O future using this slot
     started: float = 0.0
-    chunk: Chunk | None = None
 
 
-def _drain(slots, timings: Timings | None = None, ok: bool = True):
-    """Wait for every in-flight I/O; buffers must outlive the I/O that uses them."""
-    results = []
+def _drain(slots, timings: Timings | None = None, ok: bool = True) -> None:
+    """Wait for every in-flight I/O; buffers must outlive the I/O that uses them.
+    ok=False: on the error path, where the first error is already on its way up."""
     for slot in slots:
         if slot.pending is not None:
             fut, slot.pending = slot.pending, None
             try:
-                results.append((slot, fut.get()))
+                fut.get()
                 if timings is not None:
                     timings.latencies.append(time.perf_counter() - slot.started)
             except Exception:
                 if ok:
                     raise
-    return results
 
 
 def write_chunks(plan: Plan, views, backend, file, depth: int, timings: Timings) -> list[ChunkRecord]:
@@ -121,7 +119,7 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
     slots = [_Slot(backend.empty(max_len), backend.empty(max_stored)) for _ in range(min(depth, len(chunk_ids)))]
 
     def submit(slot, i):
-        slot.chunk, slot.started = plan.chunks[i], time.perf_counter()
+        slot.started = time.perf_counter()
         slot.pending = file.pread(slot.stored, records[i].stored, records[i].file_offset)
 
     try:
@@ -150,9 +148,7 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
                     backend.decode(spec, stored, out, rec.frames)
             except CheckpointFormatError:
                 raise
-            except Exception as e:
-                if getattr(e, "gdsckpt_passthrough", False):
-                    raise
+            except Exception as e:  # a decoder's own complaint about the bytes it was given
                 raise CheckpointFormatError(f"chunk failed to decode ({type(e).__name__}: {e})",
                                             path=path, key=key, chunk=i) from e
             t = timings.add("decompress", t)
