@@ -157,7 +157,7 @@ def _stream_stats(plan, records) -> list[dict]:
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a 1-D uint8 tensor. Non-contiguous tensors are copied (that tensor only)."""
-    t = t.detach().resolve_conj().resolve_neg()
+    t = t.resolve_conj().resolve_neg()  # flatten() already detached it
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)

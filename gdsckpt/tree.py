@@ -34,18 +34,20 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
     leaves: list[Leaf] = []
     seen_keys: set[str] = set()
 
+    def at(path: tuple) -> str:  # only on the error path: most states hold thousands of nodes
+        return key_str(path) or "<root>"
+
     def walk(obj, path: tuple) -> dict:
-        where = key_str(path) or "<root>"
         if len(path) > MAX_DEPTH:
-            raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} levels (or cyclic) at {where!r}")
+            raise UnsupportedStateError(f"state is nested deeper than {MAX_DEPTH} levels (or cyclic) at {at(path)!r}")
         if isinstance(obj, torch.Tensor):
-            return {"tensor": add_leaf(obj, path, where)}
+            return {"tensor": add_leaf(obj, path)}
         if isinstance(obj, dict):
             items = []
             for k, v in obj.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise UnsupportedStateError(
-                        f"dict key {k!r} at {where!r} is a {type(k).__name__}; only str and int keys can be saved")
+                        f"dict key {k!r} at {at(path)!r} is a {type(k).__name__}; only str and int keys can be saved")
                 items.append([k, walk(v, path + (k,))])
             return {"dict": items}
         if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
@@ -53,13 +55,15 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             return {kind: [walk(v, path + (i,)) for i, v in enumerate(obj)]}
         if isinstance(obj, _PLAIN):
             if isinstance(obj, int) and not -_INT_LIMIT < obj < _INT_LIMIT:
-                raise UnsupportedStateError(f"int at {where!r} has more than 4300 digits, more than a reader accepts")
+                raise UnsupportedStateError(f"int at {at(path)!r} has more than 4300 digits, more than a reader accepts")
             return {"value": obj}
         raise UnsupportedStateError(
-            f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {where!r}: "
+            f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {at(path)!r}: "
             "gdsckpt saves tensors and int, float, bool, str, None in dicts, lists and tuples")
 
-    def add_leaf(t: torch.Tensor, path: tuple, where: str) -> int:
+    def add_leaf(t: torch.Tensor, path: tuple) -> int:
+        key = key_str(path)
+        where = key or "<root>"
         if t.layout != torch.strided:
             raise UnsupportedStateError(f"tensor {where!r} has layout {t.layout}; only dense tensors can be saved")
         if t.is_quantized:
@@ -68,7 +72,6 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             raise UnsupportedStateError(f"tensor {where!r} has dtype {t.dtype}, which gdsckpt does not store")
         if t.device.type not in ("cpu", "cuda"):
             raise UnsupportedStateError(f"tensor {where!r} is on {t.device}; only cpu and cuda tensors can be saved")
-        key = key_str(path)
         if key in seen_keys:
             raise UnsupportedStateError(f"two tensors share the key path {key!r}; rename one")
         seen_keys.add(key)
