@@ -18,7 +18,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def assert_same(a, b, where="<root>"):
-    """Bit-exact equality of two state trees (tensors compared by bytes, so NaNs and -0.0 count)."""
+    """Bit-exact equality of two state trees: tensors by bytes, floats by repr (NaN, -0.0, inf),
+    container types exact except that any dict equals any dict (model.state_dict() is an OrderedDict)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
@@ -28,15 +29,17 @@ def assert_same(a, b, where="<root>"):
         return
     assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (where, type(a), type(b))
     if isinstance(a, dict):
-        assert list(a) == list(b), where
+        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], where
         for k in a:
             assert_same(a[k], b[k], f"{where}/{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, float):
+        assert repr(a) == repr(b), (where, a, b)
     else:
-        assert a == b or (a != a and b != b), (where, a, b)
+        assert a == b, (where, a, b)
 
 
 def all_dtype_tensors(device="cpu", n=1000, seed=0):

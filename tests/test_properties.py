@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import gdsckpt
+from conftest import assert_same
 from gdsckpt import codecs, dtypes
 from gdsckpt import format as fmt
 from gdsckpt.checksum import checksum
@@ -62,28 +63,6 @@ trees = st.recursive(
     max_leaves=14)
 
 
-def same(a, b, where="<root>"):
-    """Bit-exact: tensors by bytes, floats by repr (NaN, -0.0, inf), exact container types."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        ab = a.contiguous().reshape(-1).view(torch.uint8)
-        bb = b.contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(ab, bb), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b) and [type(k) for k in a] == [type(k) for k in b], where
-        for k in a:
-            same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}/{i}")
-    elif isinstance(a, float):
-        assert repr(a) == repr(b), (where, a, b)
-    else:
-        assert a == b, (where, a, b)
-
-
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     return tmp_path_factory.mktemp("props")
@@ -101,7 +80,7 @@ def test_state_tree_round_trip(scratch, state, codec, chunk):
     except UnsupportedStateError as e:
         assume("share the key path" not in str(e))  # {"a/b": t, "a": {"b": t}}: refused, by design
         raise
-    same(gdsckpt.load(p), state)
+    assert_same(gdsckpt.load(p), state)
 
 
 def test_ints_a_reader_would_refuse_are_refused_before_writing(tmp_path):

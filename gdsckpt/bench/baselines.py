@@ -68,7 +68,7 @@ def _logical(state) -> int:
     return sum(t.nbytes for _, t in _tensors(state)[0])
 
 
-def _same(a: list, b: list) -> bool:
+def same_tensors(a: list, b: list) -> bool:
     """Bitwise equality of two tensor lists (byte views: NaN-safe, -0.0 != 0.0)."""
     def raw(t):
         return t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -156,7 +156,7 @@ def torch_save(state, directory, device):
         out = torch.load(path, map_location=device, weights_only=True)
         _sync(device)
         load_s = time.perf_counter() - t0
-        exact = _same([t for _, t in _tensors(out)[0]], originals)
+        exact = same_tensors([t for _, t in _tensors(out)[0]], originals)
         return {"name": "torch.save + fsync / torch.load", "save_s": save_s, "load_s": load_s,
                 "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": "cpu",
                 "notes": f"weights_only=True, map_location={device}; bit-exact: {exact}{_fs_note(directory)}"}
@@ -188,7 +188,7 @@ def safetensors_file(state, directory, device):
         out = load_file(path, device=str(dev))
         _sync(device)
         load_s = time.perf_counter() - t0
-        exact = _same([out[k] for k, _ in originals], [t for _, t in originals])
+        exact = same_tensors([out[k] for k, _ in originals], [t for _, t in originals])
         notes = f"tensors only: {skipped} non-tensor values (e.g. param_groups) not saved"
         notes += f"; {cloned} shared-storage tensors copied" if cloned else ""
         return {"name": "safetensors save_file / load_file", "save_s": save_s, "load_s": load_s,
@@ -237,7 +237,7 @@ def kvikio_raw(state, directory, device):
                     fut.get()
             _sync(device)
             load_s = time.perf_counter() - t0
-        exact = _same(dst, originals)
+        exact = same_tensors(dst, originals)
         return {"name": "KvikIO raw (uncompressed)", "save_s": save_s, "load_s": load_s,
                 "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": io_path,
                 "notes": f"{len(dst)} tensors, one CuFile, 4 KiB aligned, {desc}; no container format "
@@ -280,7 +280,7 @@ def nvcomp_zstd_blob(state, directory, device):
         out = torch.load(io.BytesIO(raw.get().tobytes()), map_location=device, weights_only=True)
         _sync(device)
         load_s = time.perf_counter() - t0
-        exact = _same([t for _, t in _tensors(out)[0]], originals)
+        exact = same_tensors([t for _, t in _tensors(out)[0]], originals)
         return {"name": "torch.save -> nvCOMP Zstd blob (NVIDIA blog)", "save_s": save_s, "load_s": load_s,
                 "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": io_path,
                 "notes": f"pickled on the CPU ({pickle_bytes} B), one nvCOMP Zstd call on the whole blob, "
