@@ -102,12 +102,11 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
         specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
         plan = make_plan(specs, lambda dtype: codecs.resolve(codec, dtype, gpu=kind == "gpu",
                                                              nvcomp_version=be.nvcomp_version), chunk_bytes)
-        views = [_byte_view(l.tensor) for l in leaves]
-        devices = ["cuda" if l.tensor.is_cuda else "cpu" for l in leaves]
+        tensors = [l.tensor for l in leaves]
         timings = Timings()
         if _sink is not None:  # gdsckpt-bench's null targets: the pipeline with storage removed
             be.begin()
-            records = write_chunks(plan, views, be, _sink, ring_depth, timings)
+            records = write_chunks(plan, tensors, be, _sink, ring_depth, timings)
             be.finish()
             return Stats("save", "<null>", be.name, be.io_path, plan.logical_bytes, sum(r.stored for r in records),
                          0, len(plan.chunks), chunk_bytes, ring_depth, time.perf_counter() - t_start,
@@ -117,13 +116,14 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
         try:
             be.begin()
             pwrite_all(file.fd, fmt.header_bytes(), 0)
-            records = write_chunks(plan, views, be, file, ring_depth, timings)
+            records = write_chunks(plan, tensors, be, file, ring_depth, timings)
             t = time.perf_counter()
             index_offset = fmt.align_up(records[-1].file_offset + records[-1].stored) if records else fmt.HEADER_SIZE
             meta = {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
                                "torch": torch.__version__}}
+            devices = ["cuda" if t.is_cuda else "cpu" for t in tensors]
             index = fmt.encode_index(meta, skeleton, devices, plan, records)
             pwrite_all(file.fd, index + fmt.footer_bytes(index_offset, index), index_offset)
             os.fsync(file.fd)
@@ -153,14 +153,6 @@ def _stream_stats(plan, records) -> list[dict]:
     for s in out:
         s["ratio"] = s["stored_bytes"] / s["logical_bytes"] if s["logical_bytes"] else 1.0
     return out
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a 1-D uint8 tensor. Non-contiguous tensors are copied (that tensor only)."""
-    t = t.resolve_conj().resolve_neg()  # flatten() already detached it
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 # ---------------------------------------------------------------- reading

@@ -39,17 +39,25 @@ class CpuBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def gather(self, dst: torch.Tensor, pieces) -> None:
-        """pieces: (offset in dst, source byte view, offset in source, length)."""
-        for at, src, off, n in pieces:
-            dst[at:at + n].copy_(src[off:off + n])
+    def gatherer(self, plan, views):
+        """(chunk, staging) -> the chunk's logical bytes: a view of its tensor where the chunk
+        lies inside one, else its segments copied into `staging`."""
+        def gather(chunk, staging: torch.Tensor) -> torch.Tensor:
+            segs = chunk.segments
+            if len(segs) == 1 and views.tensors[segs[0].tensor].device.type == "cpu":
+                s = segs[0]
+                return views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
+            for s in segs:
+                staging[s.chunk_offset:s.chunk_offset + s.length].copy_(
+                    views[s.tensor][s.tensor_offset:s.tensor_offset + s.length])
+            return staging
+        return gather
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
         return nbytes  # anything larger is stored raw instead
 
     def encode(self, spec, src, out, scratch):
-        stored, frames = self._codecs.encode(spec, src.numpy(), out.numpy())
-        return stored, frames, out
+        return self._codecs.encode(spec, src.numpy(), out.numpy())
 
     def decode(self, spec, stored, out, frames) -> None:
         self._codecs.decode(spec, stored.numpy(), out.numpy(), frames)

@@ -7,10 +7,12 @@ tensor segments. A chunk that lies inside one tensor needs no gather copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+# NamedTuples, not frozen dataclasses: a save builds thousands of these, and a frozen
+# dataclass costs several times more to construct.
+class TensorEntry(NamedTuple):
     key: str
     dtype: str
     shape: tuple[int, ...]
@@ -19,16 +21,14 @@ class TensorEntry:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     tensor: int  # index into Plan.tensors
     tensor_offset: int  # byte offset inside the tensor
     chunk_offset: int  # byte offset inside the chunk
     length: int
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     index: int
     stream: int
     offset: int  # logical byte offset inside the stream

@@ -3,8 +3,11 @@
 
 Backend-neutral: byte views are 1-D uint8 torch tensors, and the backend
 (gdsckpt/backend.py for the CPU, gdsckpt/gpu/backend.py for the GPU) supplies
-buffers, copies, codecs, checksums and files whose futures have `.get()`.
-A slot is reused only after the I/O that used it has completed.
+buffers, the gather, copies, codecs, checksums and files whose futures have `.get()`.
+A slot holds one chunk's stored bytes and is reused only after the I/O that used it has
+completed. The logical-bytes buffer (gather target on save, decode target on restore) is one
+for the whole ring: its use ends, in stream order, before the next chunk's begins.
+GPU memory: chunk + depth x stored bound (nvCOMP's worst case, ~1.16 x chunk for ANS).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import torch
 
 from .errors import ChecksumError, CheckpointFormatError
 from .format import HEADER_SIZE, ChunkRecord, align_up
@@ -33,10 +38,31 @@ class Timings:
 
 @dataclass
 class _Slot:
-    staging: object  # logical bytes: gather target on save, decode target on restore
     stored: object  # stored bytes: codec output on save, read buffer on restore
     pending: object = None  # the I/O future using this slot
     started: float = 0.0
+
+
+class ByteViews:
+    """Tensor i's bytes as a 1-D uint8 view, made on first use: a save of thousands of tensors
+    reaches most of them only through a pointer, and a view costs microseconds to make.
+    Non-contiguous (or lazily conjugated / negated) tensors are copied, that tensor only."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self._views: dict[int, object] = {}
+
+    def plain(self, i: int) -> bool:
+        """True if tensor i's own memory holds its bytes in order (data_ptr() is usable)."""
+        t = self.tensors[i]
+        return t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+    def __getitem__(self, i: int):
+        v = self._views.get(i)
+        if v is None:
+            t = self.tensors[i].resolve_conj().resolve_neg()
+            v = self._views[i] = t.contiguous().reshape(-1).view(torch.uint8)
+        return v
 
 
 def _drain(slots, timings: Timings | None = None, ok: bool = True) -> None:
@@ -54,13 +80,15 @@ def _drain(slots, timings: Timings | None = None, ok: bool = True) -> None:
                     raise
 
 
-def write_chunks(plan: Plan, views, backend, file, depth: int, timings: Timings) -> list[ChunkRecord]:
-    """Compress and write every chunk of `plan`; `views[i]` is tensor i's bytes."""
+def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timings) -> list[ChunkRecord]:
+    """Compress and write every chunk of `plan`; `tensors[i]` is plan.tensors[i]'s tensor."""
     if not plan.chunks:
         return []
     max_len = max(c.length for c in plan.chunks)
     max_stored = max(backend.max_stored(s.codec, max_len) for s in plan.streams)
-    slots = [_Slot(backend.empty(max_len), backend.empty(max_stored)) for _ in range(depth)]
+    gather = backend.gatherer(plan, ByteViews(tensors))
+    staging = backend.empty(max_len)
+    slots = [_Slot(backend.empty(max_stored)) for _ in range(depth)]
     records: list[ChunkRecord] = []
     offset = HEADER_SIZE
     try:
@@ -73,16 +101,18 @@ def write_chunks(plan: Plan, views, backend, file, depth: int, timings: Timings)
                 timings.latencies.append(time.perf_counter() - slot.started)
                 t = timings.add("wait_io", t)
             slot.started = t
-            src = _gather(chunk, views, slot, backend)
+            src = gather(chunk, staging[:chunk.length])
             t = timings.add("gather", t)
             spec = plan.streams[chunk.stream].codec
-            # The codec writes into slot.stored, or, when it must repack its output, into slot.staging.
-            stored, frames, payload = backend.encode(spec, src, slot.stored, slot.staging)
+            stored, frames = backend.encode(spec, src, slot.stored, staging)
             t = timings.add("compress", t)
             raw = stored < 0
             if raw:  # would not shrink: store the logical bytes as they are
-                payload, stored, frames = src, chunk.length, None
-            payload = payload[:stored]
+                stored, frames = chunk.length, None
+                if src.data_ptr() == staging.data_ptr():  # staging is the next chunk's: keep a copy
+                    backend.copy(slot.stored[:stored], src)
+                    src = slot.stored
+            payload = src[:stored] if raw else slot.stored[:stored]
             ck = backend.checksum(payload)
             t = timings.add("checksum", t)
             slot.pending = file.pwrite(payload, stored, offset)
@@ -97,17 +127,6 @@ def write_chunks(plan: Plan, views, backend, file, depth: int, timings: Timings)
     return records
 
 
-def _gather(chunk: Chunk, views, slot: _Slot, backend):
-    if len(chunk.segments) == 1:
-        s = chunk.segments[0]
-        view = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
-        if backend.direct(view):
-            return view
-    dst = slot.staging[:chunk.length]
-    backend.gather(dst, [(s.chunk_offset, views[s.tensor], s.tensor_offset, s.length) for s in chunk.segments])
-    return dst
-
-
 def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Timings, path) -> None:
     """Read, verify and decode the chunks `chunk_ids` into the tensors' byte views `views`
     (views[i] may be None for a tensor nobody asked for)."""
@@ -116,7 +135,8 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
         return
     max_len = max(plan.chunks[i].length for i in chunk_ids)
     max_stored = max(records[i].stored for i in chunk_ids)
-    slots = [_Slot(backend.empty(max_len), backend.empty(max_stored)) for _ in range(min(depth, len(chunk_ids)))]
+    staging = backend.empty(max_len)
+    slots = [_Slot(backend.empty(max_stored)) for _ in range(min(depth, len(chunk_ids)))]
 
     def submit(slot, i):
         slot.started = time.perf_counter()
@@ -139,7 +159,7 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
                 raise ChecksumError("stored bytes do not match their checksum: the chunk is corrupt",
                                     path=path, key=key, chunk=i)
             t = timings.add("verify", t)
-            out = _target(chunk, views, slot, backend)
+            out = _target(chunk, views, staging, backend)
             spec = plan.streams[chunk.stream].codec
             try:
                 if rec.raw:
@@ -152,12 +172,12 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
                 raise CheckpointFormatError(f"chunk failed to decode ({type(e).__name__}: {e})",
                                             path=path, key=key, chunk=i) from e
             t = timings.add("decompress", t)
-            if out.data_ptr() == slot.staging.data_ptr():
+            if out.data_ptr() == staging.data_ptr():
                 for s in chunk.segments:
                     if views[s.tensor] is not None:
                         backend.copy(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
                                      out[s.chunk_offset:s.chunk_offset + s.length])
-            backend.synchronize()  # the slot's buffers are free only once the decode has run
+            backend.synchronize()  # staging and the slot are free only once the decode has run
             t = timings.add("scatter", t)
             timings.latencies.append(time.perf_counter() - slot.started)
             if j + len(slots) < len(chunk_ids):
@@ -166,7 +186,7 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
         _drain(slots, ok=False)
 
 
-def _target(chunk: Chunk, views, slot: _Slot, backend):
+def _target(chunk: Chunk, views, staging, backend):
     """Decode straight into the destination tensor when the chunk lies inside one."""
     if len(chunk.segments) == 1:
         s = chunk.segments[0]
@@ -174,4 +194,4 @@ def _target(chunk: Chunk, views, slot: _Slot, backend):
             view = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
             if backend.direct(view):
                 return view
-    return slot.staging[:chunk.length]
+    return staging[:chunk.length]

@@ -24,6 +24,10 @@ def _odd_state(device):
         "big_bf16": (big * 0.02).to(torch.bfloat16).to(device),
         "tiny": [torch.randn(3, generator=g).to(device) for _ in range(2000)],
         "cpu_step": torch.tensor(150.0),
+        "cpu_big": torch.randn(700_000, generator=g),  # above the small-host-tensor upload: copied per segment
+        # odd byte lengths: later segments sit 1, 2, 4 or 8 bytes off their chunk's alignment
+        "odd_bf16": [torch.randn(n, generator=g).to(torch.bfloat16).to(device) for n in (1, 7, 333, 100_001)],
+        "odd_u8": [torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8).to(device) for n in (1, 3, 17, 70_001)],
         "plain": {"lr": 1e-3, "betas": (0.9, 0.95), "name": "adamw", "flag": True, "none": None},
     }
 
@@ -38,6 +42,16 @@ def test_roundtrip_every_codec_and_dtype(tmp_path, codec):
     assert out["big_bf16"].is_cuda and not out["cpu_step"].is_cuda
     assert_same(out, state)
     assert_same(gdsckpt.load(p, device="cuda")["tiny"], state["tiny"])
+
+
+def test_ring_memory_stays_within_depth_x_2_x_chunk(tmp_path):
+    """Issue 4, target 6: one logical-bytes buffer plus `depth` stored-bytes slots, whatever the state's size."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    state = {f"w{i}": torch.randn(4 << 20, generator=g, device="cuda") for i in range(16)}  # 256 MiB
+    chunk = 16 << 20
+    stats = gdsckpt.save(state, tmp_path / "m.gdsckpt", chunk_bytes=chunk)
+    assert stats.memory["ring_gpu_bytes"] <= stats.ring_depth * 2 * chunk, stats.memory
+    assert_same(gdsckpt.load(tmp_path / "m.gdsckpt"), state)
 
 
 def test_default_codec_is_typed_ans_and_shrinks_bf16(tmp_path):

@@ -215,7 +215,7 @@ def base_state(name: str, device: str, cache_dir: str | None = None, steps: int 
     train_dev = device if torch.device(device).type == "cuda" else "cpu"
     paths = _cache_paths(cache_dir, name, steps, torch.device(train_dev).type)
     if paths and all(p.exists() for p in paths):
-        return _to(_unflatten(load_file(paths[0]), json.loads(paths[1].read_text())), device)
+        return _steps_on_cpu(_to(_unflatten(load_file(paths[0]), json.loads(paths[1].read_text())), device))
     state = _train(name, train_dev, steps)
     if paths:
         tensors, meta = _flatten(state)
@@ -225,7 +225,15 @@ def base_state(name: str, device: str, cache_dir: str | None = None, steps: int 
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # atomic: concurrent runs share the dir
             write(tmp)
             os.replace(tmp, path)
-    return _to(state, device)
+    return _steps_on_cpu(_to(state, device))
+
+
+def _steps_on_cpu(state: dict) -> dict:
+    """torch.optim.AdamW keeps each parameter's `step` on the CPU unless it is capturable or
+    fused, so a GPU training state mixes host scalars into its fp32 tensors: keep that mix."""
+    for s in state["optimizer"]["state"].values():
+        s["step"] = s["step"].cpu()
+    return state
 
 
 def parse_size(s: str) -> int:
@@ -238,7 +246,8 @@ def parse_size(s: str) -> int:
 def make_state(size: str = "auto", device: str | None = None, cache_dir: str | None = None,
                steps: int | None = None) -> dict:
     """A realistic mixed-precision training state: {"model": {name: bf16}, "optimizer":
-    AdamW.state_dict(), "master": {name: fp32}}, all tensors on `device`.
+    AdamW.state_dict(), "master": {name: fp32}}, on `device` but for AdamW's `step` counters,
+    which stay on the CPU as torch.optim.AdamW keeps them.
 
     size: "tiny" (4 layers, d_model 192, 256-token vocabulary; ~26 MB), "gpt2-small" (GPT-2 small's
     shapes with an untied head; ~2.28 GB), "auto" (gpt2-small on CUDA, tiny on the CPU), or a

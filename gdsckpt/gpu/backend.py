@@ -17,7 +17,7 @@ from .codecs import NvcompCodecs, nvcomp_version
 from .io import DeviceFile, io_settings
 from .kernels import Checksummer
 
-SMALL_SEGMENT = 1 << 20  # below this a segment is gathered by the batched kernel, above by cudaMemcpy
+SMALL_HOST_TENSOR = 1 << 20  # host tensors up to this size are uploaded together, once per save
 
 __all__ = ["GpuBackend", "nvcomp_version"]
 
@@ -103,25 +103,69 @@ class GpuBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=dst.is_cuda and src.is_cuda)
 
-    def gather(self, dst: torch.Tensor, pieces) -> None:
-        """pieces: (offset in dst, source byte view, offset in source, length). Small device
-        segments go in one kernel launch; large ones and host ones are copied one by one."""
-        base, table = dst.data_ptr(), []
-        for at, src, off, n in pieces:
-            if n < SMALL_SEGMENT and src.device == self.device:
-                table += (src.data_ptr() + off, base + at, n)
+    def gatherer(self, plan, views):
+        """(chunk, staging) -> the chunk's logical bytes on this GPU: a view of its tensor where the
+        chunk lies inside one, else its segments gathered into `staging` by one kernel launch.
+
+        The tile tables of every chunk are built with numpy and uploaded once, here, so the ring's
+        per-chunk work does not grow with the tensor count. Small host tensors (AdamW's `step`
+        counters live on the CPU) are packed and uploaded together once; large host tensors and
+        tensors on another GPU are copied segment by segment."""
+        tensors, dev = views.tensors, self.device.index
+        ptr = np.zeros(len(tensors), dtype=np.int64)
+        small_host, far = [], set()
+        for i, t in enumerate(tensors):
+            if t.is_cuda and t.get_device() == dev:
+                ptr[i] = t.data_ptr() if views.plain(i) else views[i].data_ptr()
+            elif not t.is_cuda and t.nbytes <= SMALL_HOST_TENSOR:
+                small_host.append(i)
             else:
-                self.copy(dst[at:at + n], src[off:off + n])
-        if table:
-            kernels.gather(self._stream, np.array(table, dtype=np.uint64))
+                far.add(i)
+        keep = []  # device memory the tables point into; alive until the save's last launch
+        if small_host:
+            packed = torch.cat([views[i] for i in small_host]).to(self.device, non_blocking=False)
+            keep.append(packed)
+            at = np.cumsum([0] + [tensors[i].nbytes for i in small_host[:-1]])
+            ptr[small_host] = packed.data_ptr() + at
+        direct: dict[int, torch.Tensor] = {}
+        rows, chunk_of = [], []
+        for c in plan.chunks:
+            segs = c.segments
+            if len(segs) == 1:  # inside one tensor: compress from its memory if it is here and aligned
+                s = segs[0]
+                if tensors[s.tensor].is_cuda and s.tensor not in far and (int(ptr[s.tensor]) + s.tensor_offset) % 16 == 0:
+                    direct[c.index] = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
+                    continue
+            for s in segs:
+                if s.tensor not in far:
+                    rows.append((int(ptr[s.tensor]) + s.tensor_offset, s.chunk_offset, s.length))
+                    chunk_of.append(c.index)
+        table = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        tiles = kernels.gather_tiles(table[:, 0], table[:, 1], table[:, 2])
+        tile_chunk = np.repeat(np.array(chunk_of, dtype=np.int64), -(-table[:, 2] // kernels.GATHER_TILE))
+        bounds = np.searchsorted(tile_chunk, np.arange(len(plan.chunks) + 1))
+        with self._stream:
+            dev_tiles = cupy.asarray(tiles)
+        far_segs = {c.index: [s for s in c.segments if s.tensor in far] for c in plan.chunks} if far else {}
+
+        def gather(chunk, staging: torch.Tensor, _keep=keep) -> torch.Tensor:
+            if chunk.index in direct:
+                return direct[chunk.index]
+            lo, hi = bounds[chunk.index], bounds[chunk.index + 1]
+            kernels.gather(self._stream, dev_tiles[lo:hi], staging.data_ptr())
+            for s in far_segs.get(chunk.index, ()):
+                self.copy(staging[s.chunk_offset:s.chunk_offset + s.length],
+                          views[s.tensor][s.tensor_offset:s.tensor_offset + s.length])
+            return staging
+        return gather
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
         return self._codecs.max_stored(spec, nbytes)
 
     def encode(self, spec, src, out, scratch):
-        stored, frames, buf = self._codecs.encode(spec, as_cupy(src), as_cupy(out), as_cupy(scratch))
+        result = self._codecs.encode(spec, as_cupy(src), as_cupy(out), as_cupy(scratch))
         self._min_free = min(self._min_free, torch.cuda.mem_get_info(self.device)[0])
-        return stored, frames, (None if buf is None else (out if buf.data.ptr == out.data_ptr() else scratch))
+        return result
 
     def decode(self, spec, stored, out, frames) -> None:
         self._codecs.decode(spec, as_cupy(stored), as_cupy(out), frames)

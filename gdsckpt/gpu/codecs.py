@@ -60,8 +60,10 @@ class NvcompCodecs:
         self._configs: dict[tuple, object] = {}
         _live.add(self)
 
-    def _codec(self, spec: dict) -> nvcomp.Codec:
+    def _codec(self, spec: dict, decode: bool = False) -> nvcomp.Codec:
         key = (spec["name"], spec.get("data_type"), spec.get("uncomp_chunk_size"))
+        if decode:  # any codec of the algorithm and type decodes: the bitstream records the rest
+            key = next((k for k in self._codecs if k[:2] == key[:2]), key)
         codec = self._codecs.get(key)
         if codec is None:
             opts = {"algorithm": _ALGORITHM[spec["name"]], "device_id": self._device, "cuda_stream": self._stream.ptr}
@@ -89,12 +91,13 @@ class NvcompCodecs:
         return _round(self._codec(spec).get_max_comp_buffer_size(nvcomp.as_array(probe)))
 
     def encode(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray):
-        """(stored length, frames, buffer holding the stored bytes), or (-1, None, None) if it would not shrink.
+        """(stored length, frames) with the stored bytes in `out`, or (-1, None) if it would not shrink.
+        `scratch` may be overwritten (it may be `src` itself: src is consumed in stream order).
 
         Always the batched call: with caller-owned output buffers only a BatchArray reports the
         compressed sizes. ans/bitcomp: one entry (nvCOMP splits it internally); zstd: one per frame."""
         if spec["name"] == "raw":
-            return -1, None, None
+            return -1, None
         codec, n, ptr = self._codec(spec), src.nbytes, self._stream.ptr
         if spec["name"] != "zstd":
             srcs = nvcomp.as_arrays(_typed(src, spec), [0], [n], cuda_stream=ptr)
@@ -104,7 +107,7 @@ class NvcompCodecs:
                 self._configs[key] = codec.compression_config([n])
             result = codec.encode(srcs, out=outs, compression_config=self._configs[key])
             stored = result.buffer_sizes[0]  # waits: the ring needs the size
-            return (stored, None, out) if stored < n else (-1, None, None)
+            return (stored, None) if stored < n else (-1, None)
         bounds = frame_bounds(n, spec["frame_bytes"])
         stride = self._bound(spec, bounds[0][1])
         srcs = nvcomp.as_arrays(src, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
@@ -113,16 +116,18 @@ class NvcompCodecs:
         offsets = frame_offsets(frames)
         stored = offsets[-1]
         if stored >= n:
-            return -1, None, None
-        # Pack the frames into scratch as FORMAT.md lays them out (src is consumed: stream order).
+            return -1, None
+        # Pack the frames as FORMAT.md lays them out: through scratch, as a packed frame may
+        # overlap a later frame's unpacked bytes.
         with self._stream:
             scratch[:stored].fill(0)
             for i, k in enumerate(frames):
                 scratch[offsets[i]:offsets[i] + k] = out[i * stride:i * stride + k]
-        return stored, frames, scratch
+            out[:stored] = scratch[:stored]
+        return stored, frames
 
     def decode(self, spec: dict, stored: cupy.ndarray, out: cupy.ndarray, frames) -> None:
-        codec, ptr = self._codec(spec), self._stream.ptr
+        codec, ptr = self._codec(spec, decode=True), self._stream.ptr
         if spec["name"] != "zstd":
             srcs = nvcomp.as_arrays(stored, [0], [stored.nbytes], cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)

@@ -4,6 +4,7 @@ The calls are the same in both modes, so a GDS host runs this code unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -32,7 +33,7 @@ def gds_available() -> bool:
 
 def io_settings(requested: str, io_threads: int | None, task_size: int | None):
     """(io path that will run, context manager applying the KvikIO settings for it)."""
-    settings = {"num_threads": io_threads or DEFAULT_THREADS}
+    settings = {}
     if task_size:
         settings["task_size"] = task_size
     if "KVIKIO_AUTO_DIRECT_IO_WRITE" not in os.environ:  # a user's own KvikIO setting wins
@@ -55,7 +56,13 @@ def io_settings(requested: str, io_threads: int | None, task_size: int | None):
         path = "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
     else:
         raise ValueError(f"io must be 'auto', 'gds' or 'compat', not {requested!r}")
-    return path, kvikio.defaults.set(settings)
+    # KvikIO rebuilds its thread pool whenever num_threads changes, so the pool is resized only
+    # when asked for a different size, and left at that size afterwards (not reverted per save).
+    threads = io_threads or DEFAULT_THREADS
+    if kvikio.defaults.get("num_threads") != threads:
+        kvikio.defaults.set("num_threads", threads)
+    changed = {k: v for k, v in settings.items() if kvikio.defaults.get(k) != v}
+    return path, kvikio.defaults.set(changed) if changed else contextlib.nullcontext()
 
 
 class _Once:

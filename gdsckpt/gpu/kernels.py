@@ -1,9 +1,11 @@
-"""The chunk checksum (FORMAT.md) on device memory, in one pass: the same value gdsckpt/checksum.py
-computes on the CPU, so that chunks are verified on the GPU before any decoder sees them."""
+"""The pipeline's own CUDA kernels: the chunk checksum (FORMAT.md) in one pass over device memory,
+the same value gdsckpt/checksum.py computes on the CPU, so that chunks are verified on the GPU
+before any decoder sees them; and the gather of a chunk's tensor segments in one launch."""
 
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from ..checksum import LENGTH_MIX, MASK
 
@@ -34,37 +36,59 @@ extern "C" __global__ void gdsckpt_checksum(const unsigned char* data, unsigned 
 """
 _kernel = cupy.RawKernel(_SOURCE, "gdsckpt_checksum")
 
-# Many small tensors into one chunk in one launch: a block per segment, the widest loads the
-# segment's alignment allows. Large segments go to cudaMemcpy (gdsckpt/gpu/backend.py).
+# A chunk's tensor segments in one launch, cut into tiles of at most GATHER_TILE bytes (one block
+# per tile): launch count no longer grows with the tensor count, and big segments are spread over
+# many SMs. Each tile copies with the widest word that its source and destination share the
+# alignment of (bytes up to that alignment first): AdamW's 4-byte `step` tensors put most fp32
+# segments 4 bytes off a 16-byte boundary, and a byte loop there ran at a fraction of HBM speed.
+GATHER_TILE = 256 << 10
 _GATHER = r"""
-extern "C" __global__ void gdsckpt_gather(const unsigned long long* table, int n) {
-    for (int seg = blockIdx.x; seg < n; seg += gridDim.x) {
-        const unsigned char* src = (const unsigned char*)table[3 * seg];
-        unsigned char* dst = (unsigned char*)table[3 * seg + 1];
-        unsigned long long len = table[3 * seg + 2];
-        unsigned long long align = ((unsigned long long)src | (unsigned long long)dst | len);
-        if ((align & 15ULL) == 0) {
-            for (unsigned long long i = threadIdx.x; i < len / 16; i += blockDim.x)
-                ((uint4*)dst)[i] = ((const uint4*)src)[i];
-        } else if ((align & 3ULL) == 0) {
-            for (unsigned long long i = threadIdx.x; i < len / 4; i += blockDim.x)
-                ((unsigned int*)dst)[i] = ((const unsigned int*)src)[i];
-        } else {
-            for (unsigned long long i = threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
-        }
+template <typename W>
+__device__ void copy_words(const unsigned char* src, unsigned char* dst, long long len) {
+    long long head = (long long)((sizeof(W) - ((unsigned long long)dst & (sizeof(W) - 1))) & (sizeof(W) - 1));
+    if (head > len) head = len;
+    for (long long i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+    long long words = (len - head) / (long long)sizeof(W);
+    const W* s = (const W*)(src + head);
+    W* d = (W*)(dst + head);
+    for (long long i = threadIdx.x; i < words; i += blockDim.x) d[i] = s[i];
+    for (long long i = head + words * (long long)sizeof(W) + threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+}
+
+extern "C" __global__ void gdsckpt_gather(const long long* tiles, int n, unsigned char* base) {
+    for (int t = blockIdx.x; t < n; t += gridDim.x) {
+        const unsigned char* src = (const unsigned char*)tiles[3 * t];
+        unsigned char* dst = base + tiles[3 * t + 1];
+        long long len = tiles[3 * t + 2];
+        unsigned long long skew = (unsigned long long)src ^ (unsigned long long)dst;
+        if ((skew & 15ULL) == 0) copy_words<uint4>(src, dst, len);
+        else if ((skew & 7ULL) == 0) copy_words<uint2>(src, dst, len);
+        else if ((skew & 3ULL) == 0) copy_words<unsigned int>(src, dst, len);
+        else if ((skew & 1ULL) == 0) copy_words<unsigned short>(src, dst, len);
+        else copy_words<unsigned char>(src, dst, len);
     }
 }
 """
 _gather_kernel = cupy.RawKernel(_GATHER, "gdsckpt_gather")
 
 
-def gather(stream: cupy.cuda.Stream, table) -> None:
-    """table: numpy uint64 array of (src pointer, dst pointer, length) triples."""
-    n = len(table) // 3
+def gather_tiles(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Segments (source pointer, offset in the chunk, length) -> (n, 3) int64 tiles of at most GATHER_TILE."""
+    count = -(-length // GATHER_TILE)
+    seg = np.repeat(np.arange(len(length)), count)
+    first = np.cumsum(count) - count
+    at = (np.arange(len(seg)) - first[seg]) * GATHER_TILE
+    return np.stack([src[seg] + at, dst[seg] + at, np.minimum(GATHER_TILE, length[seg] - at)], axis=1)
+
+
+def gather(stream: cupy.cuda.Stream, tiles: cupy.ndarray, base: int) -> None:
+    """Run the (n, 3) device tile table `tiles` into the chunk buffer at device address `base`."""
+    n = len(tiles)
     if n:
         with stream:
-            dev = cupy.asarray(table)  # pool memory; the copy is ordered on `stream`
-            _gather_kernel((min(n, 65535),), (256,), (dev, cupy.int32(n)))
+            _gather_kernel((min(n, 1 << 16),), (256,), (tiles, cupy.int32(n), cupy.uint64(base)))
+
+
 _THREADS = 256
 
 
