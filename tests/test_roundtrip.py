@@ -147,6 +147,22 @@ def test_replaces_existing_checkpoint_atomically(tmp_path):
     assert os.listdir(tmp_path) == ["c.gdsckpt"]
 
 
+def test_replaced_checkpoints_are_let_go_after_the_save(tmp_path):
+    """The replaced file is closed on a background thread (its blocks are freed after the save
+    returns): no descriptor may be left behind, and the name always holds the newest save."""
+    from gdsckpt import storage
+    p = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"v": torch.zeros(10)}, p)
+    storage._releaser.submit(lambda: None).result()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        gdsckpt.save({"v": torch.full((10,), float(i))}, p)
+        assert torch.equal(gdsckpt.load(p)["v"], torch.full((10,), float(i)))
+    storage._releaser.submit(lambda: None).result()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.listdir(tmp_path) == ["c.gdsckpt"]
+
+
 def test_ans_needs_a_gpu_on_save_and_on_load(tmp_path):
     with pytest.raises(gdsckpt.CodecUnavailableError, match="zstd"):
         gdsckpt.save({"w": torch.ones(4)}, tmp_path / "x.gdsckpt", codec="ans")

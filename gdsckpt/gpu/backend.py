@@ -113,49 +113,47 @@ class GpuBackend:
         tensors on another GPU are copied segment by segment."""
         tensors, dev = views.tensors, self.device.index
         ptr = np.zeros(len(tensors), dtype=np.int64)
-        small_host, far = [], set()
+        here = np.zeros(len(tensors), dtype=bool)  # on this GPU: compressible in place
+        small_host = []
         for i, t in enumerate(tensors):
             if t.is_cuda and t.get_device() == dev:
                 ptr[i] = t.data_ptr() if views.plain(i) else views[i].data_ptr()
+                here[i] = True
             elif not t.is_cuda and t.nbytes <= SMALL_HOST_TENSOR:
                 small_host.append(i)
-            else:
-                far.add(i)
-        keep = []  # device memory the tables point into; alive until the save's last launch
+        packed = None  # device memory the tables point into: alive as long as `gather`
         if small_host:
-            packed = torch.cat([views[i] for i in small_host]).to(self.device, non_blocking=False)
-            keep.append(packed)
-            at = np.cumsum([0] + [tensors[i].nbytes for i in small_host[:-1]])
-            ptr[small_host] = packed.data_ptr() + at
+            packed = torch.cat([views[i] for i in small_host]).to(self.device)
+            ptr[small_host] = packed.data_ptr() + np.cumsum([0] + [tensors[i].nbytes for i in small_host[:-1]])
+        far = ~here
+        far[small_host] = False  # what is left: large host tensors, tensors on another GPU
+        # (tensor, offset in it, offset in the chunk, length, chunk) per segment
+        seg = np.array([(s.tensor, s.tensor_offset, s.chunk_offset, s.length, c.index)
+                        for c in plan.chunks for s in c.segments], dtype=np.int64).reshape(-1, 5)
         direct: dict[int, torch.Tensor] = {}
-        rows, chunk_of = [], []
-        for c in plan.chunks:
-            segs = c.segments
-            if len(segs) == 1:  # inside one tensor: compress from its memory if it is here and aligned
-                s = segs[0]
-                if tensors[s.tensor].is_cuda and s.tensor not in far and (int(ptr[s.tensor]) + s.tensor_offset) % 16 == 0:
+        for c in plan.chunks:  # inside one tensor here, at nvCOMP's alignment: compress from its memory
+            if len(c.segments) == 1:
+                s = c.segments[0]
+                if here[s.tensor] and (ptr[s.tensor] + s.tensor_offset) % 16 == 0:
                     direct[c.index] = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
-                    continue
-            for s in segs:
-                if s.tensor not in far:
-                    rows.append((int(ptr[s.tensor]) + s.tensor_offset, s.chunk_offset, s.length))
-                    chunk_of.append(c.index)
-        table = np.array(rows, dtype=np.int64).reshape(-1, 3)
-        tiles = kernels.gather_tiles(table[:, 0], table[:, 1], table[:, 2])
-        tile_chunk = np.repeat(np.array(chunk_of, dtype=np.int64), -(-table[:, 2] // kernels.GATHER_TILE))
+        gathered = ~far[seg[:, 0]] & ~np.isin(seg[:, 4], list(direct))
+        rows = seg[gathered]
+        tiles = kernels.gather_tiles(ptr[rows[:, 0]] + rows[:, 1], rows[:, 2], rows[:, 3])
+        tile_chunk = np.repeat(rows[:, 4], -(-rows[:, 3] // kernels.GATHER_TILE))
         bounds = np.searchsorted(tile_chunk, np.arange(len(plan.chunks) + 1))
         with self._stream:
             dev_tiles = cupy.asarray(tiles)
-        far_segs = {c.index: [s for s in c.segments if s.tensor in far] for c in plan.chunks} if far else {}
+        far_segs: dict[int, list] = {}
+        for t, toff, coff, n, c in seg[far[seg[:, 0]]].tolist():
+            far_segs.setdefault(c, []).append((t, toff, coff, n))
 
-        def gather(chunk, staging: torch.Tensor, _keep=keep) -> torch.Tensor:
+        def gather(chunk, staging: torch.Tensor, _packed=packed) -> torch.Tensor:
             if chunk.index in direct:
                 return direct[chunk.index]
             lo, hi = bounds[chunk.index], bounds[chunk.index + 1]
             kernels.gather(self._stream, dev_tiles[lo:hi], staging.data_ptr())
-            for s in far_segs.get(chunk.index, ()):
-                self.copy(staging[s.chunk_offset:s.chunk_offset + s.length],
-                          views[s.tensor][s.tensor_offset:s.tensor_offset + s.length])
+            for t, toff, coff, n in far_segs.get(chunk.index, ()):
+                self.copy(staging[coff:coff + n], views[t][toff:toff + n])
             return staging
         return gather
 
