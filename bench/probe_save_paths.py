@@ -41,6 +41,7 @@ for r in range(ROUNDS):
                      "ratio": s.ratio})
         print(json.dumps(rows[-1]), flush=True)
         path.unlink()
+        os.sync()  # free its blocks now, untimed, not inside the next save
 Path(os.environ.get("OUT", "."), "save-paths.json").write_text(json.dumps(
     {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
      "rows": rows}, indent=1))
