@@ -4,6 +4,7 @@ save goes to a fresh name (no replaced file to free). JSON to $OUT/save-paths.js
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import gdsckpt
 from gdsckpt.bench.cli import disk_probe
 from gdsckpt.bench.workload import make_state
 
-ROUNDS = 3
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 d = Path("/tmp/savepaths")
 d.mkdir(exist_ok=True)
 state = make_state("4GB", device="cuda")
