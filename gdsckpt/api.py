@@ -30,7 +30,7 @@ from .tree import flatten, unflatten
 # From the H100 sweeps (bench/results/2026-11-22-h100-*): one nvCOMP call per chunk costs a
 # fixed ~0.1 ms, so gather+compress reached 107-111 GB/s at 128 MiB and 151-165 GB/s at 256 MiB;
 # the disk was the limit at every size, and a third slot gained nothing measurable there.
-# Two slots of 256 MiB cost ~1.1 GiB of GPU memory (staging + nvCOMP's worst-case output each).
+# Two slots of 256 MiB cost 835 MiB of GPU memory: one staging buffer + nvCOMP's worst-case output per slot.
 DEFAULT_CHUNK_BYTES = {"gpu": 256 << 20, "cpu": 16 << 20}
 DEFAULT_RING_DEPTH = 2
 

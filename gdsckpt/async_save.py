@@ -18,7 +18,7 @@ Plain values (int, float, str, ...) are immutable and the containers are rebuilt
 
 What it costs: one full copy of the state's tensors, each on its own device (a state of 40 GB on
 one GPU needs 40 GB free on that GPU), held until the background save finishes, plus what
-`save` itself uses (its ring: about 1.1 GiB of GPU memory at the defaults). The copies run at
+`save` itself uses (its ring: about 835 MiB of GPU memory at the defaults). The copies run at
 device-to-device bandwidth (hundreds of GB/s on an H100/H200), so the training loop stalls for
 well under a second per 100 GB.
 

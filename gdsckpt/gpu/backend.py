@@ -172,9 +172,10 @@ class GpuBackend:
         return self._checksum(as_cupy(buf))
 
     def open(self, path: Path, mode: str) -> DeviceFile:
-        # Opt-in: staging through our own pinned ring measured 1.39-1.57 GB/s against 1.02-1.74 GB/s
-        # for KvikIO's bounce buffers, alternating on one disk (bench/results/2026-11-22-h100-g/):
-        # within that disk's noise, so the default stays the unchanged CuFile-from-device path.
+        # Opt-in: staging through our own pinned ring averaged 96% of the disk's bound over 8 saves
+        # interleaved with the probe, KvikIO's own bounce buffers 90%, but it swung between 51% and
+        # 131% against 81-99% (bench/results/2026-11-22-h100-k/save-paths-8rounds.json): the default
+        # stays the unchanged CuFile-from-device path, the one a GDS host runs.
         staging = mode == "w" and self.io_path == "compat" and os.environ.get("GDSCKPT_COMPAT_STAGING", "0") == "1"
         self._file = DeviceFile(path, mode, as_cupy, self.task_size, host_staging=staging)
         return self._file

@@ -18,7 +18,9 @@ from ..errors import GDSUnavailableError
 
 # Chosen from bench/results/2026-11-22-h100-b/kvikio-sweep.json (H100 host, compat mode, virtio
 # ext4): 4 threads, 4 MiB tasks and O_DIRECT gave the best cold restore (2.9 GB/s logical) and a
-# save within the sweep's noise of the best; 8 threads were slower on both.
+# save within the sweep's noise of the best. Over 8 saves interleaved with the disk probe
+# (2026-11-22-h100-k/save-paths-8rounds.json) they were the steadiest, 81-99% of the disk's bound;
+# 8 threads x 16 MiB tasks averaged a few points higher but swung between 56% and 126%.
 DEFAULT_THREADS = 4
 DEFAULT_DIRECT = True
 
