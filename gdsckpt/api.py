@@ -116,16 +116,23 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
         try:
             be.begin()
             pwrite_all(file.fd, fmt.header_bytes(), 0)
-            records = write_chunks(plan, tensors, be, file, ring_depth, timings)
+            file_end = 0
+
+            def write_index(records):  # runs while the last chunks are still being written
+                nonlocal file_end
+                index_offset = fmt.align_up(records[-1].file_offset + records[-1].stored) if records \
+                    else fmt.HEADER_SIZE
+                meta = {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
+                        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
+                                   "torch": torch.__version__}}
+                devices = ["cuda" if x.is_cuda else "cpu" for x in tensors]
+                index = fmt.encode_index(meta, skeleton, devices, plan, records)
+                pwrite_all(file.fd, index + fmt.footer_bytes(index_offset, index), index_offset)
+                file_end = index_offset + len(index) + fmt.FOOTER_SIZE
+
+            records = write_chunks(plan, tensors, be, file, ring_depth, timings, tail=write_index)
             t = time.perf_counter()
-            index_offset = fmt.align_up(records[-1].file_offset + records[-1].stored) if records else fmt.HEADER_SIZE
-            meta = {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
-                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
-                               "torch": torch.__version__}}
-            devices = ["cuda" if t.is_cuda else "cpu" for t in tensors]
-            index = fmt.encode_index(meta, skeleton, devices, plan, records)
-            pwrite_all(file.fd, index + fmt.footer_bytes(index_offset, index), index_offset)
             os.fsync(file.fd)
             file.close()
             commit(tmp, path)
@@ -137,9 +144,8 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
                 raise OSError(e.errno, f"{e.strerror} while saving (the temporary file was removed)",
                               str(path)) from e
             raise
-        file_bytes = index_offset + len(index) + fmt.FOOTER_SIZE
         return Stats("save", str(path), be.name, be.io_path, plan.logical_bytes,
-                     sum(r.stored for r in records), file_bytes, len(plan.chunks), chunk_bytes, ring_depth,
+                     sum(r.stored for r in records), file_end, len(plan.chunks), chunk_bytes, ring_depth,
                      time.perf_counter() - t_start, dict(timings.stages), timings.latencies,
                      _stream_stats(plan, records), be.memory())
 

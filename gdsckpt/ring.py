@@ -80,9 +80,12 @@ def _drain(slots, timings: Timings | None = None, ok: bool = True) -> None:
                     raise
 
 
-def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timings) -> list[ChunkRecord]:
-    """Compress and write every chunk of `plan`; `tensors[i]` is plan.tensors[i]'s tensor."""
+def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timings, tail=None) -> list[ChunkRecord]:
+    """Compress and write every chunk of `plan`; `tensors[i]` is plan.tensors[i]'s tensor.
+    tail(records), if given, runs once the last chunk is submitted, while its writes are in flight."""
     if not plan.chunks:
+        if tail is not None:
+            tail([])
         return []
     max_len = max(c.length for c in plan.chunks)
     max_stored = max(backend.max_stored(s.codec, max_len) for s in plan.streams)
@@ -120,6 +123,9 @@ def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timing
             records.append(ChunkRecord(offset, stored, raw, ck, frames))
             offset = align_up(offset + stored)
         t = time.perf_counter()
+        if tail is not None:
+            tail(records)
+            t = timings.add("tail", t)
         _drain(slots, timings)
         timings.add("wait_io", t)
     finally:

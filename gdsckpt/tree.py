@@ -7,7 +7,7 @@ The skeleton is plain JSON so that loading never unpickles: containers are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,8 +19,7 @@ _PLAIN = (bool, int, float, str, type(None))
 _INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
 
 
-@dataclass(frozen=True)
-class Leaf:
+class Leaf(NamedTuple):
     key: str  # "/"-joined key path, as users see it in errors and in `open(path).keys()`
     tensor: torch.Tensor
 
@@ -64,7 +63,7 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
         where = key or "<root>"
         if t.layout != torch.strided:
             raise UnsupportedStateError(f"tensor {where!r} has layout {t.layout}; only dense tensors can be saved")
-        if dtypes.name_of(t.dtype) is None:  # quantized dtypes included
+        if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
             raise UnsupportedStateError(f"tensor {where!r} has dtype {t.dtype}, which gdsckpt does not store")
         if not (t.is_cuda or t.is_cpu):
             raise UnsupportedStateError(f"tensor {where!r} is on {t.device}; only cpu and cuda tensors can be saved")
