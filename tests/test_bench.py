@@ -35,3 +35,17 @@ def test_bench_zeros_are_labelled(tmp_path, capsys):
                  "--directory", str(tmp_path), "--no-disk-probe"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["data"]["kind"] == "zeros" and "ZEROS" in d["data"]["description"]
+
+
+def test_workload_sizes_below_and_above_the_base_state():
+    """Scale runs need states of the asked size on both sides of the trained base state: a
+    shallower or deeper GPT, its AdamW state matching parameter for parameter."""
+    from gdsckpt.bench.workload import make_state, nbytes
+    base = make_state("tiny", device="cpu")
+    for size in ("8MB", "40MB"):
+        state = make_state(size, device="cpu")
+        want = int(size[:-2]) << 20
+        assert want <= nbytes(state) < want + nbytes(base) // 2, (size, nbytes(state))
+        assert len(state["optimizer"]["state"]) == len(state["master"]) == len(state["model"])
+        assert state["optimizer"]["param_groups"][0]["params"] == list(range(len(state["master"])))
+    assert len(make_state("8MB", device="cpu")["master"]) < len(base["master"]) < len(make_state("40MB", device="cpu")["master"])

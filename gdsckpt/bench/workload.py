@@ -251,12 +251,13 @@ def make_state(size: str = "auto", device: str | None = None, cache_dir: str | N
 
     size: "tiny" (4 layers, d_model 192, 256-token vocabulary; ~26 MB), "gpt2-small" (GPT-2 small's
     shapes with an untied head; ~2.28 GB), "auto" (gpt2-small on CUDA, tiny on the CPU), or a
-    byte count such as "512MB" / "4GB" / "16GB": the auto base state made deeper, by appending
-    copies of its transformer blocks (block i copies block i % n_layer, each tensor scaled by
-    1 + 1e-2 * N(0,1) deterministic noise, bf16 weights re-cast from the perturbed fp32 master,
-    AdamW state extended to match) until the tensors total at least that many bytes. The
-    result is a coherent state of a deeper GPT: it would load into GPT(n_layer=...) and AdamW.
-    A target below the base state's size returns the base state unchanged.
+    byte count such as "1GB" / "4GB" / "16GB": the auto base state with as many transformer
+    blocks as make the tensors total at least that many bytes. Below the base state's size its
+    first blocks are kept (at least one); above it, copies of its blocks are appended (block i
+    copies block i % n_layer, each tensor scaled by 1 + 1e-2 * N(0,1) deterministic noise, bf16
+    weights re-cast from the perturbed fp32 master, AdamW state extended to match). Either way
+    the result is a coherent state of a GPT of that depth: it would load into GPT(n_layer=...)
+    and AdamW.
     device: default "cuda" if available, else "cpu". Training runs on `device` if it is a GPU,
     else on the CPU (where bf16 autocast is emulated: see _Bf16Matmuls). gpt2-small: 300 steps
     of 4 x 1024 tokens (about one epoch of the corpus); tiny: 60 steps of 4 x 128 tokens.
@@ -283,10 +284,10 @@ def make_state(size: str = "auto", device: str | None = None, cache_dir: str | N
     tail = [n for n in names if not n.startswith("transformer.h.")][2:]  # ln_f, lm_head
     per_block = sum(nbytes(state[part][f"transformer.h.0.{s}"]) for s in block for part in ("model", "master")) \
         + sum(nbytes(state["optimizer"]["state"][pid_of[f"transformer.h.0.{s}"]]) for s in block)
-    extra = max(0, math.ceil((target - total) / per_block))
-    if not extra:
+    depth = max(1, math.ceil((target - (total - layers * per_block)) / per_block))
+    if depth == layers:
         return state
-    new_names = head + [f"transformer.h.{i}.{s}" for i in range(layers + extra) for s in block] + tail
+    new_names = head + [f"transformer.h.{i}.{s}" for i in range(depth) for s in block] + tail
     model, master, opt_state = {}, {}, {}
     old_state = state["optimizer"]["state"]
     for pid, n in enumerate(new_names):
