@@ -1,5 +1,5 @@
 """Host profile of three durable 4 GB saves to fresh files: where the time outside the ring goes."""
-import cProfile, pstats, io, os, time
+import cProfile, pstats, io, os
 from pathlib import Path
 import gdsckpt
 from gdsckpt.bench.sinks import NullSink
