@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gdsckpt.bench.baselines import drop_page_cache
+from gdsckpt.bench.disk import drop_page_cache
 from gdsckpt.storage import fsync_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import gdsckpt
-from gdsckpt.bench.baselines import drop_page_cache
+from gdsckpt.bench.disk import drop_page_cache
 from gdsckpt.bench.sinks import NullSink
 from gdsckpt.bench.workload import make_state
 

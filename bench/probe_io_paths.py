@@ -19,7 +19,7 @@ import kvikio
 import kvikio.defaults
 import torch
 
-from gdsckpt.bench.cli import disk_probe, drop_page_cache
+from gdsckpt.bench.disk import disk_probe, drop_page_cache
 
 TOTAL = int(float(sys.argv[1]) * (1 << 30)) if len(sys.argv) > 1 else 4 << 30
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3

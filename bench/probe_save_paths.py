@@ -12,7 +12,7 @@ import kvikio.defaults
 import torch
 
 import gdsckpt
-from gdsckpt.bench.cli import disk_probe
+from gdsckpt.bench.disk import disk_probe
 from gdsckpt.bench.workload import make_state
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import gdsckpt
 from gdsckpt import tree
-from gdsckpt.bench.cli import disk_probe
+from gdsckpt.bench.disk import disk_probe
 from gdsckpt.bench.workload import make_state
 
 d = Path("/tmp/staging"); d.mkdir(exist_ok=True)

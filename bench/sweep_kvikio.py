@@ -11,7 +11,7 @@ import kvikio.defaults
 import torch
 
 import gdsckpt
-from gdsckpt.bench.cli import disk_probe, drop_page_cache
+from gdsckpt.bench.disk import disk_probe, drop_page_cache
 from gdsckpt.bench.workload import make_state, nbytes
 from pathlib import Path
 

@@ -5,8 +5,8 @@ logical_bytes, io_path, notes}. Saves are timed until the data is durable (fsync
 Loads start cold (the file's pages dropped from the page cache) and end when every tensor is on
 `device` (CUDA synchronized). Files are removed afterwards, also on failure. GPU-only baselines
 raise RuntimeError with the reason where CUDA, KvikIO or nvCOMP is missing; the caller reports
-it. Self-contained: needs nothing from gdsckpt (the KvikIO rows borrow gdsckpt's KvikIO
-settings where gdsckpt is importable, so that the comparison is like for like).
+it. Needs nothing from the library but the bench's own page-cache drop (the KvikIO rows borrow
+gdsckpt's KvikIO settings where gdsckpt is importable, so that the comparison is like for like).
 """
 
 from __future__ import annotations
@@ -19,16 +19,7 @@ from pathlib import Path
 
 import torch
 
-
-def drop_page_cache(path) -> None:
-    """fsync `path`, then evict its pages, so that the next read comes from storage. Dirty pages
-    cannot be evicted, hence the fsync first. No effect on tmpfs (the data only lives in memory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from .disk import drop_page_cache
 
 
 def _fsync(path) -> None:

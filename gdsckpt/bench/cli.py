@@ -13,24 +13,22 @@ import gc
 import itertools
 import json
 import math
-import mmap
 import os
 import platform
 import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import gdsckpt
 from gdsckpt import api, tree
 from gdsckpt.backend import gpu_status
 
-from .baselines import drop_page_cache, same_tensors
+from .baselines import same_tensors
+from .disk import disk_probe, drop_page_cache, mean_probe
 from .workload import parse_size
 
 SCHEMA = 1
@@ -60,53 +58,6 @@ def _pct(values: list[float], q: float) -> float:
         return 0.0
     v = sorted(values)
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
-
-
-def disk_probe(directory: Path, nbytes: int, block: int = 64 << 20) -> dict:
-    """Raw O_DIRECT write (fsync'd) and cold read of `nbytes` of unique random bytes: the storage's
-    own speed. Every block differs (a random block XORed with a per-block key, made by a helper
-    thread during the previous block's write): one block written over and over read back ~20%
-    faster on the H100 host's disk than unique bytes do (bench/results/2026-11-22-h100-p/)."""
-    nbytes = max(block, nbytes // block * block)
-    base = np.frombuffer(os.urandom(block), dtype=np.uint64)
-    bufs = [mmap.mmap(-1, block) for _ in range(2)]  # page aligned, as O_DIRECT wants
-    words = [np.frombuffer(b, dtype=np.uint64) for b in bufs]
-
-    def fill(i: int) -> None:
-        np.bitwise_xor(base, np.uint64((i + 1) * 0x9E3779B97F4A7C15 % (1 << 64)), out=words[i % 2])
-
-    path = directory / ".gdsckpt-bench-disk-probe"
-    try:
-        with ThreadPoolExecutor(1) as helper:
-            fill(0)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-            t = time.perf_counter()
-            for i, off in enumerate(range(0, nbytes, block)):
-                ahead = helper.submit(fill, i + 1)  # numpy and pwrite both release the GIL
-                os.pwrite(fd, bufs[i % 2], off)
-                ahead.result()
-            os.fsync(fd)
-            w = time.perf_counter() - t
-            os.close(fd)
-        drop_page_cache(path)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        t = time.perf_counter()
-        for off in range(0, nbytes, block):
-            os.preadv(fd, [bufs[0]], off)
-        r = time.perf_counter() - t
-        os.close(fd)
-        return {"directory": str(directory), "bytes": nbytes, "direct_write_gbps": nbytes / w / 1e9,
-                "direct_read_gbps": nbytes / r / 1e9}
-    except OSError as e:  # tmpfs and some file systems refuse O_DIRECT
-        return {"directory": str(directory), "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def _mean_probe(probes: list[dict]) -> dict:
-    ok = [p for p in probes if "error" not in p]
-    mean = {k: sum(p[k] for p in ok) / len(ok) for k in ("direct_write_gbps", "direct_read_gbps")} if ok else {}
-    return {"directory": probes[0]["directory"], "bytes": probes[0]["bytes"], **mean, "probes": probes}
 
 
 def versions() -> dict:
@@ -455,7 +406,7 @@ def main(argv=None) -> int:
         jobs = run_jobs(args, state, directory, device, progress)
         if disk is not None and "error" not in disk:  # the disk's weather changes: probe it again after
             progress("probing the disk with O_DIRECT again")
-            disk = _mean_probe([disk, disk_probe(directory, disk["bytes"])])
+            disk = mean_probe([disk, disk_probe(directory, disk["bytes"])])
             for j in jobs:
                 if j["target"] == "file":
                     rate = disk["direct_write_gbps" if j["rw"] == "write" else "direct_read_gbps"]
