@@ -7,17 +7,18 @@
     with gdsckpt.open("ckpt.gdsckpt") as ck: ck.get_tensor("model/wte.weight")
 """
 
-__version__ = "0.1.0"
-
-from .api import Checkpoint, Stats, load, load_into, open, save  # noqa: E402
-from .async_save import save_async  # noqa: E402
-from .errors import (  # noqa: E402
-    CheckpointFormatError, ChecksumError, CodecUnavailableError, GDSUnavailableError, GdsckptError,
-    StateMismatchError, UnsupportedStateError, VersionError,
+from ._version import __version__
+from .api import Checkpoint, Stats, load, load_into, open, save
+from .async_save import save_async
+from .errors import (
+    BackendUnavailableError, CheckpointExistsError, CheckpointFormatError, ChecksumError, CodecUnavailableError,
+    DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError, UnsupportedStateError,
+    VersionError,
 )
 
 __all__ = [
-    "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
+    "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
     "GdsckptError", "UnsupportedStateError", "CheckpointFormatError", "ChecksumError", "VersionError",
-    "CodecUnavailableError", "StateMismatchError", "GDSUnavailableError",
+    "CodecUnavailableError", "StateMismatchError", "GDSUnavailableError", "BackendUnavailableError",
+    "SaveInFlightError", "DCPPlanError", "CheckpointExistsError",
 ]

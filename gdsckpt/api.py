@@ -1,6 +1,7 @@
 """Public API: save, load, load_into, open.
 
-save:   state -> tree -> plan -> ring (gather, compress, write) -> index, footer, fsync, rename
+save:   state -> tree -> plan -> ring (gather, compress, write; format.FileWriter places records,
+        then writes index and footer) -> fsync, rename
 load:   footer -> index (validated) -> ring (read, verify, decode into the tensors) -> tree
 """
 
@@ -16,23 +17,18 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, codecs
+from . import codecs
 from . import format as fmt
-from .backend import gpu_status, make_backend
-from .dtypes import BY_NAME, name_of
+from ._version import __version__
+from .backend import choose, make_backend, nvcomp_version
 from .checksum import checksum
-from .errors import CheckpointFormatError, ChecksumError, StateMismatchError
+from .defaults import CHUNK_BYTES, RING_DEPTH
+from .dtypes import BY_NAME, name_of
+from .errors import CheckpointFormatError, StateMismatchError, VersionError
 from .plan import make_plan
-from .ring import Timings, read_chunks, write_chunks
-from .storage import commit, pread_exact, pwrite_all, temp_path_for
+from .ring import ChunkFile, Timings, read_chunks, verify_chunk, write_chunks
+from .storage import commit, pread_exact, temp_path_for
 from .tree import flatten, unflatten
-
-# From the H100 sweeps (bench/results/2026-11-22-h100-*): one nvCOMP call per chunk costs a
-# fixed ~0.1 ms, so gather+compress reached 107-111 GB/s at 128 MiB and 151-165 GB/s at 256 MiB;
-# the disk was the limit at every size, and a third slot gained nothing measurable there.
-# Two slots of 256 MiB cost 835 MiB of GPU memory: one staging buffer + nvCOMP's worst-case output per slot.
-DEFAULT_CHUNK_BYTES = {"gpu": 256 << 20, "cpu": 16 << 20}
-DEFAULT_RING_DEPTH = 2
 
 
 @dataclass
@@ -72,16 +68,8 @@ class Stats:
         return d
 
 
-def _choose_backend(wants_gpu: bool, backend: str | None):
-    if backend in ("cpu", "gpu"):
-        return backend
-    if backend not in (None, "auto"):
-        raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', not {backend!r}")
-    return "gpu" if wants_gpu and gpu_status()[0] else "cpu"
-
-
-def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = DEFAULT_RING_DEPTH,
-         io: str = "auto", io_threads: int | None = None, backend: str | None = None, _sink=None) -> Stats:
+def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH,
+         io: str = "auto", io_threads: int | None = None, backend: str | None = None) -> Stats:
     """Save `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
 
     Durable on return: the file is fsync'd and renamed over `path`, and the directory
@@ -89,11 +77,62 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw",
     or {dtype name: codec}. io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
     """
+    return _save(state, _NewFile(Path(path) if path is not None else None), codec=codec, chunk_bytes=chunk_bytes,
+                 ring_depth=ring_depth, io=io, io_threads=io_threads, backend=backend)
+
+
+def save_through(state, sink: ChunkFile, **options) -> Stats:
+    """The save pipeline into any ChunkFile, with `save`'s options: gdsckpt-bench's targets with
+    storage removed (`sink.fd` None: records are placed but no header, index or footer written)."""
+    return _save(state, _Sink(sink), **options)
+
+
+class _NewFile:
+    """A save's destination: a fresh temporary beside `path`, renamed over it once durable."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.label = str(path)
+
+    def open(self, be) -> ChunkFile:
+        self._tmp = temp_path_for(self.path)
+        return be.open(self._tmp, "w")
+
+    def commit(self, file: ChunkFile) -> None:
+        os.fsync(file.fd)
+        file.close()
+        commit(self._tmp, self.path)
+
+    def abort(self, file: ChunkFile, error: BaseException) -> None:
+        file.close()
+        self._tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno is not None:  # a full disk, an I/O error: say which save
+            raise OSError(error.errno, f"{error.strerror} while saving (the temporary file was removed)",
+                          self.label) from error
+
+
+class _Sink:
+    label = "<null>"
+
+    def __init__(self, sink: ChunkFile):
+        self._sink = sink
+
+    def open(self, be) -> ChunkFile:
+        return self._sink
+
+    def commit(self, file: ChunkFile) -> None:
+        pass
+
+    def abort(self, file: ChunkFile, error: BaseException) -> None:
+        pass
+
+
+def _save(state, dest, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH,
+          io: str = "auto", io_threads: int | None = None, backend: str | None = None) -> Stats:
     t_start = time.perf_counter()
-    path = Path(path) if path is not None else None
     skeleton, leaves = flatten(state)
-    kind = _choose_backend(any(l.tensor.is_cuda for l in leaves), backend)
-    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES[kind]
+    kind = choose(any(l.tensor.is_cuda for l in leaves), backend)
+    chunk_bytes = chunk_bytes or CHUNK_BYTES[kind]
     if chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN:
         raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN}, got {chunk_bytes}")
     if ring_depth < 2:
@@ -104,50 +143,30 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
                                                              nvcomp_version=be.nvcomp_version), chunk_bytes)
         tensors = [l.tensor for l in leaves]
         timings = Timings()
-        if _sink is not None:  # gdsckpt-bench's null targets: the pipeline with storage removed
-            be.begin()
-            records = write_chunks(plan, tensors, be, _sink, ring_depth, timings)
-            be.finish()
-            return Stats("save", "<null>", be.name, be.io_path, plan.logical_bytes, sum(r.stored for r in records),
-                         0, len(plan.chunks), chunk_bytes, ring_depth, time.perf_counter() - t_start,
-                         dict(timings.stages), timings.latencies, _stream_stats(plan, records), be.memory())
-        tmp = temp_path_for(path)
-        file = be.open(tmp, "w")
+        file = dest.open(be)
         try:
             be.begin()
-            pwrite_all(file.fd, fmt.header_bytes(), 0)
-            file_end = 0
-
-            def write_index(records):  # runs while the last chunks are still being written
-                nonlocal file_end
-                index_offset = fmt.align_up(records[-1].file_offset + records[-1].stored) if records \
-                    else fmt.HEADER_SIZE
-                meta = {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
-                        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
-                                   "torch": torch.__version__}}
-                devices = ["cuda" if x.is_cuda else "cpu" for x in tensors]
-                index = fmt.encode_index(meta, skeleton, devices, plan, records)
-                pwrite_all(file.fd, index + fmt.footer_bytes(index_offset, index), index_offset)
-                file_end = index_offset + len(index) + fmt.FOOTER_SIZE
-
-            records = write_chunks(plan, tensors, be, file, ring_depth, timings, tail=write_index)
+            layout = fmt.FileWriter(file.fd, _writer_meta(be, chunk_bytes), skeleton,
+                                    ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
+            records = write_chunks(plan, tensors, be, file, layout, ring_depth, timings)
+            be.finish()
             t = time.perf_counter()
-            os.fsync(file.fd)
-            file.close()
-            commit(tmp, path)
+            dest.commit(file)
             timings.add("commit", t)
         except BaseException as e:
-            file.close()
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError) and e.errno is not None:  # a full disk, an I/O error: say which save
-                raise OSError(e.errno, f"{e.strerror} while saving (the temporary file was removed)",
-                              str(path)) from e
+            dest.abort(file, e)
             raise
-        return Stats("save", str(path), be.name, be.io_path, plan.logical_bytes,
-                     sum(r.stored for r in records), file_end, len(plan.chunks), chunk_bytes, ring_depth,
+        return Stats("save", dest.label, be.name, be.io_path, plan.logical_bytes, sum(r.stored for r in records),
+                     layout.file_bytes if layout.fd is not None else 0, len(plan.chunks), chunk_bytes, ring_depth,
                      time.perf_counter() - t_start, dict(timings.stages), timings.latencies,
                      _stream_stats(plan, records), be.memory())
+
+
+def _writer_meta(be, chunk_bytes: int) -> dict:
+    return {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
+                       "torch": torch.__version__}}
 
 
 def _stream_stats(plan, records) -> list[dict]:
@@ -171,7 +190,7 @@ class Checkpoint:
     that hold that tensor.
     """
 
-    def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = DEFAULT_RING_DEPTH,
+    def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,
                  io_threads: int | None = None):
         self.path = Path(path)
         self.ring_depth = ring_depth
@@ -206,10 +225,11 @@ class Checkpoint:
         return len(self._by_key)
 
     def info(self, key: str) -> dict:
-        t = self.index.plan.tensors[self._entry(key)]
+        i = self._entry(key)
+        t = self.index.plan.tensors[i]
         s = self.index.plan.streams[t.stream]
         return {"dtype": t.dtype, "shape": t.shape, "nbytes": t.nbytes, "codec": s.codec["name"],
-                "device": self.index.devices[self._entry(key)]}
+                "device": self.index.devices[i]}
 
     @property
     def metadata(self) -> dict:
@@ -220,33 +240,42 @@ class Checkpoint:
 
     # -- data
     def get_tensor(self, key: str, device=None) -> torch.Tensor:
-        i = self._entry(key)
-        return self._read([i], device)[i]
+        return self.read([key], device)[key]
+
+    def read(self, keys, device=None) -> dict[str, torch.Tensor]:
+        """New tensors for `keys`, on `device` (None: where each was saved from), reading only
+        the chunks that hold them."""
+        wanted = [self._entry(k) for k in keys]
+        out = {i: self._new_tensor(i, device) for i in wanted}
+        self._read(out)
+        return {self.index.plan.tensors[i].key: t for i, t in out.items()}
+
+    def read_into(self, targets: dict) -> Stats:
+        """Decode `targets[key]` in place for each key (shape and dtype as in the checkpoint)."""
+        into = {}
+        for key, tgt in targets.items():
+            i = self._entry(key)
+            t = self.index.plan.tensors[i]
+            if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
+                raise StateMismatchError(f"{self.path}: tensor {t.key!r} is {t.dtype}{list(t.shape)} in the "
+                                         f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
+            into[i] = tgt
+        self._read(into)
+        return self.last_stats
 
     def load(self, device=None):
-        tensors = self._read(range(len(self.index.plan.tensors)), device)
-        return unflatten(self.index.skeleton, tensors)
+        tensors = self.read(self.keys(), device)
+        return unflatten(self.index.skeleton, list(tensors.values()))
 
     def load_into(self, state, *, strict: bool = True) -> Stats:
-        skeleton, leaves = flatten(state)
+        _, leaves = flatten(state)
         targets = {l.key: l.tensor for l in leaves}
-        plan = self.index.plan
-        missing = [t.key for t in plan.tensors if t.key not in targets]
+        missing = [k for k in self._by_key if k not in targets]
         extra = [k for k in targets if k not in self._by_key]
         if strict and (missing or extra):
             raise StateMismatchError(f"{self.path}: keys differ from the checkpoint's: missing from the target "
                                      f"{missing[:5]}, not in the checkpoint {extra[:5]}")
-        dest = {}
-        for i, t in enumerate(plan.tensors):
-            if t.key not in targets:
-                continue
-            tgt = targets[t.key]
-            if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
-                raise StateMismatchError(f"{self.path}: tensor {t.key!r} is {t.dtype}{list(t.shape)} in the "
-                                         f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
-            dest[i] = tgt
-        self._read(list(dest), None, into=dest)
-        return self.last_stats
+        return self.read_into({k: targets[k] for k in self._by_key if k in targets})
 
     def _entry(self, key: str) -> int:
         try:
@@ -257,48 +286,34 @@ class Checkpoint:
     def _check_nvcomp(self):
         for s in self.index.plan.streams:
             if s.codec["name"] in codecs.NVCOMP_CODECS:
-                mine = _nvcomp_version()
+                mine = nvcomp_version()
                 theirs = s.codec["nvcomp"]
                 if mine and mine.split(".")[0] != theirs.split(".")[0]:
-                    from .errors import VersionError
                     raise VersionError(f"{s.codec['name']} chunks were written by nvCOMP {theirs}, whose bitstream "
                                        f"nvCOMP {mine} cannot read; read it with nvCOMP {theirs.split('.')[0]}.x "
                                        "and `gdsckpt convert --codec zstd`", path=self.path)
 
-    def _read(self, wanted, device, into: dict | None = None) -> dict:
-        """Read tensors `wanted` (indices); new tensors on `device` (None: where they were saved
-        from), or in place into `into[i]`."""
+    def _new_tensor(self, i: int, device) -> torch.Tensor:
+        t = self.index.plan.tensors[i]
+        dev = torch.device(device if device is not None else self.index.devices[i])
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            dev = torch.device("cpu")  # saved on a GPU, read where there is none
+        return torch.empty(t.shape, dtype=BY_NAME[t.dtype], device=dev)
+
+    def _read(self, out: dict[int, torch.Tensor]) -> None:
+        """Fill `out[i]` (tensor i's destination) from the chunks that hold them."""
         t_start = time.perf_counter()
-        plan = self.index.plan
-        out: dict[int, torch.Tensor] = {}
-        for i in wanted:
-            t = plan.tensors[i]
-            if into is not None:
-                out[i] = into[i]
-            else:
-                dev = device if device is not None else self.index.devices[i]
-                dev = torch.device(dev)
-                if dev.type == "cuda" and not torch.cuda.is_available():
-                    dev = torch.device("cpu")  # saved on a GPU, read where there is none
-                out[i] = torch.empty(t.shape, dtype=BY_NAME[t.dtype], device=dev)
-        needs_nvcomp = any(not rec.raw and plan.streams[c.stream].codec["name"] in codecs.NVCOMP_CODECS
-                           for c, rec in zip(plan.chunks, self.index.records))
-        kind = _choose_backend(needs_nvcomp or any(v.is_cuda for v in out.values()), self._backend_choice)
+        plan, records = self.index.plan, self.index.records
         # Decode into contiguous memory; a non-contiguous target gets a temporary, copied back at the end.
         work = {i: (v if v.is_contiguous() else torch.empty_like(v, memory_format=torch.contiguous_format))
                 for i, v in out.items()}
         views = [None] * len(plan.tensors)
         for i, v in work.items():
             views[i] = v.reshape(-1).view(torch.uint8)
-        wanted_set = set(work)
-        chunk_ids = [c.index for c in plan.chunks if any(s.tensor in wanted_set for s in c.segments)]
+        chunk_ids = [c.index for c in plan.chunks if any(views[s.tensor] is not None for s in c.segments)]
         timings = Timings()
-        with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
-            if kind == "cpu":
-                for ci in chunk_ids:
-                    spec = plan.streams[plan.chunks[ci].stream].codec
-                    if not self.index.records[ci].raw and not be.can_decode(spec):
-                        raise codecs.no_cpu_decoder(spec, self.path)
+        with make_backend(self._backend_kind(out), io=self._io, io_threads=self._io_threads) as be:
+            self._check_decoders(be, chunk_ids)
             file = be.open(self._reopen_path(), "r")
             try:
                 self._same_file(file.fd)
@@ -310,13 +325,27 @@ class Checkpoint:
             for i, v in work.items():
                 if v is not out[i]:
                     out[i].copy_(v)
-            stored = sum(self.index.records[c].stored for c in chunk_ids)
-            logical = sum(plan.chunks[c].length for c in chunk_ids)
-            self.last_stats = Stats("load", str(self.path), be.name, be.io_path, logical, stored, stored,
-                                    len(chunk_ids), max((plan.chunks[c].length for c in chunk_ids), default=0),
-                                    self.ring_depth, time.perf_counter() - t_start, dict(timings.stages),
-                                    timings.latencies, [], be.memory())
-        return out
+            stored = sum(records[c].stored for c in chunk_ids)
+            self.last_stats = Stats("load", str(self.path), be.name, be.io_path,
+                                    sum(plan.chunks[c].length for c in chunk_ids), stored, stored, len(chunk_ids),
+                                    max((plan.chunks[c].length for c in chunk_ids), default=0), self.ring_depth,
+                                    time.perf_counter() - t_start, dict(timings.stages), timings.latencies, [],
+                                    be.memory())
+
+    def _backend_kind(self, out: dict) -> str:
+        """The GPU where a chunk needs nvCOMP or a destination is on a GPU (unless told otherwise)."""
+        plan = self.index.plan
+        needs_nvcomp = any(not rec.raw and plan.streams[c.stream].codec["name"] in codecs.NVCOMP_CODECS
+                           for c, rec in zip(plan.chunks, self.index.records))
+        return choose(needs_nvcomp or any(v.is_cuda for v in out.values()), self._backend_choice)
+
+    def _check_decoders(self, be, chunk_ids) -> None:
+        """Before reading a byte: every chunk asked for has a decoder here."""
+        plan = self.index.plan
+        for ci in chunk_ids:
+            spec = plan.streams[plan.chunks[ci].stream].codec
+            if not self.index.records[ci].raw and not be.can_decode(spec):
+                raise codecs.no_cpu_decoder(spec, self.path)
 
     def verify(self, deep: bool = False) -> dict:
         """Check every chunk's checksum on the CPU, reading chunk by chunk (no GPU needed).
@@ -327,13 +356,8 @@ class Checkpoint:
             self._same_file(fd)
             for c, rec in zip(self.index.plan.chunks, self.index.records):
                 data = pread_exact(fd, rec.stored, rec.file_offset)
-                key = self.index.plan.tensors[c.segments[0].tensor].key
-                if len(data) != rec.stored:
-                    raise CheckpointFormatError("chunk extends past the end of the file", path=self.path,
-                                                key=key, chunk=c.index)
-                if checksum(data) != rec.checksum:
-                    raise ChecksumError("stored bytes do not match their checksum: the chunk is corrupt",
-                                        path=self.path, key=key, chunk=c.index)
+                verify_chunk(len(data), checksum(data), rec, self.path,
+                             self.index.plan.tensors[c.segments[0].tensor].key, c.index)
         finally:
             os.close(fd)
         if deep:
@@ -370,15 +394,8 @@ class Checkpoint:
         return False
 
 
-def _nvcomp_version() -> str | None:
-    if not gpu_status()[0]:
-        return None
-    from .gpu.backend import nvcomp_version
-    return nvcomp_version()
-
-
 def open(path, **options) -> Checkpoint:  # noqa: A001 - mirrors safetensors.safe_open / builtins.open
-    """Open a checkpoint lazily: keys(), info(key), get_tensor(key), load()."""
+    """Open a checkpoint lazily: keys(), info(key), get_tensor(key), read(keys), load()."""
     return Checkpoint(path, **options)
 
 

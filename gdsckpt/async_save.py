@@ -29,23 +29,26 @@ first has finished (so at most one snapshot exists and writes never interleave),
 
 from __future__ import annotations
 
-import copy
 import threading
 import traceback
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
 
 import torch
 
-from .errors import GdsckptError
+from .errors import SaveInFlightError
 from .tree import flatten, unflatten
 
-__all__ = ["save_async", "SaveInFlightError", "snapshot_tensors", "snapshot_state_dict"]
+__all__ = ["save_async", "SaveInFlightError", "snapshot_tensors"]
 
 
-class SaveInFlightError(GdsckptError, RuntimeError):
-    """save_async(..., wait=False) while an earlier save_async is still running."""
+def __getattr__(name: str):
+    # The DTensor-aware snapshot moved to dcp.py, its one user; the old import path still works.
+    if name == "snapshot_state_dict":
+        from .dcp import snapshot_state_dict
+        return snapshot_state_dict
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _busy = threading.Lock()  # held from a save_async's snapshot until its background save has ended
@@ -89,59 +92,6 @@ def snapshot_tensors(tensors: list) -> list:
     for side in used:
         side.synchronize()
     return out
-
-
-def snapshot_state_dict(obj):
-    """A private copy of a DCP state dict: tensors (plain or DTensor, whose local shards are
-    copied on their own device) through `snapshot_tensors`, containers rebuilt, any other
-    object deep-copied. Used as the AsyncStager of gdsckpt.dcp.GdsckptWriter."""
-    from torch.distributed.tensor import DTensor
-
-    found: list[torch.Tensor] = []
-
-    def collect(o, depth=0):
-        if depth > 512:
-            raise GdsckptError("state dict is nested deeper than 512 levels (or cyclic)")
-        if isinstance(o, DTensor):
-            found.append(o.to_local())
-        elif isinstance(o, torch.Tensor):
-            if o.layout != torch.strided or o.device.type not in ("cpu", "cuda") or o.is_quantized:
-                raise GdsckptError(f"cannot snapshot a {o.layout} {o.dtype} tensor on {o.device}; "
-                                   "pass async_staging='cpu' to GdsckptWriter")
-            found.append(o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                collect(v, depth + 1)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                collect(v, depth + 1)
-        elif type(o).__name__ == "ShardedTensor":
-            raise GdsckptError("ShardedTensor cannot be snapshotted on its device; "
-                               "pass async_staging='cpu' to GdsckptWriter")
-
-    collect(obj)
-    copies = iter(snapshot_tensors(found))
-
-    def rebuild(o):
-        if isinstance(o, DTensor):
-            return DTensor.from_local(next(copies), o.device_mesh, o.placements, run_check=False,
-                                      shape=o.shape, stride=o.stride())
-        if isinstance(o, torch.Tensor):
-            t = next(copies)
-            return torch.nn.Parameter(t, o.requires_grad) if isinstance(o, torch.nn.Parameter) else t
-        if isinstance(o, dict):
-            items = [(k, rebuild(v)) for k, v in o.items()]
-            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
-        if isinstance(o, list):
-            return [rebuild(v) for v in o]
-        if isinstance(o, tuple):
-            items = [rebuild(v) for v in o]
-            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
-        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
-            return o
-        return copy.deepcopy(o)
-
-    return rebuild(obj)
 
 
 def _cuda_device_of(tensors) -> int | None:

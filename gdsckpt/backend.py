@@ -1,90 +1,17 @@
-"""Which backend runs a save or restore, and the CPU backend itself.
-
-Both backends give the ring the same operations on 1-D uint8 torch tensors;
-the GPU one (gdsckpt/gpu/backend.py) is imported only when CUDA, nvCOMP and
-KvikIO are all usable, so `import gdsckpt` works with no CUDA driver.
-"""
+"""Which backend runs a save or restore. The one place that probes the GPU stack: the GPU
+backend (gdsckpt/gpu/) is imported only when CUDA, nvCOMP and KvikIO are all usable, so
+`import gdsckpt` works with no CUDA driver."""
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
-from .checksum import checksum
-from .codecs import CpuCodecs, cpu_can_decode
-from .storage import HostFile
+from .cpu_backend import CpuBackend
+from .errors import BackendUnavailableError
 
-
-class CpuBackend:
-    name = "cpu"
-    io_path = "cpu"
-    nvcomp_version = None
-    device = torch.device("cpu")
-
-    def __init__(self, io_threads: int = 2):
-        self.io_threads = io_threads
-        self._codecs = CpuCodecs()
-
-    def can_decode(self, spec: dict) -> bool:
-        return cpu_can_decode(spec)
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def direct(self, view: torch.Tensor) -> bool:
-        return view.device.type == "cpu"
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def gatherer(self, plan, views):
-        """(chunk, staging) -> the chunk's logical bytes: a view of its tensor where the chunk
-        lies inside one, else its segments copied into `staging`."""
-        def gather(chunk, staging: torch.Tensor) -> torch.Tensor:
-            segs = chunk.segments
-            if len(segs) == 1 and views.tensors[segs[0].tensor].device.type == "cpu":
-                s = segs[0]
-                return views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
-            for s in segs:
-                staging[s.chunk_offset:s.chunk_offset + s.length].copy_(
-                    views[s.tensor][s.tensor_offset:s.tensor_offset + s.length])
-            return staging
-        return gather
-
-    def max_stored(self, spec: dict, nbytes: int) -> int:
-        return nbytes  # anything larger is stored raw instead
-
-    def encode(self, spec, src, out, scratch):
-        return self._codecs.encode(spec, src.numpy(), out.numpy())
-
-    def decode(self, spec, stored, out, frames) -> None:
-        self._codecs.decode(spec, stored.numpy(), out.numpy(), frames)
-
-    def checksum(self, buf: torch.Tensor) -> int:
-        return checksum(buf.numpy())
-
-    def open(self, path: Path, mode: str) -> HostFile:
-        return HostFile(path, mode, self.io_threads)
-
-    def synchronize(self) -> None:
-        pass
-
-    def begin(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-    def memory(self) -> dict:
-        return {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+__all__ = ["CpuBackend", "choose", "gpu_status", "kvikio_settings", "make_backend", "nvcomp_version", "set_direct_io"]
 
 
 @functools.cache
@@ -99,12 +26,47 @@ def gpu_status() -> tuple[bool, str]:
     return True, ""
 
 
-def make_backend(kind: str, **options):
-    """kind: "gpu" or "cpu". options: io ("auto"|"gds"|"compat"), io_threads, task_size, device."""
+def choose(wants_gpu: bool, backend: str | None) -> str:
+    """"cpu" or "gpu": `backend` as asked ("auto"/None: the GPU where the data wants it and it is usable)."""
+    if backend in ("cpu", "gpu"):
+        return backend
+    if backend not in (None, "auto"):
+        raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', not {backend!r}")
+    return "gpu" if wants_gpu and gpu_status()[0] else "cpu"
+
+
+def make_backend(kind: str, *, io: str = "auto", io_threads: int | None = None):
+    """kind: "gpu" or "cpu". io: "auto", "gds" or "compat" (GPU only). io_threads: I/O workers."""
     if kind == "cpu":
-        return CpuBackend(options.get("io_threads") or 2)
+        return CpuBackend(io_threads) if io_threads else CpuBackend()
     ok, why = gpu_status()
     if not ok:
-        raise RuntimeError(f"the GPU backend is not available: {why}")
+        raise BackendUnavailableError(f"the GPU backend is not available: {why}")
     from .gpu.backend import GpuBackend
-    return GpuBackend(**options)
+    return GpuBackend(io=io, io_threads=io_threads)
+
+
+def nvcomp_version() -> str | None:
+    """The nvCOMP this process would decode with; None where there is no usable GPU."""
+    if not gpu_status()[0]:
+        return None
+    from .gpu.codecs import nvcomp_version as version
+    return version()
+
+
+def set_direct_io(enabled: bool) -> None:
+    """Make KvikIO open files with O_DIRECT (or not) from now on; a no-op with no usable GPU.
+    gdsckpt then leaves the setting alone, as it does for KVIKIO_AUTO_DIRECT_IO_* set by the user."""
+    if gpu_status()[0]:
+        from .gpu.io import set_direct_io as set_it
+        set_it(enabled)
+
+
+def kvikio_settings(io: str = "auto", io_threads: int | None = None):
+    """(io path, context manager applying gdsckpt's KvikIO settings), for code that does its own
+    KvikIO I/O next to gdsckpt's (the bench's raw-KvikIO baseline): like for like."""
+    ok, why = gpu_status()
+    if not ok:
+        raise BackendUnavailableError(f"the GPU backend is not available: {why}")
+    from .gpu.io import io_settings
+    return io_settings(io, io_threads)

@@ -1,31 +1,23 @@
-"""Codec names, how a stream picks one, and the CPU implementations (raw, zstd).
+"""Codec names, how a stream picks one, and the layout of zstd frames inside a chunk.
 
 A codec spec is the JSON the index records for a stream, e.g.
-{"name": "ans", "data_type": "<f4", "nvcomp": "6.0.0"}. The GPU implementations
-live in gdsckpt/gpu/codecs.py; both sides agree on the bytes of zstd (standard
-frames) and raw.
+{"name": "ans", "data_type": "<f4", "nvcomp": "6.0.0"}. The implementations live in
+the backends: gdsckpt/cpu_backend.py (raw, zstd) and gdsckpt/gpu/codecs.py (nvCOMP);
+both sides agree on the bytes of zstd (standard frames) and raw.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import zstandard
-
 from . import dtypes
+from .defaults import ANS_INTERNAL_CHUNK, ZSTD_FRAME_BYTES, ZSTD_LEVEL
 from .errors import CodecUnavailableError
 
 CPU_CODECS = ("raw", "zstd")
 NVCOMP_CODECS = ("ans", "bitcomp")
 ALL_CODECS = CPU_CODECS + NVCOMP_CODECS
 # A zstd chunk is a run of standard zstd frames, their compressed lengths recorded in the
-# chunk record. The GPU cuts small frames for parallelism (nvCOMP's RAW zstd takes one
-# frame per batch entry, 16 MiB at most); the CPU cuts large ones for ratio.
-ZSTD_FRAME_BYTES = {"cpu": 16 << 20, "gpu": 1 << 20}
-ZSTD_LEVEL = 3
-# nvCOMP splits each chunk into pieces of this size, each with its own frequency table. 512 KiB
-# instead of nvCOMP's 64 KiB saved 33.5% instead of 31.4% of bf16 weights and 14.1% instead of
-# 12.1% of fp32 state, at the same speed (bench/results/2026-11-22-h100-e/ans-options.json).
-ANS_INTERNAL_CHUNK = 512 << 10
+# chunk record; frame sizes per side are in defaults.ZSTD_FRAME_BYTES.
+__all__ = ["ZSTD_FRAME_BYTES", "spec_for", "resolve", "frame_bounds", "frame_offsets", "check_zstd_header"]
 
 _BITCOMP_TYPES = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4", "float64": "<f8",
                   "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint16": "<u2", "uint32": "<u4",
@@ -96,43 +88,11 @@ def check_zstd_header(head, n: int) -> None:
     """A frame must start with zstd's magic and, if it states its content size, claim `n` bytes.
     zstandard sizes its output from that claim, and nVCOMP's decoder trusts its input: both
     see a frame only after this check (and the chunk checksum) passed."""
+    import zstandard  # here, not at the top: format parsing must not pull in the zstd implementation
+
     try:
         claimed = zstandard.frame_content_size(bytes(head))
     except zstandard.ZstdError as e:
         raise ValueError(f"not a zstd frame header ({e})") from None
     if claimed not in (-1, n):
         raise ValueError(f"zstd frame header claims {claimed} bytes, the frame holds {n}")
-
-
-class CpuCodecs:
-    """raw and zstd on host memory. zstandard releases the GIL, so the ring overlaps it with I/O."""
-
-    def __init__(self):
-        self._c = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
-        self._d = zstandard.ZstdDecompressor()
-
-    def encode(self, spec: dict, src: np.ndarray, out: np.ndarray) -> tuple[int, list | None]:
-        """Compress src into out: (stored length, frame lengths), or (-1, None) if it would not shrink."""
-        if spec["name"] != "zstd":
-            return -1, None
-        pos, frames = 0, []
-        for o, n in frame_bounds(len(src), spec["frame_bytes"]):
-            start = (pos + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
-            data = self._c.compress(src[o:o + n])
-            if start + len(data) >= len(src):
-                return -1, None
-            out[pos:start] = 0
-            out[start:start + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            pos = start + len(data)
-            frames.append(len(data))
-        return pos, frames
-
-    def decode(self, spec: dict, stored: np.ndarray, out: np.ndarray, frames: list | None) -> None:
-        if spec["name"] != "zstd":
-            raise CodecUnavailableError(f"no CPU decoder for codec {spec['name']!r}")
-        for (o, n), pos, clen in zip(frame_bounds(len(out), spec["frame_bytes"]), frame_offsets(frames), frames):
-            check_zstd_header(stored[pos:pos + min(clen, ZSTD_HEADER_MAX)], n)
-            data = self._d.decompress(stored[pos:pos + clen], max_output_size=n)
-            if len(data) != n:
-                raise ValueError(f"zstd frame decoded to {len(data)} bytes, expected {n}")
-            out[o:o + n] = np.frombuffer(data, dtype=np.uint8)

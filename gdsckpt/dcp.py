@@ -31,13 +31,14 @@ device and the requested slice copied in.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import os
 import pickle
 import re
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import api
+from .async_save import snapshot_tensors
+from .defaults import RING_DEPTH
 from .dtypes import name_of
-from .errors import CheckpointFormatError, GdsckptError
+from .errors import CheckpointExistsError, CheckpointFormatError, DCPPlanError, UnsupportedStateError
 from .storage import fsync_dir
 
 __all__ = ["GdsckptWriter", "GdsckptReader", "DCP_VERSION", "METADATA_FILE", "SUFFIX"]
@@ -129,7 +132,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     _synchronize_after_execute = False  # stage() is complete when it returns
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, codec="auto",
-                 chunk_bytes: int | None = None, ring_depth: int = api.DEFAULT_RING_DEPTH, io: str = "auto",
+                 chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH, io: str = "auto",
                  io_threads: int | None = None, backend: str | None = None, async_staging: str = "device"):
         super().__init__()
         if async_staging not in ("device", "cpu"):
@@ -163,11 +166,11 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         self.path.mkdir(parents=True, exist_ok=True)
         meta = self._own_metadata()
         if meta.exists() and not self.overwrite:
-            raise GdsckptError(f"a checkpoint is already committed in {str(self.path)!r} "
+            raise CheckpointExistsError(f"a checkpoint is already committed in {str(self.path)!r} "
                                f"({meta.name} exists) and overwrite=False")
         if not self.use_collectives:
             if self.rank is None:
-                raise GdsckptError("use_collectives=False needs DCP to pass the rank to set_up_storage_writer")
+                raise DCPPlanError("use_collectives=False needs DCP to pass the rank to set_up_storage_writer")
             self._uncommit(meta)  # no coordinator: each rank retires its own metadata
             plan = dataclasses.replace(plan, storage_data=f"__{self.rank}_")
         return plan
@@ -186,7 +189,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         prefix = plan.storage_data
         if not isinstance(prefix, str):
-            raise GdsckptError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
+            raise DCPPlanError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
                                "prepare_global_plan skipped?")
         name = f"{prefix}0{SUFFIX}"
         state: dict[str, torch.Tensor] = {}
@@ -195,14 +198,14 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             data = planner.resolve_data(item)
             key = item_key(item.index)
             if key in state:
-                raise GdsckptError(f"two write items share the key {key!r}")
+                raise DCPPlanError(f"two write items share the key {key!r}")
             if item.type == WriteItemType.BYTE_IO:
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                 t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
                     torch.empty(0, dtype=torch.uint8)
             else:
                 if not isinstance(data, torch.Tensor):
-                    raise GdsckptError(f"write item {key!r} resolved to {type(data).__name__}, not a tensor")
+                    raise UnsupportedStateError(f"write item {key!r} resolved to {type(data).__name__}, not a tensor")
                 t = data.detach()
             state[key] = t
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
@@ -261,7 +264,6 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 return stager.stage(state_dict)
             finally:
                 stager.close()
-        from .async_save import snapshot_state_dict
         return snapshot_state_dict(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -279,7 +281,7 @@ class GdsckptReader(StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None, io: str = "auto",
-                 io_threads: int | None = None, ring_depth: int = api.DEFAULT_RING_DEPTH):
+                 io_threads: int | None = None, ring_depth: int = RING_DEPTH):
         super().__init__()
         self.path = Path(path)
         self.open_options = dict(backend=backend, io=io, io_threads=io_threads, ring_depth=ring_depth)
@@ -344,33 +346,30 @@ class GdsckptReader(StorageReader):
         return fut
 
     def _read_file(self, ck: api.Checkpoint, reqs, planner: LoadPlanner) -> None:
-        entries = ck.index.plan.tensors
-        index_of = {}
         for _, key in reqs:
             if key not in ck:
                 raise CheckpointFormatError("the DCP metadata names a key the file does not hold",
                                             path=ck.path, key=key)
-            index_of[key] = ck._by_key[key]
         # Byte items (pickled non-tensor values, as DCP's planner made them): host memory.
-        byte_reqs = [(ri, index_of[k]) for ri, k in reqs if ri.type == LoadItemType.BYTE_IO]
+        byte_reqs = [(ri, k) for ri, k in reqs if ri.type == LoadItemType.BYTE_IO]
         if byte_reqs:
-            got = ck._read(sorted({i for _, i in byte_reqs}), "cpu")
+            got = ck.read(sorted({k for _, k in byte_reqs}), "cpu")
             self._stats(ck)
-            for ri, i in byte_reqs:
-                planner.load_bytes(ri, io.BytesIO(got[i].numpy().tobytes()))
+            for ri, k in byte_reqs:
+                planner.load_bytes(ri, io.BytesIO(got[k].numpy().tobytes()))
         # Tensor items: resolve every target first, then read per stored tensor.
-        by_stored: dict[int, list[tuple[ReadItem, torch.Tensor]]] = defaultdict(list)
+        by_stored: dict[str, list[tuple[ReadItem, torch.Tensor]]] = defaultdict(list)
         for ri, k in reqs:
             if ri.type != LoadItemType.BYTE_IO:
-                by_stored[index_of[k]].append((ri, planner.resolve_tensor(ri).detach()))
-        direct: dict[int, torch.Tensor] = {}
-        staged: dict[torch.device, list[int]] = defaultdict(list)
+                by_stored[k].append((ri, planner.resolve_tensor(ri).detach()))
+        direct: dict[str, torch.Tensor] = {}
+        staged: dict[torch.device, list[str]] = defaultdict(list)
         for i, items in by_stored.items():
-            e = entries[i]
+            e = ck.info(i)
             ri, target = items[0]
             whole = (len(items) == 1 and all(int(o) == 0 for o in ri.storage_offsets)
-                     and tuple(int(n) for n in ri.lengths) == tuple(e.shape))
-            if (whole and tuple(target.shape) == tuple(e.shape) and name_of(target.dtype) == e.dtype
+                     and tuple(int(n) for n in ri.lengths) == tuple(e["shape"]))
+            if (whole and tuple(target.shape) == tuple(e["shape"]) and name_of(target.dtype) == e["dtype"]
                     and target.device.type in ("cpu", "cuda") and target.layout == torch.strided):
                 direct[i] = target  # decoded straight into the target shard's memory
             else:
@@ -378,7 +377,7 @@ class GdsckptReader(StorageReader):
         if direct:
             _settle(direct.values())  # nothing queued before may land on the shards after the decode
             with _OnDevice(_cuda_device(direct.values())):
-                ck._read(list(direct), None, into=direct)
+                ck.read_into(direct)
             self._stats(ck)
             for i in direct:
                 ri, target = by_stored[i][0]
@@ -386,7 +385,7 @@ class GdsckptReader(StorageReader):
         for device, idx in staged.items():
             dev = device if device.type in ("cpu", "cuda") else torch.device("cpu")
             with _OnDevice(dev.index if dev.type == "cuda" else None):
-                got = ck._read(idx, dev)
+                got = ck.read(idx, dev)
             self._stats(ck)
             for i in idx:
                 for ri, target in by_stored[i]:
@@ -394,7 +393,7 @@ class GdsckptReader(StorageReader):
                     if tuple(src.shape) != tuple(target.shape):
                         raise CheckpointFormatError(
                             f"read item {ri.storage_index} is {list(src.shape)} in the checkpoint but the target "
-                            f"is {list(target.shape)}", path=ck.path, key=entries[i].key)
+                            f"is {list(target.shape)}", path=ck.path, key=i)
                     target.copy_(src)
                     planner.commit_tensor(ri, target)
                 del got[i]
@@ -426,3 +425,56 @@ def _local_dir_id(checkpoint_id) -> bool:
         return False
     p = Path(s)
     return not p.exists() or p.is_dir()
+
+
+def snapshot_state_dict(obj):
+    """A private copy of a DCP state dict: tensors (plain or DTensor, whose local shards are
+    copied on their own device) through `snapshot_tensors`, containers rebuilt, any other
+    object deep-copied. Used as the AsyncStager of gdsckpt.dcp.GdsckptWriter."""
+    from torch.distributed.tensor import DTensor
+
+    found: list[torch.Tensor] = []
+
+    def collect(o, depth=0):
+        if depth > 512:
+            raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
+        if isinstance(o, DTensor):
+            found.append(o.to_local())
+        elif isinstance(o, torch.Tensor):
+            if o.layout != torch.strided or o.device.type not in ("cpu", "cuda") or o.is_quantized:
+                raise UnsupportedStateError(f"cannot snapshot a {o.layout} {o.dtype} tensor on {o.device}; "
+                                   "pass async_staging='cpu' to GdsckptWriter")
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v, depth + 1)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v, depth + 1)
+        elif type(o).__name__ == "ShardedTensor":
+            raise UnsupportedStateError("ShardedTensor cannot be snapshotted on its device; "
+                               "pass async_staging='cpu' to GdsckptWriter")
+
+    collect(obj)
+    copies = iter(snapshot_tensors(found))
+
+    def rebuild(o):
+        if isinstance(o, DTensor):
+            return DTensor.from_local(next(copies), o.device_mesh, o.placements, run_check=False,
+                                      shape=o.shape, stride=o.stride())
+        if isinstance(o, torch.Tensor):
+            t = next(copies)
+            return torch.nn.Parameter(t, o.requires_grad) if isinstance(o, torch.nn.Parameter) else t
+        if isinstance(o, dict):
+            items = [(k, rebuild(v)) for k, v in o.items()]
+            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
+        if isinstance(o, list):
+            return [rebuild(v) for v in o]
+        if isinstance(o, tuple):
+            items = [rebuild(v) for v in o]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
+            return o
+        return copy.deepcopy(o)
+
+    return rebuild(obj)

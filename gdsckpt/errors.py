@@ -44,3 +44,19 @@ class StateMismatchError(GdsckptError, ValueError):
 
 class GDSUnavailableError(GdsckptError, RuntimeError):
     """GPUDirect Storage was asked for explicitly on a host that does not have it."""
+
+
+class BackendUnavailableError(GdsckptError, RuntimeError):
+    """The GPU backend was asked for (backend="gpu") where CUDA, nvCOMP or KvikIO is not usable."""
+
+
+class SaveInFlightError(GdsckptError, RuntimeError):
+    """save_async(..., wait=False) while an earlier save_async is still running."""
+
+
+class DCPPlanError(GdsckptError, ValueError):
+    """torch.distributed.checkpoint handed GdsckptWriter a plan or setting it cannot honour."""
+
+
+class CheckpointExistsError(GdsckptError, FileExistsError):
+    """A committed checkpoint is already there and overwrite was not allowed."""

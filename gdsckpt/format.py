@@ -1,8 +1,10 @@
 """The on-disk format (FORMAT.md): header, 4 KiB aligned chunk records, JSON index, footer.
 
-Everything read from a file is validated here before the rest of gdsckpt acts
-on it, so that a hostile or damaged file gives a CheckpointFormatError and never a
-large allocation, a crash or a wrong tensor.
+The one owner of the file's layout: `FileWriter` writes the header, places each chunk record
+and writes the index and footer; `read_footer` and `parse_index` read them back. Everything
+read from a file is validated here before the rest of gdsckpt acts on it, so that a hostile
+or damaged file gives a CheckpointFormatError and never a large allocation, a crash or a
+wrong tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from . import dtypes
 from .codecs import ALL_CODECS, NVCOMP_CODECS, frame_offsets
 from .errors import CheckpointFormatError, VersionError
 from .plan import Chunk, Plan, Stream, TensorEntry, segments
+from .storage import pwrite_all
 
 MAJOR, MINOR = 1, 0
 ALIGN = 4096
@@ -57,6 +60,30 @@ class ChunkRecord:
     raw: bool
     checksum: int
     frames: list[int] | None  # zstd: compressed length of each frame
+
+
+class FileWriter:
+    """The layout of one file being written. The header goes out on creation; `place` gives each
+    chunk record its offset, the next 4 KiB boundary; `finish` writes the index and footer after
+    the last record (the index is known only then). fd=None places records without writing
+    anything: the bench's targets with storage removed."""
+
+    def __init__(self, fd: int | None, meta: dict, skeleton: dict, devices: list[str], plan: Plan):
+        self.fd, self._meta, self._skeleton, self._devices, self._plan = fd, meta, skeleton, devices, plan
+        self._next = HEADER_SIZE
+        self.file_bytes = 0  # set by finish
+        if fd is not None:
+            pwrite_all(fd, header_bytes(), 0)
+
+    def place(self, stored: int) -> int:
+        offset, self._next = self._next, align_up(self._next + stored)
+        return offset
+
+    def finish(self, records: list[ChunkRecord]) -> None:
+        index = encode_index(self._meta, self._skeleton, self._devices, self._plan, records)
+        if self.fd is not None:
+            pwrite_all(self.fd, index + footer_bytes(self._next, index), self._next)
+        self.file_bytes = self._next + len(index) + FOOTER_SIZE
 
 
 @dataclass

@@ -99,9 +99,3 @@ def segments(tensors, members, t: int, start: int, length: int) -> tuple[tuple[S
         else:
             break
     return tuple(segs), t
-
-
-def chunks_for_tensor(plan_chunks, entry) -> list:
-    """Chunks of entry's stream that overlap its byte range (chunk offsets are sorted)."""
-    lo, hi = entry.offset, entry.offset + entry.nbytes
-    return [c for c in plan_chunks if c.stream == entry.stream and c.offset < hi and c.offset + c.length > lo]

@@ -1,9 +1,10 @@
 """The ring: K slots in flight, so that compressing chunk i+1 overlaps writing chunk i
 (and, on restore, reading chunk i+1 overlaps verifying and decoding chunk i).
 
-Backend-neutral: byte views are 1-D uint8 torch tensors, and the backend
-(gdsckpt/backend.py for the CPU, gdsckpt/gpu/backend.py for the GPU) supplies
-buffers, the gather, copies, codecs, checksums and files whose futures have `.get()`.
+Backend-neutral: byte views are 1-D uint8 torch tensors, and the ring works only through the
+interfaces below (`Backend`, `ChunkFile`, `IOFuture`), implemented by gdsckpt/cpu_backend.py,
+gdsckpt/gpu/backend.py and the bench's storage-removed sinks. Where a chunk's record goes in the
+file is the format's business (`format.FileWriter`): the ring asks it.
 A slot holds one chunk's stored bytes and is reused only after the I/O that used it has
 completed. The logical-bytes buffer (gather target on save, decode target on restore) is one
 for the whole ring: its use ends, in stream order, before the next chunk's begins.
@@ -15,12 +16,107 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
 from .errors import ChecksumError, CheckpointFormatError
-from .format import HEADER_SIZE, ChunkRecord, align_up
+from .format import ChunkRecord, FileWriter, Index
 from .plan import Chunk, Plan
+
+Bytes = torch.Tensor  # a 1-D uint8 tensor: host memory on the CPU backend, device memory on the GPU's
+
+
+class IOFuture(Protocol):
+    def get(self) -> int:
+        """Wait for the I/O; the bytes it moved. May be called more than once."""
+
+
+class ChunkFile(Protocol):
+    """Where chunk records go (or come from): a file, or a bench sink with storage removed.
+    `fd` is the host file descriptor for the small writes (header, index, footer) and fsync,
+    None where there is no file."""
+
+    fd: int | None
+
+    def pwrite(self, buf: Bytes, nbytes: int, offset: int) -> IOFuture: ...
+
+    def pread(self, buf: Bytes, nbytes: int, offset: int) -> IOFuture: ...
+
+    def close(self) -> None: ...
+
+
+Gather = Callable[[Chunk, Bytes], Bytes]
+
+
+class Backend(Protocol):
+    """What the ring needs from a device: buffers, the gather, copies, codecs, checksums, files."""
+
+    name: str  # "cpu" or "gpu"
+    io_path: str  # the path bytes really take: "cpu", "compat" or "gds"
+    nvcomp_version: str | None
+
+    def __enter__(self) -> "Backend": ...
+
+    def __exit__(self, *exc) -> bool: ...
+
+    def begin(self) -> None:
+        """Order the pipeline after the caller's pending work on the tensors."""
+
+    def finish(self) -> None:
+        """Wait for the pipeline's device work."""
+
+    def synchronize(self) -> None: ...
+
+    def memory(self) -> dict: ...
+
+    def can_decode(self, spec: dict) -> bool: ...
+
+    def empty(self, nbytes: int) -> Bytes: ...
+
+    def direct(self, view: Bytes) -> bool:
+        """True if a decoder may write into `view` (a destination tensor's bytes) directly."""
+
+    def copy(self, dst: Bytes, src: Bytes) -> None: ...
+
+    def gatherer(self, plan: Plan, views: "ByteViews") -> Gather:
+        """(chunk, staging) -> the chunk's logical bytes: a view of its tensor, or `staging` filled."""
+
+    def max_stored(self, spec: dict, nbytes: int) -> int: ...
+
+    def encode(self, spec: dict, src: Bytes, out: Bytes, scratch: Bytes) -> tuple[int, list | None]:
+        """(stored length, zstd frame lengths) with the stored bytes in `out`; (-1, None) if it would not shrink."""
+
+    def decode(self, spec: dict, stored: Bytes, out: Bytes, frames: list | None) -> None: ...
+
+    def checksum(self, buf: Bytes) -> int: ...
+
+    def open(self, path: Path, mode: str) -> ChunkFile: ...
+
+
+class Completion:
+    """The one IOFuture type: `wait()` runs once, on the first get(); later gets return its result."""
+
+    __slots__ = ("_wait", "_result")
+
+    def __init__(self, wait: Callable[[], int]):
+        self._wait, self._result = wait, None
+
+    def get(self) -> int:
+        if self._wait is not None:
+            self._result, self._wait = self._wait(), None
+        return self._result
+
+
+def verify_chunk(got: int, actual_checksum: int, rec: ChunkRecord, path, key: str, chunk: int) -> None:
+    """The one verify step, before any decoder sees a chunk (restore and `Checkpoint.verify`)."""
+    if got != rec.stored:
+        raise CheckpointFormatError(f"short read: {got} of {rec.stored} bytes (the chunk extends past the end "
+                                    "of the file?)", path=path, key=key, chunk=chunk)
+    if actual_checksum != rec.checksum:
+        raise ChecksumError("stored bytes do not match their checksum: the chunk is corrupt",
+                            path=path, key=key, chunk=chunk)
 
 
 @dataclass
@@ -80,12 +176,13 @@ def _drain(slots, timings: Timings | None = None, ok: bool = True) -> None:
                     raise
 
 
-def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timings, tail=None) -> list[ChunkRecord]:
+def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout: FileWriter, depth: int,
+                 timings: Timings) -> list[ChunkRecord]:
     """Compress and write every chunk of `plan`; `tensors[i]` is plan.tensors[i]'s tensor.
-    tail(records), if given, runs once the last chunk is submitted, while its writes are in flight."""
+    `layout` places each record; it writes the index and footer once the last chunk is
+    submitted, while the last writes are still in flight."""
     if not plan.chunks:
-        if tail is not None:
-            tail([])
+        layout.finish([])
         return []
     max_len = max(c.length for c in plan.chunks)
     max_stored = max(backend.max_stored(s.codec, max_len) for s in plan.streams)
@@ -93,7 +190,6 @@ def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timing
     staging = backend.empty(max_len)
     slots = [_Slot(backend.empty(max_stored)) for _ in range(depth)]
     records: list[ChunkRecord] = []
-    offset = HEADER_SIZE
     try:
         for chunk in plan.chunks:
             slot = slots[chunk.index % depth]
@@ -118,14 +214,13 @@ def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timing
             payload = src[:stored] if raw else slot.stored[:stored]
             ck = backend.checksum(payload)
             t = timings.add("checksum", t)
+            offset = layout.place(stored)
             slot.pending = file.pwrite(payload, stored, offset)
             timings.add("submit", t)
             records.append(ChunkRecord(offset, stored, raw, ck, frames))
-            offset = align_up(offset + stored)
         t = time.perf_counter()
-        if tail is not None:
-            tail(records)
-            t = timings.add("tail", t)
+        layout.finish(records)
+        t = timings.add("index", t)
         _drain(slots, timings)
         timings.add("wait_io", t)
     finally:
@@ -133,7 +228,8 @@ def write_chunks(plan: Plan, tensors, backend, file, depth: int, timings: Timing
     return records
 
 
-def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Timings, path) -> None:
+def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, file: ChunkFile, depth: int,
+                timings: Timings, path) -> None:
     """Read, verify and decode the chunks `chunk_ids` into the tensors' byte views `views`
     (views[i] may be None for a tensor nobody asked for)."""
     plan, records = index.plan, index.records
@@ -158,12 +254,8 @@ def read_chunks(index, chunk_ids, views, backend, file, depth: int, timings: Tim
             fut, slot.pending = slot.pending, None
             got = fut.get()
             t = timings.add("read_wait", t)
-            if got != rec.stored:
-                raise CheckpointFormatError(f"short read: {got} of {rec.stored} bytes", path=path, key=key, chunk=i)
             stored = slot.stored[:rec.stored]
-            if backend.checksum(stored) != rec.checksum:
-                raise ChecksumError("stored bytes do not match their checksum: the chunk is corrupt",
-                                    path=path, key=key, chunk=i)
+            verify_chunk(got, backend.checksum(stored) if got == rec.stored else 0, rec, path, key, i)
             t = timings.add("verify", t)
             out = _target(chunk, views, staging, backend)
             spec = plan.streams[chunk.stream].codec

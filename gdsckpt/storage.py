@@ -1,15 +1,13 @@
-"""Host-side file I/O: positional reads and writes on a thread pool, fsync, and the commit.
-
-The CPU backend moves chunk bytes with these; the GPU backend moves chunk bytes
-with KvikIO (gdsckpt/gpu/io.py) and uses this module for the header, index,
-footer and commit, which are small and live in host memory.
-"""
+"""Host-side file operations: the temporary's name, positional reads and writes of host bytes,
+fsync, and the atomic commit. Chunk bytes move through the backends' files
+(gdsckpt/cpu_backend.py, gdsckpt/gpu/io.py); the header, index and footer, which are small and
+live in host memory, and the commit go through here."""
 
 from __future__ import annotations
 
 import os
 import secrets
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TMP_MARK = ".gdsckpt-tmp."
@@ -67,53 +65,3 @@ def pread_exact(fd: int, n: int, offset: int) -> bytes:
             break
         data += more
     return data
-
-
-class _Done:
-    """A finished future with KvikIO's `.get()` spelling."""
-
-    def __init__(self, fut: Future):
-        self._f = fut
-
-    def get(self) -> int:
-        return self._f.result()
-
-    def done(self) -> bool:
-        return self._f.done()
-
-
-class HostFile:
-    """Chunk I/O for the CPU backend: os.pwrite / os.pread on `threads` workers."""
-
-    io_path = "cpu"
-
-    def __init__(self, path: Path, mode: str, threads: int = 2):
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if mode == "w" else os.O_RDONLY
-        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-io")
-
-    def pwrite(self, buf, nbytes: int, offset: int) -> _Done:
-        return _Done(self._pool.submit(self._pwrite, buf, nbytes, offset))
-
-    def pread(self, buf, nbytes: int, offset: int) -> _Done:
-        return _Done(self._pool.submit(self._pread, buf, nbytes, offset))
-
-    def _pwrite(self, buf, nbytes, offset) -> int:
-        pwrite_all(self.fd, buf.numpy()[:nbytes], offset)
-        return nbytes
-
-    def _pread(self, buf, nbytes, offset) -> int:
-        view = memoryview(buf.numpy()[:nbytes])
-        done = 0
-        while done < nbytes:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n == 0:
-                break
-            done += n
-        return done
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1

@@ -13,8 +13,9 @@ import torch
 
 from . import dtypes
 from .errors import UnsupportedStateError
+from .format import MAX_DEPTH
 
-MAX_DEPTH = 256
+
 _PLAIN = (bool, int, float, str, type(None))
 _INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
 

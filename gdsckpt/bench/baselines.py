@@ -98,8 +98,8 @@ def _kvikio_setup(kvikio):
     else KvikIO's defaults, as the notes then say."""
     import kvikio.defaults  # noqa: F401  (not every KvikIO imports it with the package)
     try:
-        from gdsckpt.gpu.io import io_settings
-        io_path, ctx = io_settings("auto", None, None)
+        from gdsckpt.backend import kvikio_settings
+        io_path, ctx = kvikio_settings("auto")
         how = "gdsckpt's KvikIO settings"
     except Exception:
         try:

@@ -26,6 +26,7 @@ import torch
 import gdsckpt
 from gdsckpt import api, tree
 from gdsckpt.backend import gpu_status
+from gdsckpt.defaults import RING_DEPTH
 
 from .baselines import same_tensors
 from .disk import disk_probe, drop_page_cache, mean_probe
@@ -156,26 +157,26 @@ def run_jobs(args, state, directory: Path, device: str, progress) -> list[dict]:
     io = args.ioengine if args.ioengine in ("gds", "compat") else "auto"
     jobs = []
     for bs, depth in itertools.product(_list(args.bs, parse_size), _list(args.iodepth, int)):
-        depth = depth or api.DEFAULT_RING_DEPTH
+        depth = depth or RING_DEPTH
         opts = dict(codec=args.codec, chunk_bytes=bs, ring_depth=depth, io=io, io_threads=args.numjobs,
                     backend=backend)
         label = f"bs={bs or 'default'} iodepth={depth}"
         path = Path(args.filename) if args.filename else directory / "bench.gdsckpt"
         if args.target != "file":
             sink = NullSink() if args.target == "null" else HostCopySink(device)
-            gdsckpt.save(state, None, _sink=sink, **opts)  # warm-up: codecs, pinned ring, allocator
+            api.save_through(state, sink, **opts)  # warm-up: codecs, pinned ring, allocator
             gc.collect()  # the workload builder's garbage, not the first timed loop's
             runs = []
             for i in _loops(args):
                 progress(f"{label} write -> {args.target}, loop {i + 1}")
-                runs.append(gdsckpt.save(state, None, _sink=sink, **opts))
+                runs.append(api.save_through(state, sink, **opts))
                 runs[-1].memory["pinned_host_bytes"] = sink.pinned_bytes
             jobs.append(_job_result(f"write-{args.target} {label}", "write", args.target, args, bs, depth, runs))
             continue
         # An untimed save first, as a training job's first checkpoint: nvCOMP codecs, kernels and
         # memory pools are made once per process, and the timed loops measure the checkpoints after it.
         t = time.perf_counter()
-        gdsckpt.save(state, None, _sink=NullSink(), **opts)
+        api.save_through(state, NullSink(), **opts)
         warmup_s = time.perf_counter() - t
         gc.collect()
         if args.rw in ("write", "rw"):

@@ -4,7 +4,6 @@ pipeline's own CUDA stream, KvikIO for chunk I/O."""
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from pathlib import Path
 
@@ -12,14 +11,13 @@ import cupy
 import numpy as np
 import torch
 
+from ..defaults import SMALL_HOST_TENSOR
 from . import kernels
 from .codecs import NvcompCodecs, nvcomp_version
 from .io import DeviceFile, io_settings
 from .kernels import Checksummer
 
-SMALL_HOST_TENSOR = 1 << 20  # host tensors up to this size are uploaded together, once per save
-
-__all__ = ["GpuBackend", "nvcomp_version"]
+__all__ = ["GpuBackend"]
 
 
 def as_cupy(t: torch.Tensor) -> cupy.ndarray:
@@ -48,12 +46,9 @@ def _resources(index: int) -> _DeviceResources:
 class GpuBackend:
     name = "gpu"
 
-    def __init__(self, io: str = "auto", io_threads: int | None = None, task_size: int | None = None,
-                 device=None):
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None
-                                   else torch.device(device).index or 0)
-        self.io_path, self._settings = io_settings(io, io_threads, task_size)
-        self.task_size = task_size
+    def __init__(self, io: str = "auto", io_threads: int | None = None):
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.io_path, self._settings = io_settings(io, io_threads)
         self.nvcomp_version = nvcomp_version()
         self._res = _resources(self.device.index)
         self._torch_stream, self._stream = self._res.torch_stream, self._res.stream
@@ -88,7 +83,7 @@ class GpuBackend:
     def memory(self) -> dict:
         return {"ring_gpu_bytes": self._ring_bytes,
                 "peak_extra_gpu_bytes": max(0, self._free_at_start - self._min_free),
-                "pinned_host_bytes": getattr(getattr(self, "_file", None), "pinned_bytes", 0)}
+                "pinned_host_bytes": 0}
 
     def can_decode(self, spec: dict) -> bool:
         return True
@@ -172,13 +167,7 @@ class GpuBackend:
         return self._checksum(as_cupy(buf))
 
     def open(self, path: Path, mode: str) -> DeviceFile:
-        # Opt-in: staging through our own pinned ring averaged 96% of the disk's bound over 8 saves
-        # interleaved with the probe, KvikIO's own bounce buffers 90%, but it swung between 51% and
-        # 131% against 81-99% (bench/results/2026-11-22-h100-k/save-paths-8rounds.json): the default
-        # stays the unchanged CuFile-from-device path, the one a GDS host runs.
-        staging = mode == "w" and self.io_path == "compat" and os.environ.get("GDSCKPT_COMPAT_STAGING", "0") == "1"
-        self._file = DeviceFile(path, mode, as_cupy, self.task_size, host_staging=staging)
-        return self._file
+        return DeviceFile(path, mode, as_cupy)
 
     def synchronize(self) -> None:
         self._torch_stream.synchronize()
