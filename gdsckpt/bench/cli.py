@@ -377,7 +377,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", action="store_true", help="also run torch.save, safetensors, raw KvikIO, ...")
     ap.add_argument("--plot", help="PNG chart of the compare table and/or the sweep")
     ap.add_argument("--no-disk-probe", action="store_true")
+    from . import train  # --train / --cost: gdsckpt/bench/train.py and cost.py
+    train.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.train or args.cost:
+        return train.main(args)
 
     gpu_ok, why = gpu_status()
     device = args.device or ("cuda" if gpu_ok else "cpu")

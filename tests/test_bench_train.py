@@ -1,0 +1,59 @@
+"""CPU test of gdsckpt-bench --train and --cost: a tiny training loop with three methods."""
+
+import json
+
+from gdsckpt.bench.cli import main
+
+
+def test_train_and_cost(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "6", "--interval", "3",
+                 "--repeats", "2", "--methods", "none,torch,save,async", "--directory", str(tmp_path / "d"),
+                 "--output", str(out), "--cost", "--gpus", "8", "--gpu-hour", "3", "--ckpt-every", "60",
+                 "--retention", "2", "--tb-month", "20"]) == 0
+    printed = capsys.readouterr().out
+    assert "overhead/ckpt" in printed and "cost per month" in printed
+    r = json.loads(out.read_text())
+    assert r["mode"] == "train" and r["device"]["kind"] == "cpu" and r["checkpoints_per_loop"] == 2
+    assert r["state"]["logical_bytes"] > 100_000 and r["step_s"] > 0
+    rows = {m["name"]: m for m in r["methods"]}
+    assert list(rows) == ["none", "torch.save", "gdsckpt.save", "gdsckpt.save_async"]
+    for name in ("torch.save", "gdsckpt.save", "gdsckpt.save_async"):
+        m = rows[name]
+        assert m["status"] == "ok", m
+        assert len(m["loops_s"]) == 2 and len(m["overhead_per_ckpt_s"]["each"]) == 2
+        assert len(m["blocked_s"]["each"]) == 4 and len(m["completion_s"]["each"]) == 4
+        assert m["first_save"]["completion_s"] > 0 and m["stored_bytes"] > 0
+        # a checkpoint completes after (or when) the caller is released
+        assert all(c >= b - 1e-6 for b, c in zip(m["blocked_s"]["each"], m["completion_s"]["each"]))
+    assert rows["gdsckpt.save"]["io_path"] == "cpu"
+    cost = {c["name"]: c for c in r["cost"]["methods"]}
+    assert r["cost"]["checkpoints_per_month"] == 30 * 24
+    c = cost["gdsckpt.save"]
+    idle = max(0.0, rows["gdsckpt.save"]["overhead_per_ckpt_s"]["mean"])
+    assert abs(c["idle_usd_month"] - 720 * idle / 3600 * 8 * 3) < 1e-9
+    assert abs(c["storage_usd_month"] - 2 * rows["gdsckpt.save"]["stored_bytes"] * 8 / 1e12 * 20) < 1e-9
+
+
+def test_cost_from_file_and_unavailable_modes(tmp_path, capsys):
+    """--cost reads a --train JSON; a save_async mode the installed library lacks is reported, not fatal."""
+    src = {"mode": "train", "date": "2026-11-23", "device": {"name": "H100"}, "interval": 40, "step_s": 0.126,
+           "state": {"logical_bytes": 4_000_000_000},
+           "methods": [{"name": "none", "status": "ok"},
+                       {"name": "a", "status": "ok", "overhead_per_ckpt_s": {"mean": 2.0},
+                        "blocked_s": {"mean": 2.0}, "stored_bytes": 3_000_000_000},
+                       {"name": "b", "status": "unavailable", "error": "save_async does not accept overlap"}]}
+    f = tmp_path / "in.json"
+    f.write_text(json.dumps(src))
+    assert main(["--cost", "--cost-from", str(f), "--gpus", "1000", "--gpu-hour", "2", "--ckpt-every", "30",
+                 "--state-per-gpu", "8000000000", "--output-format", "json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    a = c["methods"][0]
+    # 1440 checkpoints x 4 s (scaled 2x) x 1000 GPUs / 3600 x $2
+    assert abs(a["idle_usd_month"] - 1440 * 4.0 * 1000 / 3600 * 2) < 1e-6
+    assert a["checkpoint_bytes"] == 6_000_000_000 * 1000 and c["inputs"]["scaled"]
+    assert "error" in c["methods"][1]
+
+    from gdsckpt.bench import train
+    names = {m.name: m.available() for m in train.all_methods().values()}
+    assert names["none"] is None and names["gdsckpt.save_async"] is None
