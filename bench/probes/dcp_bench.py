@@ -1,7 +1,7 @@
 """DCP on N GPUs (default 2): gdsckpt's storage plugin against DCP's FileSystemWriter/Reader,
 plain and with its ZStandard stream extension, on the same sharded state in the same run.
 
-    python bench/dcp_bench.py --out dcp.json [--size 8GB] [--dir /tmp/dcp-bench] [--loops 2]
+    python bench/probes/dcp_bench.py --out dcp.json [--size 8GB] [--dir /tmp/dcp-bench] [--loops 2]
 
 The state: gdsckpt.bench.workload.make_state(--size) (a trained GPT-2-shaped mixed-precision
 state: bf16 weights, fp32 master weights, AdamW moments), built on every GPU and sharded over
@@ -43,7 +43,7 @@ import torch
 from gdsckpt.bench.disk import drop_page_cache
 from gdsckpt.storage import fsync_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -139,19 +139,18 @@ def timed(cls):
     class Timed(cls):
         io_seconds = 0.0
 
-        def write_data(self, plan, planner):
+        def _timed(self, call, plan, planner):
             t = time.perf_counter()
-            fut = super().write_data(plan, planner)
+            fut = call(plan, planner)
             fut.wait()
             self.io_seconds = time.perf_counter() - t
             return fut
 
+        def write_data(self, plan, planner):
+            return self._timed(super().write_data, plan, planner)
+
         def read_data(self, plan, planner):
-            t = time.perf_counter()
-            fut = super().read_data(plan, planner)
-            fut.wait()
-            self.io_seconds = time.perf_counter() - t
-            return fut
+            return self._timed(super().read_data, plan, planner)
 
     Timed.__name__ = f"Timed{cls.__name__}"
     return Timed

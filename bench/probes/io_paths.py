@@ -48,56 +48,51 @@ def cp(t):
 
 
 def kvikio_device(task, bounce, threads):
-    def write():
+    def run(mode, target):  # "w": write `target` to the file; "r": read the file into it
+        direct = "auto_direct_io_write" if mode == "w" else "auto_direct_io_read"
         with kvikio.defaults.set({"task_size": task, "bounce_buffer_size": bounce, "num_threads": threads,
-                                  "auto_direct_io_write": True, "compat_mode": kvikio.CompatMode.ON}):
-            f = kvikio.CuFile(path, "w")
+                                  direct: True, "compat_mode": kvikio.CompatMode.ON}):
+            f = kvikio.CuFile(path, mode)
+            io = f.pwrite if mode == "w" else f.pread
             futs = []
             for (o, n), fo in zip(pieces, offsets):
                 if len(futs) >= DEPTH:
                     futs.pop(0).get()
-                futs.append(f.pwrite(cp(dev[o:o + n]), n, fo, task))
+                futs.append(io(cp(target[o:o + n]), n, fo, task))
             for x in futs:
                 x.get()
-            os.fsync(f.fileno())
+            if mode == "w":
+                os.fsync(f.fileno())
             f.close()
-
-    def read(out):
-        with kvikio.defaults.set({"task_size": task, "bounce_buffer_size": bounce, "num_threads": threads,
-                                  "auto_direct_io_read": True, "compat_mode": kvikio.CompatMode.ON}):
-            f = kvikio.CuFile(path, "r")
-            futs = []
-            for (o, n), fo in zip(pieces, offsets):
-                if len(futs) >= DEPTH:
-                    futs.pop(0).get()
-                futs.append(f.pread(cp(out[o:o + n]), n, fo, task))
-            for x in futs:
-                x.get()
-            f.close()
-    return write, read
+    return (lambda: run("w", dev)), (lambda out: run("r", out))
 
 
 host = [torch.empty(align(CHUNK), dtype=torch.uint8, pin_memory=True) for _ in range(DEPTH)]
 pool = ThreadPoolExecutor(DEPTH)
 
 
+def write_staged(submit, wait):
+    """Each chunk copied into the pinned host ring (padded to 4 KiB) once its slot's last write is
+    done, then submit(host array, file offset) -> a future that wait() completes."""
+    futs = [None] * DEPTH
+    for i, ((o, n), fo) in enumerate(zip(pieces, offsets)):
+        s = i % DEPTH
+        if futs[s] is not None:
+            wait(futs[s])
+        h = host[s]
+        h[:n].copy_(dev[o:o + n])
+        h[n:align(n)].zero_()
+        futs[s] = submit(h.numpy()[:align(n)], fo)
+    for x in futs:
+        if x is not None:
+            wait(x)
+
+
 def staged_pwrite():
     """Pinned host ring + one O_DIRECT pwrite per chunk (padded to 4 KiB), as the disk probe writes."""
     def write():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        futs = [None] * DEPTH
-        for i, ((o, n), fo) in enumerate(zip(pieces, offsets)):
-            s = i % DEPTH
-            if futs[s] is not None:
-                futs[s].result()
-            h = host[s]
-            h[:n].copy_(dev[o:o + n])
-            h[n:align(n)].zero_()
-            mv = memoryview(h.numpy())[:align(n)]
-            futs[s] = pool.submit(os.pwrite, fd, mv, fo)
-        for x in futs:
-            if x is not None:
-                x.result()
+        write_staged(lambda a, fo: pool.submit(os.pwrite, fd, memoryview(a), fo), lambda f: f.result())
         os.fsync(fd)
         os.close(fd)
 
@@ -126,18 +121,7 @@ def kvikio_host(task, threads):
         with kvikio.defaults.set({"task_size": task, "num_threads": threads, "auto_direct_io_write": True,
                                   "compat_mode": kvikio.CompatMode.ON}):
             f = kvikio.CuFile(path, "w")
-            futs = [None] * DEPTH
-            for i, ((o, n), fo) in enumerate(zip(pieces, offsets)):
-                s = i % DEPTH
-                if futs[s] is not None:
-                    futs[s].get()
-                h = host[s]
-                h[:n].copy_(dev[o:o + n])
-                h[n:align(n)].zero_()
-                futs[s] = f.pwrite(h.numpy()[:align(n)], align(n), fo, task)
-            for x in futs:
-                if x is not None:
-                    x.get()
+            write_staged(lambda a, fo: f.pwrite(a, a.nbytes, fo, task), lambda fut: fut.get())
             os.fsync(f.fileno())
             f.close()
     return write, None

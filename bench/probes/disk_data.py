@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import gdsckpt
+from gdsckpt import api
 from gdsckpt.bench.disk import drop_page_cache
 from gdsckpt.bench.sinks import NullSink
 from gdsckpt.bench.workload import make_state
@@ -64,7 +65,7 @@ def probe(kind: str) -> dict:
 
 
 state = make_state("4GB", device="cuda")
-gdsckpt.save(state, None, _sink=NullSink())
+api.save_through(state, NullSink())
 rows = []
 for r in range(ROUNDS):
     for kind in ("same block", "stamped pages", "unique bytes"):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import gdsckpt
+from gdsckpt import api
 from gdsckpt.bench.sinks import NullSink
 from gdsckpt.bench.workload import make_state
 
@@ -27,13 +28,13 @@ def null_loops(n):
     rows = []
     for _ in range(n):
         t = time.perf_counter()
-        s = gdsckpt.save(state, None, _sink=sink)
+        s = api.save_through(state, sink)
         rows.append({"seconds": time.perf_counter() - t, "gbps": s.gbps,
                      "stages": {k: round(v, 5) for k, v in s.stages.items()}})
     return rows
 
 
-gdsckpt.save(state, None, _sink=sink)  # warm-up
+api.save_through(state, sink)  # warm-up
 out["null"] = null_loops(8)
 gc.disable()
 out["null_gc_off"] = null_loops(8)
