@@ -4,13 +4,7 @@ KvikIO's compat mode needs, the stand-in for storage faster than this host's dis
 
 from __future__ import annotations
 
-
-class _Done:
-    def __init__(self, n: int):
-        self._n = n
-
-    def get(self) -> int:
-        return self._n
+from ..ring import Completion
 
 
 class NullSink:
@@ -18,20 +12,11 @@ class NullSink:
 
     pinned_bytes = 0
 
-    def pwrite(self, buf, nbytes: int, offset: int):
-        return _Done(nbytes)
+    def pwrite(self, buf, nbytes: int, offset: int) -> Completion:
+        return Completion(lambda: nbytes)
 
     def close(self):
         pass
-
-
-class _CopyDone:
-    def __init__(self, event, n: int):
-        self._event, self._n = event, n
-
-    def get(self) -> int:
-        self._event.synchronize()
-        return self._n
 
 
 class HostCopySink:
@@ -52,7 +37,7 @@ class HostCopySink:
     def pinned_bytes(self) -> int:
         return sum(s.numel() for s in self._slots if s is not None)
 
-    def pwrite(self, buf, nbytes: int, offset: int):
+    def pwrite(self, buf, nbytes: int, offset: int) -> Completion:
         torch = self._torch
         i = self._next % len(self._slots)
         self._next += 1
@@ -64,7 +49,11 @@ class HostCopySink:
             self._slots[i][:nbytes].copy_(buf[:nbytes], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
-        return _CopyDone(ev, nbytes)
+
+        def copied() -> int:
+            ev.synchronize()
+            return nbytes
+        return Completion(copied)
 
     def close(self):
         pass

@@ -335,17 +335,6 @@ def nbytes(state) -> int:
     return sum(t.nbytes for _, t in _walk(state))
 
 
-def describe(state) -> dict:
-    """{"tensors": count, "bytes": total, "by_dtype": {"bfloat16": {"tensors", "bytes"}, ...}}."""
-    by: dict[str, dict] = {}
-    for _, t in _walk(state):
-        e = by.setdefault(str(t.dtype).removeprefix("torch."), {"tensors": 0, "bytes": 0})
-        e["tensors"] += 1
-        e["bytes"] += t.nbytes
-    return {"tensors": sum(e["tensors"] for e in by.values()), "bytes": sum(e["bytes"] for e in by.values()),
-            "by_dtype": by}
-
-
 # GPT-2 small's parameter shapes of one block, cycled by the synthetic states.
 _SHAPES = [(768,), (768,), (2304, 768), (2304,), (768, 768), (768,), (768,), (768,), (3072, 768), (3072,),
            (768, 3072), (768,)]
