@@ -192,6 +192,16 @@ def _u8(cupy, t: torch.Tensor):
     return cupy.asarray(t.detach().reshape(-1).view(torch.uint8))
 
 
+def _kvikio_all(kvikio, cupy, path, mode: str, tensors: list, offsets: list) -> None:
+    """Every tensor's bytes written to (mode "w") or read from ("r") `path` at its offset, all
+    requests in flight at once, then waited for."""
+    with kvikio.CuFile(path, mode) as f:
+        io = f.pwrite if mode == "w" else f.pread
+        futures = [io(_u8(cupy, t), t.nbytes, off) for t, off in zip(tensors, offsets) if t.nbytes]
+        for fut in futures:
+            fut.get()
+
+
 def kvikio_raw(state, directory, device):
     """The uncompressed floor of gdsckpt's I/O path: every tensor's bytes written from device
     memory with KvikIO into one file (back to back, 4 KiB aligned), read back into preallocated
@@ -211,10 +221,7 @@ def kvikio_raw(state, directory, device):
             desc = _kvikio_desc(kvikio, how)
             _sync(device)
             t0 = time.perf_counter()
-            with kvikio.CuFile(path, "w") as f:
-                futures = [f.pwrite(_u8(cupy, t), t.nbytes, off) for t, off in zip(src, offsets) if t.nbytes]
-                for fut in futures:
-                    fut.get()
+            _kvikio_all(kvikio, cupy, path, "w", src, offsets)
             _fsync(path)
             save_s = time.perf_counter() - t0
             del src
@@ -222,10 +229,7 @@ def kvikio_raw(state, directory, device):
             dst = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in originals]
             _sync(device)
             t0 = time.perf_counter()
-            with kvikio.CuFile(path, "r") as f:
-                futures = [f.pread(_u8(cupy, t), t.nbytes, off) for t, off in zip(dst, offsets) if t.nbytes]
-                for fut in futures:
-                    fut.get()
+            _kvikio_all(kvikio, cupy, path, "r", dst, offsets)
             _sync(device)
             load_s = time.perf_counter() - t0
         exact = same_tensors(dst, originals)

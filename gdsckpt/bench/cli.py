@@ -25,7 +25,7 @@ import torch
 
 import gdsckpt
 from gdsckpt import api, tree
-from gdsckpt.backend import gpu_status
+from gdsckpt.backend import gpu_status, set_direct_io
 from gdsckpt.defaults import RING_DEPTH
 
 from .baselines import same_tensors
@@ -351,6 +351,24 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.train or args.cost:
+        from . import train
+        return train.main(args)
+    device = choose_device(args)
+    progress = Progress()
+    progress("building the workload state")
+    state, data = make_data(args.data, args.size, device)
+    if args.ioengine == "posix":
+        state = _to(state, "cpu")
+    disk, jobs, compare = measure(args, state, data, device, progress)
+    report(args, {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "host": platform.node(), "device": describe_device(device), "versions": versions(), "data": data,
+                  "disk": disk, "jobs": jobs, "compare": compare, "args": vars(args)})
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gdsckpt-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SCHEMA_DOC)
     ap.add_argument("--rw", choices=["write", "read", "rw"], default="rw")
@@ -379,27 +397,25 @@ def main(argv=None) -> int:
     ap.add_argument("--no-disk-probe", action="store_true")
     from . import train  # --train / --cost: gdsckpt/bench/train.py and cost.py
     train.add_arguments(ap)
-    args = ap.parse_args(argv)
-    if args.train or args.cost:
-        return train.main(args)
+    return ap.parse_args(argv)
 
+
+def choose_device(args) -> str:
+    """The device to measure on (--device, else CUDA where usable); applies --direct to KvikIO."""
     gpu_ok, why = gpu_status()
     device = args.device or ("cuda" if gpu_ok else "cpu")
     if device.startswith("cuda") and not gpu_ok:
         raise SystemExit(f"--device cuda: {why}")
     if args.ioengine == "posix" and device.startswith("cuda"):
         print("note: --ioengine posix runs the CPU path; the state is saved from host memory", file=sys.stderr)
-    if args.direct is not None:  # gdsckpt leaves KvikIO's O_DIRECT alone when these are set
-        os.environ["KVIKIO_AUTO_DIRECT_IO_WRITE"] = os.environ["KVIKIO_AUTO_DIRECT_IO_READ"] = str(args.direct)
-        if gpu_ok:
-            import kvikio.defaults
-            kvikio.defaults.set({"auto_direct_io_read": bool(args.direct), "auto_direct_io_write": bool(args.direct)})
+    if args.direct is not None:  # gdsckpt then leaves KvikIO's O_DIRECT as set here
+        set_direct_io(bool(args.direct))
+    return device
 
-    progress = Progress()
-    progress("building the workload state")
-    state, data = make_data(args.data, args.size, device)
-    if args.ioengine == "posix":
-        state = _to(state, "cpu")
+
+def measure(args, state, data: dict, device: str, progress) -> tuple[dict | None, list[dict], list[dict] | None]:
+    """(disk probe, jobs, compare rows): the jobs between two probes of the disk they write to,
+    each file job set against the disk's rate, then the compare table."""
     tmp = None
     directory = Path(args.directory) if args.directory else Path(tmp := tempfile.mkdtemp(prefix="gdsckpt-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -412,22 +428,32 @@ def main(argv=None) -> int:
         if disk is not None and "error" not in disk:  # the disk's weather changes: probe it again after
             progress("probing the disk with O_DIRECT again")
             disk = mean_probe([disk, disk_probe(directory, disk["bytes"])])
-            for j in jobs:
-                if j["target"] == "file":
-                    rate = disk["direct_write_gbps" if j["rw"] == "write" else "direct_read_gbps"]
-                    j["disk_bound_gbps"] = rate / j["ratio"]
-                    j["of_disk_bound"] = j["logical_gbps"] / j["disk_bound_gbps"]
+            _against_disk(jobs, disk)
         compare = run_compare(args, state, directory, device, progress) if args.compare else None
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    result = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(),
-              "device": {"kind": "gpu" if device.startswith("cuda") else "cpu",
-                         "name": torch.cuda.get_device_name() if device.startswith("cuda")
-                         else (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"},
-              "versions": versions(), "data": data, "disk": disk, "jobs": jobs, "compare": compare,
-              "args": vars(args)}
+    return disk, jobs, compare
+
+
+def _against_disk(jobs: list[dict], disk: dict) -> None:
+    """Each file job's bound: the disk's O_DIRECT rate over the stored fraction, and its share of it."""
+    for j in jobs:
+        if j["target"] == "file":
+            rate = disk["direct_write_gbps" if j["rw"] == "write" else "direct_read_gbps"]
+            j["disk_bound_gbps"] = rate / j["ratio"]
+            j["of_disk_bound"] = j["logical_gbps"] / j["disk_bound_gbps"]
+
+
+def describe_device(device: str) -> dict:
+    gpu = device.startswith("cuda")
+    return {"kind": "gpu" if gpu else "cpu",
+            "name": torch.cuda.get_device_name() if gpu
+            else (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"}
+
+
+def report(args, result: dict) -> None:
+    """The result as --output, --output-format and --plot ask."""
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
     if args.output_format == "json":
@@ -439,7 +465,6 @@ def main(argv=None) -> int:
         print_normal(result)
     if args.plot:
         plot(result, args.plot)
-    return 0
 
 
 def _to(state, device):
