@@ -24,8 +24,8 @@ def test_train_and_cost(tmp_path, capsys):
         assert len(m["loops_s"]) == 2 and len(m["overhead_per_ckpt_s"]["each"]) == 2
         assert len(m["blocked_s"]["each"]) == 4 and len(m["completion_s"]["each"]) == 4
         assert m["first_save"]["completion_s"] > 0 and m["stored_bytes"] > 0
-        # a checkpoint completes after (or when) the caller is released
-        assert all(c >= b - 1e-6 for b, c in zip(m["blocked_s"]["each"], m["completion_s"]["each"]))
+        # a checkpoint completes after (or when) the caller is released (each rounded to 0.1 ms)
+        assert all(c >= b - 2e-4 for b, c in zip(m["blocked_s"]["each"], m["completion_s"]["each"]))
     assert rows["gdsckpt.save"]["io_path"] == "cpu"
     cost = {c["name"]: c for c in r["cost"]["methods"]}
     assert r["cost"]["checkpoints_per_month"] == 30 * 24

@@ -397,7 +397,8 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     # registered first, stamps the time (hook_t[0]); a second one, registered after each save
     # (so after the library's), adds the time since then to the step's wait (hook_t[1]).
     hook_t = [0.0, 0.0]
-    first = ctx.opt.register_step_pre_hook(lambda *a: hook_t.__setitem__(0, time.perf_counter()))
+    hooks = getattr(method, "with_opt", False)  # only then can the library's hook make a step wait
+    first = ctx.opt.register_step_pre_hook(lambda *a: hook_t.__setitem__(0, time.perf_counter())) if hooks else None
     last = None
 
     def after(*a):
@@ -424,9 +425,10 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             else:
                 handle.add_done_callback(lambda f, i=i: done_at.__setitem__(i, time.perf_counter()))
                 pending.append(handle)
-            if last is not None:
-                last.remove()
-            last = ctx.opt.register_step_pre_hook(after)
+            if hooks:
+                if last is not None:
+                    last.remove()
+                last = ctx.opt.register_step_pre_hook(after)
             if cuda:
                 min_free = min(min_free, torch.cuda.mem_get_info()[0])
     for h in pending:  # drained inside the timed loop
@@ -435,7 +437,8 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    first.remove()
+    if first is not None:
+        first.remove()
     if last is not None:
         last.remove()
     loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at])
