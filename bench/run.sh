@@ -16,6 +16,7 @@
 #   d2h      gdsckpt-bench --size 4GB --target null-d2h --loops 8 (d2h.json/.txt)
 #   disk4g   gdsckpt-bench --size 4GB --loops 3: durable saves, cold loads, disk probe (disk4g.json/.txt)
 #   scale    gdsckpt-bench --size S --loops 3 for S = 1GB 4GB 16GB 32GB (scale-S.json, scale.txt)
+#   train    gdsckpt-bench --train: checkpoints inside a training loop (train.json/.txt)
 #   dcp      the 2-GPU DCP tests and bench/probes/dcp_bench.py (gpu-dcp-tests.log, dcp-2gpu.json/.txt);
 #            ARGS go to dcp_bench.py
 #   NAME     bench/probes/NAME.py (bench/README.md says what each measures) (its JSON, NAME.txt);
@@ -36,7 +37,7 @@ shift $((OPTIND - 1))
 round=$1; shift
 for job in "$@"; do  # refuse a misspelt job before spending GPU time on the others
   name=${job%%=*}
-  case $name in tests|compare|null|d2h|disk4g|scale|dcp) ;;
+  case $name in tests|compare|null|d2h|disk4g|scale|train|dcp) ;;
     *) [ -f "bench/probes/$name.py" ] || { echo "unknown job: $name" >&2; usage; } ;;
   esac
 done
@@ -97,6 +98,7 @@ for job in "$@"; do
     null) bench null --size 4GB --target null --loops 8 "${args[@]}" ;;
     d2h) bench d2h --size 4GB --target null-d2h --loops 8 "${args[@]}" ;;
     disk4g) bench disk4g --size 4GB --loops 3 --directory "$scratch" "${args[@]}" ;;
+    train) bench train --train --directory "$scratch" "${args[@]}" ;;
     scale)
       for s in 1GB 4GB 16GB 32GB; do
         python3 -m gdsckpt.bench --size $s --loops 3 --directory "$scratch" "${args[@]}" \
