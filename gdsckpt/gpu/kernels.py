@@ -1,14 +1,223 @@
-"""The pipeline's own CUDA kernels: the chunk checksum (FORMAT.md) in one pass over device memory,
-the same value gdsckpt/checksum.py computes on the CPU, so that chunks are verified on the GPU
-before any decoder sees them; and the gather of a chunk's tensor segments in one launch."""
+"""The pipeline's own CUDA kernels: chunk checksums in one pass over device memory, equal bit for bit
+to gdsckpt/checksum.py's CPU values, so that chunks are verified on the GPU before any decoder sees
+them; and the gather of a chunk's tensor segments in one launch."""
 
 from __future__ import annotations
 
 import cupy
 import numpy as np
 
-from ..checksum import LENGTH_MIX, MASK
+from ..checksum import (CURRENT, LENGTH_MIX, MASK, crc64nvme_of_zeros, gf_mul_vec, gf_xpow, mul_basis,
+                        shift_tables)
 
+# ---------------------------------------------------------------------------------------------
+# CRC-64/NVME (gdsckpt/checksum.py says why this CRC, and what it detects).
+#
+# How: the buffer is read as aligned 8-byte words, W = grid x block threads of them per "row", and
+# thread g owns word g of every row, so each warp reads 256 contiguous bytes per step (coalesced)
+# and rows are read in order. The CRC is linear over GF(2): with zero init, the CRC of words
+# w_0..w_{N-1} is the XOR of w_j * x^(64 (N - j)) mod P. Thread g keeps, by Horner's rule,
+# s = s * x^(64 W) XOR w (one step = 8 lookups in byte tables of that map, in shared memory: the
+# same cost as classic slice-by-8, whose tables are the map for x^64), then multiplies s by
+# x^(64 (W - g)) once (a 64-step carry-less multiply), and all contributions are XORed: within the
+# warp by shuffles, within the block in shared memory, across blocks by the last block to finish
+# (a ticket counter, reset by that block for the next call), so one launch per checksum.
+# Arbitrary start and length: the word grid is aligned to 8 bytes in memory, bytes before the
+# buffer and after its end read as zero (only the two edge words, by byte loads, so nothing
+# outside the buffer is touched), and the grid is padded at the front with zero words to whole
+# rows: leading zeros do not change a zero-init CRC. The k < 8 zero bytes after the end do (they
+# multiply by x^(8k)), so the total is multiplied by x^(-8k) (a constant per k, 64 loads). The
+# all-ones init is the same as XORing 0xFF into the first 8 bytes (for n >= 8; for n < 8 it is a
+# constant per n), and xorout is a final XOR.
+_CRC = r"""
+typedef unsigned long long u64;
+#define POLY_R 0x9A6C9329AC4BC9B5ULL
+
+// a * b mod P, reflected (bit 63 = x^0)
+__device__ __forceinline__ u64 gf_mul(u64 a, u64 b) {
+    u64 p = 0;
+    #pragma unroll 16
+    for (int i = 63; i >= 0; --i) {
+        p ^= b & (0ULL - ((a >> i) & 1ULL));
+        b = (b >> 1) ^ (POLY_R & (0ULL - (b & 1ULL)));
+    }
+    return p;
+}
+
+// Word j of the aligned grid, byte by byte: bytes outside [lo, hi) are zero, the first 8 bytes of
+// the buffer are XORed with 0xFF when init is set.
+__device__ __noinline__ u64 edge_word(const unsigned char* base, long long j, u64 lo, u64 hi, int init) {
+    u64 w = 0;
+    for (int q = 0; q < 8; ++q) {
+        u64 at = 8ULL * (u64)j + q;
+        if (at >= lo && at < hi) {
+            u64 b = base[at];
+            if (init && at - lo < 8) b ^= 0xFFULL;
+            w |= b << (8 * q);
+        }
+    }
+    return w;
+}
+
+__device__ __forceinline__ u64 load_word(const unsigned char* base, long long j, long long words,
+                                         u64 lo, u64 hi, int init) {
+    if (j >= 2 && j <= words - 2) return __ldcs(reinterpret_cast<const u64*>(base) + j);
+    return j >= 0 ? edge_word(base, j, lo, hi, init) : 0ULL;
+}
+
+#if NIBBLE
+// 16 tables of 16 entries (4 bits of s each), 16 copies side by side: lane l reads copy l % 16, so
+// the 16 lanes of a half-warp always hit 16 different bank pairs (byte tables are indexed at
+// random and conflict), at twice the lookups per word.
+#define LOOK(q) T[q][(s >> (4 * q)) & 15][copy]
+#define STEP(s, w) s = (LOOK(0) ^ LOOK(1) ^ LOOK(2) ^ LOOK(3) ^ LOOK(4) ^ LOOK(5) ^ LOOK(6) ^ LOOK(7) ^ LOOK(8) \
+                       ^ LOOK(9) ^ LOOK(10) ^ LOOK(11) ^ LOOK(12) ^ LOOK(13) ^ LOOK(14) ^ LOOK(15)) ^ (w)
+#define TABLE_DECL __shared__ u64 T[16][16][16]
+#define TABLE_FILL for (int i = threadIdx.x; i < 4096; i += THREADS) (&T[0][0][0])[i] = tables[i >> 4]
+#else
+#define STEP(s, w) s = (T[0][s & 255] ^ T[1][(s >> 8) & 255] ^ T[2][(s >> 16) & 255] ^ T[3][(s >> 24) & 255] \
+                       ^ T[4][(s >> 32) & 255] ^ T[5][(s >> 40) & 255] ^ T[6][(s >> 48) & 255] ^ T[7][s >> 56]) ^ (w)
+#define TABLE_DECL __shared__ u64 T[8][256]
+#define TABLE_FILL for (int i = threadIdx.x; i < 2048; i += THREADS) T[i >> 8][i & 255] = tables[i]
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS, BPSM)
+gdsckpt_crc64nvme(const unsigned char* base, u64 lo, u64 hi, long long words, long long z, long long rows,
+                  int init, const u64* __restrict__ tables, const u64* __restrict__ tail,
+                  u64* partial, unsigned int* ticket, const u64* __restrict__ fin, u64 extra, u64* out) {
+    TABLE_DECL;
+    __shared__ u64 red[THREADS / 32];
+    __shared__ int last;
+    const int copy = threadIdx.x & 15;
+    TABLE_FILL;
+    __syncthreads();
+    const long long W = (long long)gridDim.x * THREADS;
+    const long long g = (long long)blockIdx.x * THREADS + threadIdx.x;
+    long long j = g - z;  // this thread's word in row 0 (negative: front padding)
+    u64 s = 0;
+    long long r = 0;
+    for (; r + UNROLL <= rows; r += UNROLL) {
+        u64 w[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) w[u] = load_word(base, j + u * W, words, lo, hi, init);
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) STEP(s, w[u]);
+        j += UNROLL * W;
+    }
+    for (; r < rows; ++r, j += W) {
+        u64 w = load_word(base, j, words, lo, hi, init);
+        STEP(s, w);
+    }
+    u64 c = gf_mul(s, tail[g]);
+    for (int off = 16; off > 0; off >>= 1) c ^= __shfl_xor_sync(0xffffffffu, c, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 b = 0;
+        for (int i = 0; i < THREADS / 32; ++i) b ^= red[i];
+        partial[blockIdx.x] = b;
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    u64 v = 0;
+    for (int i = threadIdx.x; i < gridDim.x; i += THREADS) v ^= ((volatile u64*)partial)[i];
+    for (int off = 16; off > 0; off >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, off);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 t = 0, m = 0;
+        for (int i = 0; i < THREADS / 32; ++i) t ^= red[i];
+        for (int i = 0; i < 64; ++i) m ^= fin[i] & (0ULL - ((t >> i) & 1ULL));
+        *out = m ^ extra;
+        *ticket = 0;
+    }
+}
+"""
+
+_crc_kernels: dict = {}
+
+
+def _crc_kernel(threads: int, blocks_per_sm: int, unroll: int, nibble: bool) -> cupy.RawKernel:
+    key = (threads, blocks_per_sm, unroll, nibble)
+    if key not in _crc_kernels:
+        _crc_kernels[key] = cupy.RawKernel(_CRC, "gdsckpt_crc64nvme", options=(
+            f"-DTHREADS={threads}", f"-DBPSM={blocks_per_sm}", f"-DUNROLL={unroll}", f"-DNIBBLE={int(nibble)}"))
+    return _crc_kernels[key]
+
+
+_ZEROS_CRC = tuple(crc64nvme_of_zeros(n) for n in range(8))
+
+
+class Crc64Nvme:
+    """CRC-64/NVME of device buffers on one stream, one launch per call; its tables, per-thread
+    constants and scratch are made once here (about 1 MiB), nothing is allocated per call.
+    Equal to gdsckpt.checksum.crc64nvme bit for bit (tests/test_gpu_checksum.py)."""
+
+    # 256 threads x 4 blocks per SM: measured fastest on the H100 (bench/probes/probe_checksum.py).
+    THREADS, BLOCKS_PER_SM, UNROLL, NIBBLE = 256, 4, 4, False
+
+    def __init__(self, stream: cupy.cuda.Stream, threads: int | None = None, blocks_per_sm: int | None = None,
+                 unroll: int | None = None, nibble: bool | None = None):
+        self._stream = stream
+        threads = threads or self.THREADS
+        bpsm = blocks_per_sm or self.BLOCKS_PER_SM
+        nibble = self.NIBBLE if nibble is None else nibble
+        self._kernel = _crc_kernel(threads, bpsm, unroll or self.UNROLL, nibble)
+        self._threads = threads
+        self._blocks = cupy.cuda.Device().attributes["MultiProcessorCount"] * bpsm
+        w = self._blocks * threads
+        self._w = w
+        # x^(64 i) for i = 1..w, by doubling; thread g needs x^(64 (w - g)).
+        powers = np.array([gf_xpow(64)], dtype=np.uint64)
+        while len(powers) < w:
+            powers = np.concatenate([powers, gf_mul_vec(gf_xpow(64 * len(powers)), powers)])
+        tail = powers[:w][::-1].copy()
+        fin = np.stack([mul_basis(gf_xpow(-8 * k)) for k in range(8)])  # undo k trailing zero bytes
+        with stream:
+            self._tables = cupy.asarray(shift_tables(8 * w, 4 if nibble else 8))
+            self._tail = cupy.asarray(tail)
+            self._fin = cupy.asarray(fin)
+            self._partial = cupy.zeros(self._blocks, dtype=cupy.uint64)
+            self._ticket = cupy.zeros(1, dtype=cupy.uint32)
+            self._out = cupy.zeros(1, dtype=cupy.uint64)
+        self._fin_rows = [self._fin[k] for k in range(8)]
+        self._host = np.zeros(1, dtype=np.uint64)
+
+    def launch(self, buf: cupy.ndarray) -> cupy.ndarray:
+        """Enqueue the CRC of `buf` (C-contiguous) on the stream; returns the 1-element device
+        array it lands in (overwritten by the next call). For n = 0 nothing is launched."""
+        n = buf.nbytes
+        if n == 0:
+            with self._stream:
+                self._out.fill(0)  # CRC-64/NVME of no bytes is 0 (init ^ xorout)
+            return self._out
+        if not buf.flags.c_contiguous:
+            raise ValueError("Crc64Nvme needs a C-contiguous buffer")
+        a = buf.data.ptr
+        lo = a & 7
+        words = (lo + n + 7) // 8
+        rows = -(-words // self._w)
+        z = rows * self._w - words
+        k = (-(lo + n)) % 8
+        extra = _ZEROS_CRC[n] if n < 8 else MASK
+        with self._stream:
+            self._kernel((self._blocks,), (self._threads,), (
+                cupy.uint64(a - lo), cupy.uint64(lo), cupy.uint64(lo + n), cupy.int64(words), cupy.int64(z),
+                cupy.int64(rows), cupy.int32(n >= 8), self._tables, self._tail, self._partial, self._ticket,
+                self._fin_rows[k], cupy.uint64(extra), self._out))
+        return self._out
+
+    def __call__(self, buf: cupy.ndarray) -> int:
+        out = self.launch(buf)
+        return int(out.get(stream=self._stream)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Format 1.0's position-weighted sum (gdsckpt/checksum.py: legacy_sum64), kept to read 1.0 files.
 _SOURCE = r"""
 extern "C" __global__ void gdsckpt_checksum(const unsigned char* data, unsigned long long n,
                                             unsigned long long* out) {
@@ -35,6 +244,32 @@ extern "C" __global__ void gdsckpt_checksum(const unsigned char* data, unsigned 
 }
 """
 _kernel = cupy.RawKernel(_SOURCE, "gdsckpt_checksum")
+_THREADS = 256
+
+
+class LegacySum64:
+    """Format 1.0's sum on one stream; the accumulator is preallocated and reused."""
+
+    def __init__(self, stream: cupy.cuda.Stream):
+        self._stream = stream
+        with stream:
+            self._acc = cupy.zeros(1, dtype=cupy.uint64)
+
+    def __call__(self, buf: cupy.ndarray) -> int:
+        n = buf.nbytes
+        with self._stream:
+            self._acc.fill(0)
+            if n:
+                blocks = max(1, min(4096, -(-n // (8 * _THREADS * 4))))
+                _kernel((blocks,), (_THREADS,), (buf, cupy.uint64(n), self._acc))
+            total = int(self._acc.get(stream=self._stream)[0])
+        return (total + n * LENGTH_MIX) & MASK
+
+
+ALGORITHMS = {"sum64": LegacySum64, "crc64nvme": Crc64Nvme}
+# The GPU side of gdsckpt.checksum.CURRENT: the pipeline's chunk checksum (gpu/backend.py).
+Checksummer = ALGORITHMS[CURRENT]
+
 
 # A chunk's tensor segments in one launch, cut into tiles of at most GATHER_TILE bytes (one block
 # per tile): launch count no longer grows with the tensor count, and big segments are spread over
@@ -87,25 +322,3 @@ def gather(stream: cupy.cuda.Stream, tiles: cupy.ndarray, base: int) -> None:
     if n:
         with stream:
             _gather_kernel((min(n, 1 << 16),), (256,), (tiles, cupy.int32(n), cupy.uint64(base)))
-
-
-_THREADS = 256
-
-
-class Checksummer:
-    """Checksums on one stream; the accumulator is preallocated and reused."""
-
-    def __init__(self, stream: cupy.cuda.Stream):
-        self._stream = stream
-        with stream:
-            self._acc = cupy.zeros(1, dtype=cupy.uint64)
-
-    def __call__(self, buf: cupy.ndarray) -> int:
-        n = buf.nbytes
-        with self._stream:
-            self._acc.fill(0)
-            if n:
-                blocks = max(1, min(4096, -(-n // (8 * _THREADS * 4))))
-                _kernel((blocks,), (_THREADS,), (buf, cupy.uint64(n), self._acc))
-            total = int(self._acc.get(stream=self._stream)[0])
-        return (total + n * LENGTH_MIX) & MASK
