@@ -336,20 +336,27 @@ def main() -> int:
     result = {"probe": "probe_checksum", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": platform.node(), "device": props["name"].decode(), "sms": props["multiProcessorCount"],
               "cupy": cupy.__version__}
+
+    def save():  # after every part: a later part that runs out of time loses only itself
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     result["throughput"] = throughput(args.reps)
+    save()
     best = max(s["kernel_gbps"] for s in result["throughput"]["shapes"])
     if best < 600:
         result["ncu"] = ncu_profile(os.path.dirname(os.path.abspath(args.out)))
+        save()
     if not args.no_pipeline:
         try:
             result["pipeline"] = pipeline(loops=5, rounds=2)
         except Exception as e:  # the kernel figures above stand on their own
             result["pipeline"] = {"error": repr(e)}
             print("pipeline part failed:", repr(e), flush=True)
+        save()
     if not args.no_search:
         result["search"] = search()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save()
     print("wrote", args.out)
     return 0
 
