@@ -82,7 +82,11 @@ def throughput(reps: int) -> dict:
     shapes = []
     for threads, bpsm, unroll, nibble in SHAPES:
         crc = Crc64Nvme(stream, threads=threads, blocks_per_sm=bpsm, unroll=unroll, nibble=nibble)
-        assert crc(dev) == want, (threads, bpsm, unroll, nibble)
+        if crc(dev) != want:  # recorded, not timed: the GPU tests say where it goes wrong
+            shapes.append({"threads": threads, "blocks_per_sm": bpsm, "unroll": unroll, "nibble": nibble,
+                           "wrong_value": True, "kernel_gbps": 0.0})
+            print(f"WRONG VALUE threads={threads} blocks/SM={bpsm} unroll={unroll} nibble={nibble}", flush=True)
+            continue
         s = time_kernel(lambda: crc.launch(dev), reps, stream)
         c = time_calls(lambda: crc(dev), reps)
         shapes.append({"threads": threads, "blocks_per_sm": bpsm, "unroll": unroll, "nibble": nibble, "grid": crc._blocks,
