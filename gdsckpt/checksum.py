@@ -5,30 +5,36 @@ Two algorithms, one per format generation (the format module picks by version, v
 - ``crc64nvme``: CRC-64/NVME, the CRC of NVMe's end-to-end protection and S3's ``CRC64NVME``
   (width 64, poly 0xAD93D23594C93659, reflected in and out, init and xorout all ones,
   check("123456789") = 0xAE8B14860A799888). Computed here by ``awscrt`` (AWS's C runtime, with
-  hardware carry-less-multiply paths, ~25 GB/s on one x86 core); the GPU computes the same value
-  bit for bit (gdsckpt/gpu/kernels.py, ``Crc64Nvme``).
+  hardware carry-less-multiply paths: 25 GB/s on one core of our AMD EPYC dev machine, 256 MiB);
+  the GPU computes the same value bit for bit (gdsckpt/gpu/kernels.py, ``Crc64Nvme``).
 - ``legacy_sum64``: format 1.0's position-weighted sum of 64-bit words mod 2^64. Kept only to read
   1.0 files: flipping the top bit of any two 8-byte words adds 2 * 2^63 = 2^64 = 0, so such damage
   passes it silently (issue 12, and tests/test_checksum.py shows it).
 
 What CRC-64/NVME detects, exactly. A stored chunk of n bytes is m = 8n bits; a damaged copy of the
 same length differs by an error pattern e(x) of degree < m, and is missed iff P(x) divides e(x)
-(the init/xorout terms depend only on the length, so they cancel). P(x) is irreducible and
+(the init/xorout terms depend only on the length, so they cancel; a changed length is the index's
+stored length's job, not the CRC's). P(x) is irreducible and
 primitive: the multiplicative order of x modulo P is 2^64 - 1 (checked in tests/test_checksum.py
 by factoring with sympy and testing x^((2^64-1)/q) != 1 for every prime q | 2^64 - 1). Hence:
 
-- every error of 1 bit, and every error of 2 bits in any chunk shorter than 2^64 - 1 bits, i.e. any
-  chunk the format allows (at most 2^31 bits);
+- every error of 1 bit, and every error of 2 bits in any chunk of fewer than 2^64 - 1 bits (two
+  flips d bits apart pass iff 2^64 - 1 divides d), i.e. in any chunk the format allows (2 GiB at
+  most, format.MAX_CHUNK_BYTES);
 - every error confined to a burst of at most 64 consecutive bits: such an e is x^i * B(x) with
   B(0) = 1 and deg B <= 63, and the irreducible P of degree 64 divides neither factor;
-- every error of 3 bits in a chunk of at most 256 MiB (2^31 bits): no trinomial 1 + x^a + x^b with
-  0 < a < b < 2^31 is a multiple of P. This is not implied by a general theorem (P(1) = 1, so P is
-  not a multiple of x + 1 and odd-weight errors in general are NOT all caught); it was verified by
-  exhaustive search on the GPU: all 2^31 residues x^b mod P, b < 2^31, sorted, with no two
-  differing only in x^0 (bench/probes/probe_checksum.py, result in
-  bench/results/2026-11-23-h100-checksum/);
-- any other error is missed with probability about 2^-64 if it is random (not claimed as a
-  guarantee: errors of 4 or more bits, and 3-bit errors spanning more than 2^31 bits, can be missed).
+- every error of 3 bits whose first and last flipped bits are fewer than 3,279,135,667 bits apart,
+  hence every 3-bit error in a chunk of at most 409,891,958 bytes (390.9 MiB), which includes
+  every chunk at the default chunk size (256 MiB, stored raw or compressed). This follows from no general theorem (P(1) = 1: P is not
+  a multiple of x + 1, so odd-weight errors are NOT all caught); an exhaustive search on the GPU
+  made all 2^34 residues x^b mod P, b < 2^34, and found exactly 9 pairs with x^a + x^b = 1, the
+  smallest b being 3,279,135,667 (a = 1,417,578,363): flipping bits 0, 1,861,557,304 and
+  3,279,135,667 of a chunk of 409,891,959 bytes or more goes undetected (tests/test_checksum.py
+  shows it). So chunks larger than 409,891,958 bytes (the format allows up to 2 GiB) lose the
+  3-bit guarantee, and 3-bit errors spanning 2^34 bits or more were not searched
+  (bench/probes/probe_checksum.py; bench/results/2026-11-23-h100-checksum/);
+- nothing is guaranteed for errors of 4 or more bits (not searched) beyond the bursts above; a
+  random error pattern passes with probability about 2^-64.
 
 Why not CRC32C (also published, hardware-accelerated, and in nvCOMP's batched CRC32 API): its
 polynomial is (x + 1) times a primitive factor of degree 31, so x has order 2^31 - 1 modulo it,
@@ -36,7 +42,7 @@ and two flipped bits exactly 2^31 - 1 apart cancel. A raw chunk is up to 256 MiB
 the first bit and the last bit of a full raw chunk are such a pair (shown in the tests). Its
 "every 2- and 3-bit error" guarantee ends just below our chunk size; CRC-64/NVME's does not.
 xxHash64/XXH3 have no such guarantees at all (good avalanche, but no error-weight bound).
-Neither is a MAC: someone who can rewrite the file can rewrite the checksum.
+No CRC is a MAC: someone who can rewrite the file can rewrite the checksum too.
 """
 
 from __future__ import annotations

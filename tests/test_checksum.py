@@ -162,6 +162,25 @@ def test_two_flips_a_full_raw_chunk_apart():
     assert crc64nvme(buf) != clean64
 
 
+def test_three_flips_at_the_searched_limit():
+    """The smallest trinomial multiple of P the GPU search found (probe_checksum.py): x^1417578363 +
+    x^3279135667 + 1. Its three flips pass in a chunk one byte longer than the documented 3-bit
+    limit (409,891,958 bytes), and moving any flip by one bit is caught: the docstring's limit is
+    exact, and larger chunks do not have the 3-bit guarantee."""
+    a, b = 1417578363, 3279135667
+    assert gf_xpow(a) ^ gf_xpow(b) == ONE
+    buf = np.zeros(b // 8 + 1, dtype=np.uint8)  # 409,891,959 bytes of zero pages: no real memory
+    assert len(buf) == 409_891_958 + 1
+    clean = crc64nvme(buf)
+    flips = [0, b - a, b]  # bit i of the stream is bit i % 8 of byte i // 8 (reflected CRC)
+    for i in flips:
+        buf[i >> 3] ^= np.uint8(1 << (i & 7))
+    assert crc64nvme(buf) == clean  # undetected: the limit is real
+    buf[b >> 3] ^= np.uint8(1 << (b & 7))
+    buf[(b - 1) >> 3] ^= np.uint8(1 << ((b - 1) & 7))
+    assert crc64nvme(buf) != clean
+
+
 # --- structured damage on a 1 MiB chunk ----------------------------------------------------------
 
 N = 1 << 20

@@ -17,8 +17,9 @@ from ..checksum import (CURRENT, LENGTH_MIX, MASK, crc64nvme_of_zeros, gf_mul_ve
 # thread g owns word g of every row, so each warp reads 256 contiguous bytes per step (coalesced)
 # and rows are read in order. The CRC is linear over GF(2): with zero init, the CRC of words
 # w_0..w_{N-1} is the XOR of w_j * x^(64 (N - j)) mod P. Thread g keeps, by Horner's rule,
-# s = s * x^(64 W) XOR w (one step = 8 lookups in byte tables of that map, in shared memory: the
-# same cost as classic slice-by-8, whose tables are the map for x^64), then multiplies s by
+# s = s * x^(64 W) XOR w (one step = lookups in shared-memory tables of that linear map: 16 tables
+# of 4 bits, copied 16 times so that no two lanes of a half-warp conflict, by default; or 8 byte
+# tables, the classic slice-by-8 for the map x^64, which conflict at random), then multiplies s by
 # x^(64 (W - g)) once (a 64-step carry-less multiply), and all contributions are XORed: within the
 # warp by shuffles, within the block in shared memory, across blocks by the last block to finish
 # (a ticket counter, reset by that block for the next call), so one launch per checksum.
@@ -128,12 +129,16 @@ gdsckpt_crc64nvme(const unsigned char* base, u64 lo, u64 hi, long long words, lo
     __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        u64 t = 0, m = 0;
+    if (threadIdx.x < 32) {  // times x^(-8k): lane l takes bits l and l + 32 (one load each, in parallel)
+        u64 t = 0;
         for (int i = 0; i < THREADS / 32; ++i) t ^= red[i];
-        for (int i = 0; i < 64; ++i) m ^= fin[i] & (0ULL - ((t >> i) & 1ULL));
-        *out = m ^ extra;
-        *ticket = 0;
+        const int l = threadIdx.x;
+        u64 m = (fin[l] & (0ULL - ((t >> l) & 1ULL))) ^ (fin[l + 32] & (0ULL - ((t >> (l + 32)) & 1ULL)));
+        for (int off = 16; off > 0; off >>= 1) m ^= __shfl_xor_sync(0xffffffffu, m, off);
+        if (l == 0) {
+            *out = m ^ extra;
+            *ticket = 0;
+        }
     }
 }
 """
@@ -157,8 +162,9 @@ class Crc64Nvme:
     constants and scratch are made once here (about 1 MiB), nothing is allocated per call.
     Equal to gdsckpt.checksum.crc64nvme bit for bit (tests/test_gpu_checksum.py)."""
 
-    # 256 threads x 4 blocks per SM: measured fastest on the H100 (bench/probes/probe_checksum.py).
-    THREADS, BLOCKS_PER_SM, UNROLL, NIBBLE = 256, 4, 4, False
+    # The fastest of 13 shapes on the H100, 256 MiB (bench/results/2026-11-23-h100-checksum/): 4-bit
+    # tables 1430-1579 GB/s against 1251-1283 GB/s for byte tables; 512 threads x 2 blocks per SM.
+    THREADS, BLOCKS_PER_SM, UNROLL, NIBBLE = 512, 2, 4, True
 
     def __init__(self, stream: cupy.cuda.Stream, threads: int | None = None, blocks_per_sm: int | None = None,
                  unroll: int | None = None, nibble: bool | None = None):
@@ -212,8 +218,9 @@ class Crc64Nvme:
         return self._out
 
     def __call__(self, buf: cupy.ndarray) -> int:
-        out = self.launch(buf)
-        return int(out.get(stream=self._stream)[0])
+        self.launch(buf).get(stream=self._stream, out=self._host)
+        self._stream.synchronize()  # get() with a stream may be asynchronous, depending on CuPy's version
+        return int(self._host[0])
 
 
 # ---------------------------------------------------------------------------------------------
