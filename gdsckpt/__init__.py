@@ -11,14 +11,14 @@ from ._version import __version__
 from .api import Checkpoint, Stats, load, load_into, open, save
 from .async_save import save_async
 from .errors import (
-    BackendUnavailableError, CheckpointExistsError, CheckpointFormatError, ChecksumError, CodecUnavailableError,
-    DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError, UnsupportedStateError,
-    VersionError,
+    BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,
+    CodecUnavailableError, DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError,
+    UnsupportedStateError, VersionError,
 )
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
     "GdsckptError", "UnsupportedStateError", "CheckpointFormatError", "ChecksumError", "VersionError",
     "CodecUnavailableError", "StateMismatchError", "GDSUnavailableError", "BackendUnavailableError",
-    "SaveInFlightError", "DCPPlanError", "CheckpointExistsError",
+    "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
 ]

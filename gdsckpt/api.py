@@ -146,8 +146,10 @@ def _save(state, dest, *, codec="auto", chunk_bytes: int | None = None, ring_dep
         file = dest.open(be)
         try:
             be.begin()
-            layout = fmt.FileWriter(file.fd, _writer_meta(be, chunk_bytes), skeleton,
-                                    ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
+            # A destination may lay the file out itself (save_async's pool: host_snapshot.PoolDestination)
+            layout = getattr(dest, "make_layout", fmt.FileWriter)(
+                file.fd, _writer_meta(be, chunk_bytes), skeleton, ["cuda" if x.is_cuda else "cpu" for x in tensors],
+                plan)
             records = write_chunks(plan, tensors, be, file, layout, ring_depth, timings)
             be.finish()
             t = time.perf_counter()

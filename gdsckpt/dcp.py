@@ -38,6 +38,7 @@ import os
 import pickle
 import re
 import uuid
+import weakref
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from .async_save import snapshot_tensors
 from .defaults import RING_DEPTH
 from .dtypes import name_of
 from .errors import CheckpointExistsError, CheckpointFormatError, DCPPlanError, UnsupportedStateError
+from .host_snapshot import PoolDestination
 from .storage import fsync_dir
 
 __all__ = ["GdsckptWriter", "GdsckptReader", "DCP_VERSION", "METADATA_FILE", "SUFFIX"]
@@ -120,23 +122,35 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     include CUDA tensors and the GPU backend is usable, else the CPU).
 
     As dcp.async_save's stager (used when no async_stager is passed), `async_staging`
-    decides where the snapshot lives: "device" (default) copies each tensor on its own device
-    (GPU shards device-to-device on a side stream, synchronized before dcp.async_save
-    returns), so the background save still compresses on the GPU; it costs one full copy of
-    the rank's state on its GPU. "cpu" stages to host memory as DCP's default stager does
-    (no GPU memory; the background save then compresses on the CPU). After dcp.async_save
-    returns the state dict is safe to mutate; wait on its future before the next save to
-    the same directory.
+    decides where the snapshot lives:
+    - "host" (default): the compressed snapshot of gdsckpt.save_async. `stage` compresses the
+      rank's tensors (its DTensor shards, on their GPU) into this process's host pool (pinned
+      memory; stored bytes, not logical) and returns a stand-in state dict (tensors of the
+      right shapes and dtypes that hold no memory; other values deep-copied) for DCP to plan
+      with; `write_data`, on DCP's background thread, has the writer thread write the pool's
+      bytes to the rank file, fsync and commit it, and never touches the GPU. Extra GPU
+      memory: the save ring. The pool holds the whole rank's stored bytes from `stage` until
+      `write_data` (or until this writer stages again or is garbage collected). The file
+      holds every staged tensor, also replicated ones DCP assigns to another rank. Works
+      with AsyncCheckpointerType.THREAD (the default); the PROCESS executor cannot reach the
+      pool (pickling the writer then raises; use "cpu" there).
+    - "device" copies each tensor on its own device (GPU shards device-to-device on a side
+      stream, synchronized before dcp.async_save returns), so the background save still
+      compresses on the GPU; it costs one full copy of the rank's state on its GPU.
+    - "cpu" stages to host memory as DCP's default stager does (no GPU memory; the background
+      save then compresses on the CPU).
+    After dcp.async_save returns the state dict is safe to mutate; wait on its future before
+    the next save to the same directory.
     """
 
     _synchronize_after_execute = False  # stage() is complete when it returns
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, codec="auto",
                  chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH, io: str = "auto",
-                 io_threads: int | None = None, backend: str | None = None, async_staging: str = "device"):
+                 io_threads: int | None = None, backend: str | None = None, async_staging: str = "host"):
         super().__init__()
-        if async_staging not in ("device", "cpu"):
-            raise ValueError(f"async_staging must be 'device' or 'cpu', not {async_staging!r}")
+        if async_staging not in ("host", "device", "cpu"):
+            raise ValueError(f"async_staging must be 'host', 'device' or 'cpu', not {async_staging!r}")
         self.path = Path(path)
         self.overwrite = overwrite
         self.save_options = dict(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
@@ -147,6 +161,8 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.use_collectives = True
         self.last_stats: api.Stats | None = None  # this rank's gdsckpt.save Stats from the last write_data
+        self._staged = [None]  # async_staging="host": (destination, {stand-in address: key}, {key: shape}, stats)
+        weakref.finalize(self, _drop_staged, self._staged)
 
     # -- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -192,6 +208,10 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             raise DCPPlanError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
                                "prepare_global_plan skipped?")
         name = f"{prefix}0{SUFFIX}"
+        if self._staged[0] is not None:
+            if self._plan_is_staged(plan, planner):
+                return self._write_staged(plan, planner, prefix)
+            _drop_staged(self._staged)  # staged by an async_save whose write never came; this is another save
         state: dict[str, torch.Tensor] = {}
         results: list[WriteResult] = []
         for item in plan.items:
@@ -255,8 +275,72 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     def checkpoint_id(self) -> str | os.PathLike:
         return self.path
 
+    def _plan_is_staged(self, plan: SavePlan, planner: SavePlanner) -> bool:
+        keys = self._staged[0][1]
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                return isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() in keys
+        return True
+
+    def _write_staged(self, plan: SavePlan, planner: SavePlanner, prefix: str) -> Future:
+        """write_data after a compressed `stage`: the tensor items are in the pool already; the
+        byte items (pickled plain values, small) go to a second file through gdsckpt.save."""
+        staged, self._staged[0] = self._staged[0], None
+        dest, keys, shapes, snap = staged
+        name, bytes_name = f"{prefix}0{SUFFIX}", f"{prefix}1{SUFFIX}"
+        submitted = False
+        try:
+            byte_state: dict[str, torch.Tensor] = {}
+            results: list[WriteResult] = []
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    key = item_key(item.index)
+                    buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                    byte_state[key] = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
+                        torch.empty(0, dtype=torch.uint8)
+                    results.append(WriteResult(index=item.index, size_in_bytes=buf.nbytes,
+                                               storage_data={"file": bytes_name, "key": key}))
+                    continue
+                key = keys.get(data.untyped_storage().data_ptr()) if isinstance(data, torch.Tensor) else None
+                if key is None or tuple(data.shape) != shapes[key]:
+                    raise DCPPlanError(f"write item {item_key(item.index)!r} is not a tensor this writer's stage() "
+                                       "compressed (async_staging='host' stages whole tensors and DTensor shards)")
+                results.append(WriteResult(index=item.index, size_in_bytes=data.numel() * data.element_size(),
+                                           storage_data={"file": name, "key": key}))
+            self.last_stats = None
+            if any(r.storage_data["file"] == name for r in results):
+                submitted = True
+                report = dest.submit(self.path / name).done.result()
+                self.last_stats = dataclasses.replace(
+                    snap, path=str(self.path / name), file_bytes=dest.layout.file_bytes,
+                    io_path="pool-direct" if report.direct_io else "pool-buffered")
+            if byte_state:
+                stats = api.save(byte_state, self.path / bytes_name,
+                                 **dict(self.save_options, backend="cpu", io="auto", io_threads=None))
+                self.last_stats = self.last_stats or stats
+        finally:
+            if not submitted:
+                dest.job.drop()
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def __getstate__(self):
+        if self._staged[0] is not None:
+            raise DCPPlanError("GdsckptWriter(async_staging='host') keeps the staged checkpoint in this process's "
+                               "host pool, which another process cannot reach: use AsyncCheckpointerType.THREAD, or "
+                               "async_staging='cpu' with the PROCESS executor")
+        return self.__dict__
+
     # -- AsyncStager (dcp.async_save)
     def stage(self, state_dict):
+        if self.async_staging == "host":
+            _drop_staged(self._staged)  # an earlier staging that no write_data took
+            state, staged = stage_compressed(state_dict, self.save_options)
+            self._staged[0] = staged
+            return state
         if self.async_staging == "cpu":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             stager = DefaultStager(StagingOptions(False, False, False, False))
@@ -425,6 +509,70 @@ def _local_dir_id(checkpoint_id) -> bool:
         return False
     p = Path(s)
     return not p.exists() or p.is_dir()
+
+
+def _drop_staged(box: list) -> None:
+    staged, box[0] = box[0], None
+    if staged is not None:
+        staged[0].job.drop()
+
+
+def stage_compressed(state_dict, save_options: dict):
+    """Compress the tensors of a DCP state dict (DTensor local shards, plain tensors) into this
+    process's host pool, as save_async does; return (stand-in state dict, staged) where the
+    stand-ins have the shapes, dtypes and DTensor placements of the tensors but hold no memory
+    (one element, expanded), other values are deep-copied, and `staged` is
+    (PoolDestination with the records, {stand-in storage address: key}, {key: shape}, Stats)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors: dict[str, torch.Tensor] = {}
+    keys: dict[int, str] = {}
+    shapes: dict[str, tuple] = {}
+
+    def stand_in(t: torch.Tensor, path: str) -> torch.Tensor:
+        if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
+            raise UnsupportedStateError(f"cannot stage a {t.layout} {t.dtype} tensor on {t.device} at {path!r}; "
+                                        "pass async_staging='cpu' to GdsckptWriter")
+        key = path
+        while key in tensors:
+            key += "#"
+        tensors[key] = t.detach()
+        shapes[key] = tuple(t.shape)
+        base = torch.zeros(1, dtype=t.dtype)
+        if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            base.requires_grad_(True)
+        keys[base.untyped_storage().data_ptr()] = key
+        return base.reshape(()).expand(t.shape)
+
+    def rebuild(o, path: str, depth: int):
+        if depth > 512:
+            raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
+        if isinstance(o, DTensor):
+            return DTensor.from_local(stand_in(o.to_local(), path), o.device_mesh, o.placements, run_check=False,
+                                      shape=o.shape, stride=o.stride())
+        if isinstance(o, torch.Tensor):
+            return stand_in(o, path)
+        sep = "/" if path else ""
+        if isinstance(o, dict):
+            items = [(k, rebuild(v, f"{path}{sep}{k}", depth + 1)) for k, v in o.items()]
+            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
+        if isinstance(o, list):
+            return [rebuild(v, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
+        if isinstance(o, tuple):
+            items = [rebuild(v, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if type(o).__name__ == "ShardedTensor":
+            raise UnsupportedStateError("ShardedTensor cannot be staged compressed; pass async_staging='cpu' "
+                                        "to GdsckptWriter")
+        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
+            return o
+        return copy.deepcopy(o)
+
+    state = rebuild(state_dict, "", 0)
+    dest = PoolDestination(None, None, save_options.get("chunk_bytes"))
+    with _OnDevice(_cuda_device(tensors.values())):
+        snap = api._save(tensors, dest, **save_options)
+    return state, (dest, keys, shapes, snap)
 
 
 def snapshot_state_dict(obj):

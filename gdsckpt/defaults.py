@@ -40,3 +40,25 @@ ANS_INTERNAL_CHUNK = 512 << 10
 # Host tensors up to this size (AdamW's `step` counters) are packed and uploaded to the GPU
 # together, once per save, instead of one copy per segment.
 SMALL_HOST_TENSOR = 1 << 20
+
+# save_async's host pool (gdsckpt/pinned_pool.py), where compressed chunks wait for the disk.
+# Its bound, unless pool_bytes= is given: the logical size of the state being saved. A save
+# stores at most its logical bytes (a chunk that would not shrink is stored raw), so one save
+# never waits for the disk; a save_async while an earlier one is still writing waits
+# (back-pressure, reported as blocked time) only for the bytes that one has not written yet.
+# The pool grows as stored bytes arrive, so what it holds is about the stored size (86-88% of
+# logical for fp32 AdamW state, 2026-11-22-h100-e/), not the bound.
+POOL_STATE_FRACTION = 1.0
+# ... and never more than this share of the host's memory: pinned pages cannot be swapped or
+# reclaimed, and a host that runs out of them fails in ways far from the cause.
+POOL_HOST_FRACTION = 0.5
+# The pool grows by arenas of this size: a power of two, which torch's pinned allocator rounds
+# every request up to, so nothing is lost to rounding; small enough that the pool ends at most
+# one arena (1.5% of a 4.3 GB state) above what a save needed.
+POOL_ARENA_BYTES = 64 << 20
+# The background writer opens the file with O_DIRECT (falls back to buffered writes where the
+# file system refuses it): pinned bytes go to the disk without a page-cache copy, so the
+# writer neither spends memory bandwidth next to a training step nor leaves gigabytes of dirty
+# pages for the fsync to flush at once. KvikIO's O_DIRECT writes were the steadiest on the
+# H100 host's disk (KVIKIO_DIRECT_IO above).
+POOL_DIRECT_IO = True

@@ -60,3 +60,12 @@ class DCPPlanError(GdsckptError, ValueError):
 
 class CheckpointExistsError(GdsckptError, FileExistsError):
     """A committed checkpoint is already there and overwrite was not allowed."""
+
+
+class BackgroundSaveError(GdsckptError, RuntimeError):
+    """An earlier save_async failed in the background and nobody looked at its future: raised by
+    the next save_async (which then does not save), naming the earlier path; the cause is chained."""
+
+    def __init__(self, message: str, *, path=None):
+        super().__init__(message)
+        self.path = path

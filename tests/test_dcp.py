@@ -142,8 +142,9 @@ def _scenarios(rank: int, root: Path) -> None:
     dcp.load(target, storage_reader=GdsckptReader(root / "single"))
     check_local(target, sharded_state(full_state(3), mesh))
 
-    # 4. dcp.async_save: the state is safe to mutate once it returns (device staging, then CPU staging)
-    for staging, seed in (("device", 2), ("cpu", 4)):
+    # 4. dcp.async_save: the state is safe to mutate once it returns (compressed host staging, the
+    # default; device staging; CPU staging)
+    for staging, seed in (("host", 9), ("device", 2), ("cpu", 4)):
         state = sharded_state(full_state(seed), mesh)
         fut = dcp.async_save(state, storage_writer=GdsckptWriter(root / f"async-{staging}", async_staging=staging))
         for k in SHARDED + ("rep", "scalar"):
@@ -220,6 +221,7 @@ def test_async_checkpoints_hold_the_state_at_staging(two_rank_run):
     root, _ = two_rank_run
     assert_same(_load_full(root / "async-device", 201), full_state(2))
     assert_same(_load_full(root / "async-cpu", 202), full_state(4))
+    assert_same(_load_full(root / "async-host", 204), full_state(9))
 
 
 def test_files_are_gdsckpt_files_keyed_by_dcp_index(two_rank_run):
@@ -270,6 +272,8 @@ def test_checkpoint_ids_and_keys():
 
 
 # ---------------------------------------------------------------- gdsckpt.save_async
+# _GatedSave holds back gdsckpt.api.save, which only snapshot="device" calls: these tests pin that
+# mode's semantics (the default host snapshot: tests/test_async_stallfree.py).
 
 
 def _state(seed: int, n: int = 4096) -> dict:
@@ -305,7 +309,7 @@ def test_save_async_state_is_safe_to_mutate_on_return(tmp_path, monkeypatch):
     gated = _GatedSave(monkeypatch)
     state = _state(1)
     want = _clone(state)
-    fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", backend="cpu")
+    fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", backend="cpu", snapshot="device")
     assert not fut.done()  # the save has not even started writing
     state["model"]["w"].fill_(0)
     state["model"]["b"].add_(1)
@@ -322,8 +326,8 @@ def test_save_async_second_call_waits_for_the_first(tmp_path, monkeypatch):
     gated = _GatedSave(monkeypatch, hold=0.2)
     gated.gate.set()
     p = tmp_path / "same.gdsckpt"
-    first = gdsckpt.save_async(_state(1), p)
-    second = gdsckpt.save_async(_state(2), p)  # blocks here until the first has finished
+    first = gdsckpt.save_async(_state(1), p, snapshot="device")
+    second = gdsckpt.save_async(_state(2), p, snapshot="device")  # blocks here until the first has finished
     assert first.done()
     second.result(10)
     (a0, a1), (b0, b1) = gated.spans
@@ -333,7 +337,7 @@ def test_save_async_second_call_waits_for_the_first(tmp_path, monkeypatch):
     # from two threads at once: serialized too, and the file is one whole state
     gated.spans.clear()
     futs = []
-    threads = [threading.Thread(target=lambda s=s: futs.append(gdsckpt.save_async(_state(s), p))) for s in (3, 4)]
+    threads = [threading.Thread(target=lambda s=s: futs.append(gdsckpt.save_async(_state(s), p, snapshot="device"))) for s in (3, 4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -356,12 +360,12 @@ def _same(a, b) -> bool:
 
 def test_save_async_wait_false_fails_clearly_while_busy(tmp_path, monkeypatch):
     gated = _GatedSave(monkeypatch)
-    first = gdsckpt.save_async(_state(1), tmp_path / "a.gdsckpt")
+    first = gdsckpt.save_async(_state(1), tmp_path / "a.gdsckpt", snapshot="device")
     with pytest.raises(async_mod.SaveInFlightError, match="still in flight"):
-        gdsckpt.save_async(_state(2), tmp_path / "b.gdsckpt", wait=False)
+        gdsckpt.save_async(_state(2), tmp_path / "b.gdsckpt", wait=False, snapshot="device")
     gated.gate.set()
     first.result(10)
-    gdsckpt.save_async(_state(2), tmp_path / "b.gdsckpt", wait=False).result(10)
+    gdsckpt.save_async(_state(2), tmp_path / "b.gdsckpt", wait=False, snapshot="device").result(10)
     assert_same(gdsckpt.load(tmp_path / "b.gdsckpt"), _state(2))
 
 

@@ -1,0 +1,181 @@
+"""The compressed snapshot behind save_async (and GdsckptWriter's DCP staging): the save ring
+(gather, compress, checksum) runs on the live tensors and hands each chunk record to
+`PoolFile.pwrite`, which copies the stored bytes into the host pool; the background writer
+(gdsckpt/background_writer.py) then writes them to the file. Extra GPU memory: the ring's,
+nothing more.
+
+On the GPU the copies are device-to-host on one dedicated copy stream per GPU, ordered after
+the ring's stream by an event per chunk, so that copying chunk i overlaps compressing chunk
+i+1; the ring reuses a slot only once the copy out of it has finished (the future's get()
+waits on its event). On the CPU backend the copy is a memcpy. A chunk goes to the writer as
+soon as its copy is known complete, in file order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from . import format as fmt
+from .background_writer import Job, submit
+from .defaults import CHUNK_BYTES
+from .pinned_pool import align_up, pool_for
+from .ring import Completion
+
+UNBOUNDED = 1 << 62
+
+
+class DeferredLayout(fmt.FileWriter):
+    """format.FileWriter for a file written later: it places records as FileWriter does and
+    writes nothing; the background writer writes the header (format.header_bytes) and `tail`,
+    the index and footer, once the ring has placed every record."""
+
+    def __init__(self, meta: dict, skeleton: dict, devices: list[str], plan):
+        super().__init__(None, meta, skeleton, devices, plan)
+        self.tail: tuple[int, bytes] | None = None
+
+    def finish(self, records) -> None:
+        index = fmt.encode_index(self._meta, self._skeleton, self._devices, self._plan, records)
+        self.tail = (self._next, index + fmt.footer_bytes(self._next, index))
+        self.file_bytes = self._next + len(index) + fmt.FOOTER_SIZE
+
+
+_copy_streams: dict[int, torch.cuda.Stream] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def _copy_stream(device: torch.device):
+    with _copy_streams_lock:
+        s = _copy_streams.get(device.index)
+        if s is None:
+            s = _copy_streams[device.index] = torch.cuda.Stream(device=device)
+        return s
+
+
+class PoolFile:
+    """ring.ChunkFile into the host pool. pwrite returns once the copy is queued; its future's
+    get() returns once the bytes are in the pool (the ring's slot is free again)."""
+
+    fd = None  # nothing is written to a file here
+
+    def __init__(self, pool, job: Job, limit: int):
+        self.pool, self.job, self.limit = pool, job, limit
+        self._pending: deque = deque()  # [event or None, extent, offset] in pwrite order
+        self.waits = 0  # reservations that waited for the writer to free room
+        self.wait_s = 0.0
+        self.alloc_s = 0.0  # growing the pool (the first saves)
+        self.peak = pool.in_use
+
+    def pwrite(self, buf: torch.Tensor, nbytes: int, offset: int) -> Completion:
+        self._handoff(block=False)
+        extent, waited, allocated = self.pool.reserve(nbytes, self.limit, self.flush)
+        self.waits += waited > 0
+        self.wait_s += waited
+        self.alloc_s += allocated
+        self.peak = max(self.peak, self.pool.in_use)
+        extent.zero_tail(nbytes)
+        event = None
+        if buf.is_cuda:
+            stream = _copy_stream(buf.device)
+            stream.wait_stream(torch.cuda.current_stream(buf.device))  # the ring's stream: the record is ready
+            with torch.cuda.stream(stream):
+                pos = 0
+                for dst in extent.tensors(nbytes):
+                    n = dst.numel()
+                    dst.copy_(buf[pos:pos + n], non_blocking=True)
+                    pos += n
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:
+            pos = 0
+            for dst in extent.tensors(nbytes):
+                n = dst.numel()
+                dst.copy_(buf[pos:pos + n])
+                pos += n
+        entry = [event, extent, offset]
+        self._pending.append(entry)
+        if event is None:
+            self._handoff(block=False)
+        return Completion(lambda: self._wait(entry, nbytes))
+
+    def _wait(self, entry, nbytes: int) -> int:
+        if entry[0] is not None:
+            entry[0].synchronize()
+        self._handoff(block=False)  # this one and, copied on the same stream before it, all earlier
+        return nbytes
+
+    def _handoff(self, block: bool) -> None:
+        """Give the writer every record whose copy has finished, in pwrite order."""
+        while self._pending:
+            event, extent, offset = self._pending[0]
+            if event is not None:
+                if block:
+                    event.synchronize()
+                elif not event.query():
+                    return
+            self._pending.popleft()
+            self.job.put(extent, offset)
+
+    def flush(self) -> None:
+        """Wait for every queued copy and hand its record to the writer."""
+        self._handoff(block=True)
+
+    def pread(self, buf, nbytes: int, offset: int):
+        raise NotImplementedError("the pool is written, never read back")
+
+    def close(self) -> None:
+        pass
+
+
+class PoolDestination:
+    """api._save's destination for a compressed snapshot (api._NewFile is the file one).
+
+    path: where the background writer commits the file; given here, the file is written while
+    the snapshot runs (streaming, and back-pressure can make progress). None: the records stay
+    in the pool until `submit(path)` (DCP staging, whose file name is known only later).
+    limit: the most the pool may hold while this snapshot reserves (at least one chunk)."""
+
+    def __init__(self, path, limit: int | None, chunk_bytes: int | None = None):
+        self.path = path
+        self.label = str(path) if path is not None else "<staged>"
+        self._limit, self._chunk_bytes = limit, chunk_bytes
+        self.pool = self.job = self.file = self.layout = None
+        self.limit = 0
+
+    def open(self, be) -> PoolFile:
+        self.pool = pool_for(getattr(be, "device", None) if be.name == "gpu" else None)
+        one_chunk = align_up(self._chunk_bytes or CHUNK_BYTES[be.name])
+        self.limit = UNBOUNDED if self._limit is None else max(self._limit, one_chunk)
+        if self.pool.capacity > self.limit:
+            self.pool.trim(self.limit)  # a smaller bound than an earlier save's: give idle memory back
+        self.job = Job(self.pool, self.label)
+        if self.path is not None:
+            submit(self.job, self.path)
+        self.file = PoolFile(self.pool, self.job, self.limit)
+        return self.file
+
+    def make_layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
+        meta = dict(meta, writer=dict(meta.get("writer") or {}, io_path="pool"))
+        self.layout = DeferredLayout(meta, skeleton, devices, plan)
+        return self.layout
+
+    def commit(self, file: PoolFile) -> None:
+        file.flush()
+        self.job.seal(*self.layout.tail)
+
+    def abort(self, file: PoolFile, error: BaseException) -> None:
+        try:
+            file.flush()  # no copy may still land in memory the pool hands out again
+        finally:
+            self.job.abort(error)
+            if self.path is None:
+                self.job.drop()
+
+    def submit(self, path) -> Job:
+        """Staged records (path=None): write them to `path` now, after earlier jobs."""
+        self.path, self.label = path, str(path)
+        self.job.label = self.label
+        submit(self.job, path)
+        return self.job

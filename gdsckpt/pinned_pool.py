@@ -1,0 +1,218 @@
+"""save_async's host pool: stored chunk bytes wait here between the GPU and the disk.
+
+One pool per device per process (`pool_for`), allocated as saves need it and reused by every
+later save. Memory comes in arenas: pinned (page-locked) where the bytes come from a GPU, so
+the device-to-host copies run asynchronously at full PCIe speed; plain host memory on the CPU
+backend, where the "copy" is a memcpy. The pool holds stored bytes (what the codec emitted),
+not logical bytes, and grows only as they arrive, so what it pins is about the stored size.
+
+An extent (one chunk record, rounded up to 4 KiB) is one or more pieces of arenas, each
+starting and ending on a 4 KiB boundary (what O_DIRECT asks of a buffer), taken first-fit in
+address order, so that a chunk's pieces are usually one run and one write.
+
+Bounded: a reservation names the most the pool may hold (`limit`); an extent that does not
+fit waits until the background writer releases earlier ones (back-pressure), and the caller
+is told how long it waited, for the save's stats.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+import torch
+
+from .defaults import POOL_ARENA_BYTES
+
+ALIGN = 4096  # O_DIRECT's alignment for offsets, lengths and buffers; also the file format's record alignment
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Arena:
+    """One allocation; `free` is a sorted list of [start, end) byte ranges."""
+
+    __slots__ = ("tensor", "mv", "size", "free")
+
+    def __init__(self, size: int, pinned: bool):
+        if pinned:
+            # torch's pinned allocator rounds to a power of two: arenas are sized to one.
+            t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            t = torch.empty(size + ALIGN, dtype=torch.uint8)
+        skew = -t.data_ptr() % ALIGN  # cudaHostAlloc returns whole pages; plain memory may not
+        if skew or not pinned:
+            t = t[skew:skew + (size if not pinned else size - ALIGN)]
+        self.tensor = t
+        self.size = t.numel()
+        self.mv = memoryview(t.numpy()).cast("B")
+        self.free = [[0, self.size]]
+
+
+class Extent:
+    """Where one chunk record's bytes sit: (arena, start, length) pieces, `nbytes` in all (a
+    multiple of 4 KiB: the record's stored length rounded up, zero-padded)."""
+
+    __slots__ = ("pieces", "nbytes")
+
+    def __init__(self, pieces: list, nbytes: int):
+        self.pieces, self.nbytes = pieces, nbytes
+
+    def tensors(self, nbytes: int):
+        """Host uint8 tensors covering the extent's first `nbytes` bytes, in order."""
+        out, left = [], nbytes
+        for arena, start, length in self.pieces:
+            n = min(length, left)
+            if n <= 0:
+                break
+            out.append(arena.tensor[start:start + n])
+            left -= n
+        return out
+
+    def views(self) -> list:
+        """memoryviews of the whole extent, in order: what os.pwritev takes."""
+        return [arena.mv[start:start + length] for arena, start, length in self.pieces]
+
+    def zero_tail(self, nbytes: int) -> None:
+        """Zero the padding after the record's `nbytes`: the file format reads gaps as zero, and
+        the pool's memory holds an older save's bytes."""
+        pad = self.nbytes - nbytes
+        if pad > 0:
+            arena, start, length = self.pieces[-1]  # the padding (< 4 KiB) lies in the last piece
+            arena.tensor[start + length - pad:start + length].zero_()
+
+
+class PinnedPool:
+    """Arenas of host memory, handed out as 4 KiB-aligned extents. Thread-safe: the snapshot
+    reserves, the background writer releases."""
+
+    def __init__(self, pinned: bool, arena_bytes: int = POOL_ARENA_BYTES):
+        self.pinned = pinned
+        self.arena_bytes = arena_bytes
+        self._arenas: list[_Arena] = []
+        self._cond = threading.Condition()
+        self.capacity = 0  # bytes allocated
+        self.in_use = 0  # bytes in extents not yet released
+
+    def reserve(self, nbytes: int, limit: int, before_wait=None) -> tuple[Extent, float, float]:
+        """An extent of align_up(nbytes) bytes: (extent, seconds waited for space, seconds
+        spent allocating). Grows the pool up to `limit` bytes; beyond it waits for releases,
+        calling `before_wait()` (outside the lock) first: it hands the caller's own finished
+        extents to the writer, which must be able to free them."""
+        need = align_up(nbytes)
+        if need > limit:
+            raise ValueError(f"a {need}-byte extent can never fit a pool limited to {limit} bytes")
+        waited = allocated = 0.0
+        flushed = False
+        with self._cond:
+            while self.in_use + need > limit or self.capacity - self.in_use < need:
+                room = (limit - self.capacity) // ALIGN * ALIGN
+                if self.in_use + need <= limit and room > 0:
+                    t = time.perf_counter()
+                    self._grow(min(self.arena_bytes, room))
+                    allocated += time.perf_counter() - t
+                    continue
+                if before_wait is not None and not flushed:
+                    flushed = True
+                    self._cond.release()
+                    try:
+                        before_wait()
+                    finally:
+                        self._cond.acquire()
+                    continue
+                t = time.perf_counter()
+                self._cond.wait(timeout=1.0)
+                waited += time.perf_counter() - t
+                flushed = False
+            extent = Extent(self._take(need), need)
+            self.in_use += need
+        return extent, waited, allocated
+
+    def release(self, extent: Extent) -> None:
+        with self._cond:
+            for arena, start, length in extent.pieces:
+                _free_range(arena.free, start, start + length)
+            self.in_use -= extent.nbytes
+            extent.pieces = []
+            self._cond.notify_all()
+
+    def trim(self, limit: int) -> int:
+        """Free whole idle arenas until at most `limit` bytes are allocated; bytes freed."""
+        freed = 0
+        with self._cond:
+            for arena in reversed(list(self._arenas)):
+                if self.capacity <= limit:
+                    break
+                if arena.free == [[0, arena.size]]:
+                    self._arenas.remove(arena)
+                    self.capacity -= arena.size
+                    freed += arena.size
+        if freed and self.pinned and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # hand the pages back, not just to torch's pinned cache
+        return freed
+
+    def _grow(self, size: int) -> None:
+        arena = _Arena(size, self.pinned)
+        self._arenas.append(arena)
+        self.capacity += arena.size
+
+    def _take(self, need: int) -> list:
+        pieces, left = [], need
+        for arena in self._arenas:
+            free = arena.free
+            while free and left:  # first fit, in address order
+                start, end = free[0]
+                n = min(end - start, left)
+                pieces.append((arena, start, n))
+                if n == end - start:
+                    del free[0]
+                else:
+                    free[0] = [start + n, end]
+                left -= n
+            if not left:
+                return pieces
+        raise AssertionError("pool accounting: free bytes counted but not found")
+
+
+def _free_range(free: list, start: int, end: int) -> None:
+    i = bisect.bisect_left(free, [start, start])
+    if i > 0 and free[i - 1][1] == start:  # merge with the range before
+        i -= 1
+        free[i][1] = end
+    else:
+        free.insert(i, [start, end])
+    if i + 1 < len(free) and free[i + 1][0] == free[i][1]:  # and the one after
+        free[i][1] = free[i + 1][1]
+        del free[i + 1]
+
+
+# ---------------------------------------------------------------- one pool per device per process
+
+_pools: dict[str, PinnedPool] = {}
+_pools_lock = threading.Lock()
+
+
+def pool_for(device: torch.device | None) -> PinnedPool:
+    """The pool for chunks coming from `device` (None or a CPU device: the CPU backend's)."""
+    gpu = device is not None and device.type == "cuda"
+    key = f"cuda:{device.index}" if gpu else "cpu"
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = PinnedPool(pinned=gpu)
+        return pool
+
+
+def pools() -> dict[str, dict]:
+    """{device: {"capacity_bytes", "in_use_bytes"}} for every pool of this process."""
+    with _pools_lock:
+        return {k: {"capacity_bytes": p.capacity, "in_use_bytes": p.in_use} for k, p in _pools.items()}
+
+
+def release_pools() -> int:
+    """Free every arena no save is using (memory held for reuse goes back); bytes freed."""
+    with _pools_lock:
+        return sum(p.trim(0) for p in _pools.values())
