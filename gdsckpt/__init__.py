@@ -10,10 +10,15 @@
 from ._version import __version__
 from .api import Checkpoint, Stats, load, load_into, open, save
 from .async_save import save_async
+from .manager import Checkpointer, Restored
 from .errors import (
     BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,
     CodecUnavailableError, DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError,
     UnsupportedStateError, VersionError,
+)
+from .errors import (  # the checkpoint manager and its object-store tier
+    BucketNotFoundError, CheckpointLockedError, NoCheckpointError, RemoteAccessError, RemoteNotFoundError,
+    RemoteStoreError, RemoteUnavailableError,
 )
 
 __all__ = [
@@ -21,4 +26,6 @@ __all__ = [
     "GdsckptError", "UnsupportedStateError", "CheckpointFormatError", "ChecksumError", "VersionError",
     "CodecUnavailableError", "StateMismatchError", "GDSUnavailableError", "BackendUnavailableError",
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
+    "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
+    "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
 ]

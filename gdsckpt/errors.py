@@ -69,3 +69,37 @@ class BackgroundSaveError(GdsckptError, RuntimeError):
     def __init__(self, message: str, *, path=None):
         super().__init__(message)
         self.path = path
+
+
+class RemoteStoreError(GdsckptError, OSError):
+    """The object store refused or failed a request. Names the bucket (and the key where there is
+    one) and the store's error code; never a credential."""
+
+    def __init__(self, message: str, *, bucket: str, key: str | None = None, code: str | None = None):
+        where = f"bucket {bucket!r}" + (f", key {key!r}" if key is not None else "")
+        super().__init__(f"{message} ({where}{f', {code}' if code else ''})")
+        self.bucket, self.key, self.code = bucket, key, code
+
+
+class RemoteAccessError(RemoteStoreError, PermissionError):
+    """The store refused the credentials (wrong key or secret, or no permission on the bucket)."""
+
+
+class BucketNotFoundError(RemoteStoreError, FileNotFoundError):
+    """The bucket named in the remote URL does not exist on the store."""
+
+
+class RemoteNotFoundError(RemoteStoreError, FileNotFoundError):
+    """No object at that key."""
+
+
+class RemoteUnavailableError(RemoteStoreError, ConnectionError):
+    """The store could not be reached, or kept failing, after the client's retries."""
+
+
+class CheckpointLockedError(GdsckptError, RuntimeError):
+    """Another Checkpointer (this process or another) holds the checkpoint directory."""
+
+
+class NoCheckpointError(GdsckptError, FileNotFoundError):
+    """restore() found no committed, intact step (locally or on the remote tier)."""
