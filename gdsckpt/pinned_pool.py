@@ -89,9 +89,9 @@ class PinnedPool:
     """Arenas of host memory, handed out as 4 KiB-aligned extents. Thread-safe: the snapshot
     reserves, the background writer releases."""
 
-    def __init__(self, pinned: bool, arena_bytes: int = POOL_ARENA_BYTES):
+    def __init__(self, pinned: bool, arena_bytes: int | None = None):
         self.pinned = pinned
-        self.arena_bytes = arena_bytes
+        self.arena_bytes = arena_bytes or POOL_ARENA_BYTES
         self._arenas: list[_Arena] = []
         self._cond = threading.Condition()
         self.capacity = 0  # bytes allocated
@@ -112,7 +112,7 @@ class PinnedPool:
                 room = (limit - self.capacity) // ALIGN * ALIGN
                 if self.in_use + need <= limit and room > 0:
                     t = time.perf_counter()
-                    self._grow(min(self.arena_bytes, room))
+                    self._grow(min(self._arena_size(limit), room))
                     allocated += time.perf_counter() - t
                     continue
                 if before_wait is not None and not flushed:
@@ -153,6 +153,12 @@ class PinnedPool:
         if freed and self.pinned and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # hand the pages back, not just to torch's pinned cache
         return freed
+
+    def _arena_size(self, limit: int) -> int:
+        """arena_bytes, or for a small bound a sixteenth of it (a power of two, at least 1 MiB), so
+        that a small state's pool does not hold a whole 64 MiB arena for a few MiB of records."""
+        small = 1 << max(20, (max(limit // 16, 1)).bit_length() - 1)
+        return min(self.arena_bytes, small)
 
     def _grow(self, size: int) -> None:
         arena = _Arena(size, self.pinned)
