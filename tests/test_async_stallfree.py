@@ -42,7 +42,7 @@ def _clone(state):
 def _mutate(state) -> None:
     for t in _tensors(state):
         if t.numel():
-            t.view(torch.uint8).bitwise_not_()  # every byte changes, whatever the dtype
+            t.reshape(-1).view(torch.uint8).bitwise_not_()  # every byte changes, whatever the dtype
 
 
 def _tensors(obj):
@@ -497,7 +497,7 @@ def test_gpu_snapshot_bit_exact_after_mutation_and_memory(tmp_path, monkeypatch)
     held = HeldWriter(monkeypatch)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    state = {"w": torch.randn(48 << 20, device=dev, generator=g),  # 192 MiB fp32
+    state = {"w": torch.randn(160 << 20, device=dev, generator=g),  # 640 MiB fp32
              "h": torch.randn(8 << 20, device=dev, generator=g).to(torch.bfloat16),
              "small": {k: v.to(dev) for k, v in all_dtype_tensors(n=1000).items()},
              "step": torch.tensor(7.0)}  # a CPU tensor, as AdamW keeps its step
@@ -506,12 +506,13 @@ def test_gpu_snapshot_bit_exact_after_mutation_and_memory(tmp_path, monkeypatch)
     fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", chunk_bytes=32 << 20)
     for t in _tensors(state):  # queued on the current stream right after the call
         if t.numel():
-            t.view(torch.uint8).bitwise_not_()
+            t.reshape(-1).view(torch.uint8).bitwise_not_()
     held.release()
     stats = fut.result(60)
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), want)
     assert stats.backend == "gpu" and stats.mode == "host" and stats.memory["pinned_host_bytes"] > 0
-    assert stats.memory["peak_extra_gpu_bytes"] <= stats.memory["ring_gpu_bytes"] + (64 << 20)
+    # extra GPU memory: the ring (and nvCOMP's scratch), never a copy of the 656 MiB state
+    assert stats.memory["peak_extra_gpu_bytes"] <= stats.memory["ring_gpu_bytes"] + (256 << 20) < stats.logical_bytes
     assert stats.pool_bytes <= 1.05 * stats.stored_bytes + (64 << 20)
 
 
