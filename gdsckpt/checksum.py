@@ -175,9 +175,8 @@ def legacy_sum64(buf) -> int:
 
 ALGORITHMS = {"sum64": legacy_sum64, "crc64nvme": crc64nvme}
 
-# The algorithm new files are written with, and what `checksum` computes. Still format 1.0's sum:
-# the footer, index and chunks of a file all use it and FORMAT.md's version 1.0 defines it; the
-# switch to "crc64nvme" goes together with the format's version bump (format.py), and the GPU
-# side follows this same name (gdsckpt/gpu/kernels.py: Checksummer).
+# The algorithm new files are written with, and what `checksum` computes; the GPU side follows
+# this same name (gdsckpt/gpu/kernels.py: Checksummer). Files of format 1.0 are read with
+# ALGORITHMS["sum64"]: the format's version says which algorithm a file uses (format.py).
 CURRENT = "crc64nvme"
 checksum = ALGORITHMS[CURRENT]
