@@ -406,14 +406,14 @@ class Checkpointer:
                 log.warning("gdsckpt: upload of step %d to %s failed (retrying in %.0f s; the local copy is kept): "
                             "%s: %s", step, self.store.url(), backoff, type(e).__name__, e)
                 continue
-            with self._wake:
-                self._in_flight = None
-                self._wake.notify_all()
-            try:
+            try:  # before the step leaves flight: wait(uploads=True) returns with retention done
                 self._retain()
                 self._retain_remote()
             except Exception as e:
                 log.warning("gdsckpt: retention after uploading step %d: %s: %s", step, type(e).__name__, e)
+            with self._wake:
+                self._in_flight = None
+                self._wake.notify_all()
 
     def _upload(self, step: int) -> None:
         name = step_name(step, self.distributed)
@@ -530,13 +530,25 @@ class Checkpointer:
                 path = self._fetch_dcp(step)
             dcp.load(state, storage_reader=GdsckptReader(path))
             return state, str(path), None
-        path = str(self._path(step)) if where == "local" else self.store.url(name)
+        if where == "local":
+            return self._load(self._path(step), str(self._path(step)), state, device, strict)
+        url = self.store.url(name)
+        # download, then load from the temporary copy (removed after)
+        tmp = self.directory / f".{name}.download.{os.getpid()}"
+        try:
+            self.store.download(name, tmp)
+            return self._load(tmp, url, state, device, strict)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def _load(path, label, state, device, strict):
         with api.open(path) as ck:
             if state is not None:
                 stats = ck.load_into(state, strict=strict)
-                return state, path, stats
+                return state, label, stats
             out = ck.load(device)
-            return out, path, ck.last_stats
+            return out, label, ck.last_stats
 
     def _fetch_dcp(self, step: int) -> Path:
         """Under torch.distributed: rank 0 downloads the step's DCP directory from the store into

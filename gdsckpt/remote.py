@@ -5,11 +5,13 @@
     store.verify("step_00001000.gdsckpt")         # every chunk against gdsckpt's own checksums
     with S3Source.open("s3://bucket/run7/step_00001000.gdsckpt") as src: src.pread(n, offset)
 
-The client is obstore (Rust object_store): chosen by measurement against boto3/s3transfer
-(bench/probes/probe_s3_upload.py, bench/results/2026-11-23-cpu-s3/): on a loopback SeaweedFS
-both reached the same throughput (the server was the limit), and obstore used about half the
-client CPU per GB and runs its I/O outside the GIL, which is what matters for an uploader that
-shares a host with a training loop.
+The client is obstore (Rust object_store), chosen by measurement against boto3/s3transfer
+(bench/probes/probe_s3_upload.py; bench/results/2026-11-23-cpu-s3/upload.json: 256 MiB of unique
+bytes to a loopback SeaweedFS on this project's 2-core CPU machine, 3 interleaved rounds). There
+every method, single PUT or multipart, reached 31-47 MB/s: the server, on the same two cores,
+was the limit, so parallel parts could not show a gain. The client's own CPU differed: obstore
+with 8 MiB parts 1.46-1.55 s per GB, boto3's upload_file 2.37-2.74 s per GB, and obstore moves
+the bytes outside the GIL, which matters for an uploader sharing a process with a training loop.
 
 Endpoint and credentials come from the standard variables, read by obstore itself:
 AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
@@ -38,7 +40,8 @@ from .errors import (
 )
 
 SCHEME = "s3://"
-# From the loopback probe (bench/results/2026-11-23-cpu-s3/upload.json): 8 MiB parts, 8 in flight.
+# 8 MiB parts: the least client CPU per GB in the loopback probe (larger parts cost obstore more);
+# 8 in flight: a real store's latency needs parts in parallel, which a loopback one cannot show.
 DEFAULT_PART_BYTES = 8 << 20
 DEFAULT_CONCURRENCY = 8
 # Verify reads chunk records in ranged GETs of at most this many bytes, `concurrency` at a time.

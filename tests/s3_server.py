@@ -121,8 +121,8 @@ class SeaweedS3:
             try:
                 try:
                     client.create_bucket(Bucket="gdsckpt-ready")
-                except client.exceptions.BucketAlreadyOwnedByYou:
-                    pass
+                except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+                    pass  # a restart on the same data
                 client.put_object(Bucket="gdsckpt-ready", Key="probe", Body=b"ready")
                 if client.get_object(Bucket="gdsckpt-ready", Key="probe")["Body"].read() == b"ready":
                     return
