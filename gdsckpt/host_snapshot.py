@@ -67,10 +67,12 @@ class PoolFile:
         self.wait_s = 0.0
         self.alloc_s = 0.0  # growing the pool (the first saves)
         self.peak = pool.in_use
+        self._want = pool.in_use  # what the pool should hold for this snapshot not to wait: see reserve's grow_to
 
     def pwrite(self, buf: torch.Tensor, nbytes: int, offset: int) -> Completion:
         self._handoff(block=False)
-        extent, waited, allocated = self.pool.reserve(nbytes, self.limit, self.flush)
+        self._want += align_up(nbytes)
+        extent, waited, allocated = self.pool.reserve(nbytes, self.limit, self.flush, grow_to=self._want)
         self.waits += waited > 0
         self.wait_s += waited
         self.alloc_s += allocated

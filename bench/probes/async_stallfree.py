@@ -5,7 +5,7 @@ bit-exactness of every file although every tensor is overwritten right after sav
 No training loop runs here (gdsckpt-bench --train measures that). STATE_SIZE (default 4GB)
 and STATE_DEVICE (default cuda) allow a dry run on the CPU ("tiny", "cpu"). Modes: the default (three
 saves: the first allocates the pool), overlap=True (an AdamW over the fp32 master weights; the
-step right after the call waits for the snapshot), snapshot="device". Checkpoints go to
+step right after the call waits for the snapshot), snapshot="device". ROUNDS default saves (5). Checkpoints go to
 $BENCH_DIR (default /tmp/bench). JSON to $OUT/async-stallfree.json."""
 
 import gc
@@ -21,6 +21,7 @@ from gdsckpt.bench.workload import make_state
 
 OUT = Path(os.environ.get("OUT", "."))
 DIR = Path(os.environ.get("BENCH_DIR", "/tmp/bench")) / "async-stallfree"
+ROUNDS = int(os.environ.get("ROUNDS", "5"))
 DIR.mkdir(parents=True, exist_ok=True)
 for p in DIR.iterdir():
     p.unlink()
@@ -122,7 +123,7 @@ def async_round(name, path, check=True, **kw):
     return s
 
 
-for i in range(3):
+for i in range(ROUNDS):
     async_round(f"default #{i + 1}", DIR / f"async{i}.gdsckpt")
 
 master = [p for p in tensors(state["master"]) if p.is_floating_point()]
