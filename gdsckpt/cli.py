@@ -94,6 +94,82 @@ def cmd_clean(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- the checkpoint manager's directories
+
+
+def _where(r) -> str:
+    return "+".join(w for w in ("local", "remote") if r[w] is not None)
+
+
+def cmd_ls(args) -> int:
+    from .manager import describe
+    rows = describe(args.location, remote=args.remote, deep=args.verify)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    if not rows:
+        print(f"no steps in {args.location}" + (f" or {args.remote}" if args.remote else ""))
+        return 0
+    print(f"{'step':>10}  {'where':<13}{'local size':>12}{'remote size':>13}  state")
+    for r in rows:
+        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
+        print(f"{r['step']:>10}  {_where(r):<13}{_size(r['local_bytes']) if r['local'] else '-':>12}"
+              f"{_size(r['remote_bytes']) if r['remote'] else '-':>13}  {'; '.join(states)}")
+    return 0
+
+
+def cmd_restore_test(args) -> int:
+    from .manager import restore_test
+    step, checked = restore_test(args.location, remote=args.remote)
+    for r in checked:
+        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
+        print(f"step {r['step']}: {'; '.join(states)}")
+    if step is None:
+        print(f"gdsckpt restore-test: no intact step in {args.location}", file=sys.stderr)
+        return 2
+    newest = checked[0]["step"]
+    print(f"restore() would use step {step}" + ("" if step == newest else f", not the newer step {newest}"))
+    return 0 if step == newest else 1
+
+
+def cmd_prune(args) -> int:
+    from .manager import Checkpointer
+    ck = Checkpointer(args.directory, keep=args.keep, remote=args.remote, keep_remote=args.keep_remote,
+                      upload=False)
+    try:
+        gone = ck.prune(dry_run=not args.yes)
+    finally:
+        ck.close(wait_uploads=False)
+    verb = "removed" if args.yes else "would remove"
+    print(f"{verb}: local steps {gone['local'] or 'none'}; remote steps {gone['remote'] or 'none'}")
+    if not args.yes and (gone["local"] or gone["remote"]):
+        print("re-run with --yes to remove them")
+    return 0
+
+
+def _add_manager_commands(sub) -> None:
+    p = sub.add_parser("ls", help="steps of a Checkpointer directory or s3:// prefix: where, size, intact")
+    p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
+    p.add_argument("--remote", help="also list this s3://bucket/prefix")
+    p.add_argument("--verify", action="store_true", help="check every chunk checksum (reads every byte)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser("restore-test", help="verify the newest step (newest first until one is intact); "
+                       "exit 0: the newest is intact, 1: an older one would be restored, 2: none")
+    p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
+    p.add_argument("--remote", help="the directory's s3://bucket/prefix")
+    p.set_defaults(fn=cmd_restore_test)
+    p = sub.add_parser("prune", help="apply the Checkpointer's retention now (never a step's only copy); "
+                       "takes the directory's lock")
+    p.add_argument("directory")
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--remote", help="the directory's s3://bucket/prefix")
+    p.add_argument("--keep-remote", type=int, default=None)
+    p.add_argument("--yes", action="store_true", help="remove (without it: list what would go)")
+    p.set_defaults(fn=cmd_prune)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gdsckpt", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -115,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("directory")
     p.add_argument("--yes", action="store_true")
     p.set_defaults(fn=cmd_clean)
+    _add_manager_commands(sub)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -130,12 +130,12 @@ class Checkpointer:
     arguments of gdsckpt.save (codec, chunk_bytes, io, ...) or of GdsckptWriter under
     torch.distributed. remote_options: keyword arguments of gdsckpt.remote.ObjectStore
     (part_bytes, concurrency, max_retries, retry_seconds). distributed: None = whether
-    torch.distributed is initialized.
+    torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
     """
 
     def __init__(self, directory, *, keep: int = 3, remote: str | None = None, keep_remote: int | None = None,
                  every_remote: int = 1, save_options: dict | None = None, remote_options: dict | None = None,
-                 distributed: bool | None = None):
+                 distributed: bool | None = None, upload: bool = True):
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (the newest step is never deleted), got {keep}")
         if keep_remote is not None and keep_remote < 1:
@@ -174,7 +174,7 @@ class Checkpointer:
         if remote is not None:
             from .remote import ObjectStore
             self.store = ObjectStore(remote, **(remote_options or {}))
-            if self._owner:
+            if self._owner and upload:
                 self._thread = threading.Thread(target=self._uploader, name="gdsckpt-uploader", daemon=True)
                 self._thread.start()
                 with self._mutex:
@@ -321,6 +321,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------ retention
     def _retain(self) -> None:
+        for s in self._doomed_local():
+            self._delete_local(s)
+
+    def _doomed_local(self) -> list[int]:
+        """Local steps the policy lets go now."""
         with self._mutex:
             local = self._local_steps()
             protected = set(local[-self.keep:]) | set(self._queue)
@@ -336,8 +341,25 @@ class Checkpointer:
                 if self.store is not None and not (uploaded and (s in uploaded or max(uploaded) > s)):
                     continue  # its only copy, or the only copy of state newer than what the store has
                 doomed.append(s)
-        for s in doomed:
-            self._delete_local(s)
+            return doomed
+
+    def _doomed_remote(self) -> list[tuple[int, dict]]:
+        if self.keep_remote is None or self.store is None:
+            return []
+        return sorted(self.remote_steps().items())[:-self.keep_remote]
+
+    def prune(self, *, dry_run: bool = False) -> dict:
+        """Apply the retention policy now (as after every save and upload); dry_run: only say
+        what would go. {"local": [steps], "remote": [steps]}."""
+        if self.store is not None and self._uploaded is None:
+            ups = set(self.remote_steps())
+            with self._mutex:
+                self._uploaded = ups
+        local, remote = self._doomed_local(), [s for s, _ in self._doomed_remote()]
+        if not dry_run:
+            self._retain()
+            self._retain_remote()
+        return {"local": local, "remote": remote}
 
     def _delete_local(self, step: int) -> None:
         p = self._path(step)
@@ -353,10 +375,7 @@ class Checkpointer:
         fsync_dir(self.directory)
 
     def _retain_remote(self) -> None:
-        if self.keep_remote is None:
-            return
-        steps = sorted(self.remote_steps().items())
-        for s, marker in steps[:-self.keep_remote]:
+        for s, marker in self._doomed_remote():
             name = step_name(s, self.distributed)
             log.info("gdsckpt: removing step %d from %s", s, self.store.url())
             self.store.delete(name + MARKER)  # uncommit first: a kill mid-way leaves objects that do not count
@@ -604,3 +623,111 @@ class Checkpointer:
         return (f"Checkpointer({str(self.directory)!r}, keep={self.keep}, remote="
                 f"{self.store.url() if self.store else None!r}, keep_remote={self.keep_remote}, "
                 f"every_remote={self.every_remote})")
+
+
+# ---------------------------------------------------------------- the CLI's views (no lock taken)
+
+
+def _check_local(path: Path, deep: bool) -> str:
+    """"ok" or why not: the footer and index of every gdsckpt file of a step (deep: every chunk)."""
+    files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
+    if path.is_dir() and not (path / _DCP_METADATA).is_file():
+        return "incomplete (no .metadata)"
+    try:
+        for f in files:
+            with api.open(f) as ck:
+                if deep:
+                    ck.verify()
+    except (GdsckptError, OSError) as e:
+        return f"DAMAGED: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def describe(location: str, *, remote: str | None = None, deep: bool = False) -> list[dict]:
+    """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
+    it lives, its size and whether it is intact (committed and its footer and index valid; deep:
+    every chunk checksum verified, which reads every byte)."""
+    from .remote import ObjectStore, is_remote
+    rows: dict[int, dict] = {}
+
+    def row(step):
+        return rows.setdefault(step, {"step": step, "local": None, "local_bytes": 0, "local_state": None,
+                                      "remote": None, "remote_bytes": 0, "remote_state": None,
+                                      "remote_files": []})
+
+    if not is_remote(location):
+        d = Path(location)
+        for name in sorted(os.listdir(d)):
+            m = _STEP.match(name)
+            if not m:
+                continue
+            p = d / name
+            r = row(int(m.group(1)))
+            r["local"] = str(p)
+            r["local_bytes"] = sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() \
+                else p.stat().st_size
+            r["local_state"] = _check_local(p, deep)
+    else:
+        remote = location
+    if remote:
+        store = ObjectStore(remote)
+        listing = store.list()
+        markers = {}
+        for name in listing:
+            m = _MARKER.match(name)
+            if m:
+                try:
+                    markers[name[:-len(MARKER)]] = json.loads(store.get_bytes(name))
+                except (RemoteStoreError, ValueError):
+                    pass
+        for name, size in listing.items():
+            top = name.split("/", 1)[0]
+            m = _STEP.match(top)
+            if not m or name.endswith(MARKER):
+                continue
+            r = row(int(m.group(1)))
+            r["remote"] = store.url(top)
+            r["remote_bytes"] += size
+        for r in rows.values():
+            if r["remote"] is None:
+                continue
+            top = r["remote"].rsplit("/", 1)[1]
+            marker = markers.get(top)
+            r["remote_files"] = sorted(marker["files"]) if marker else []
+            if marker is None:
+                r["remote_state"] = "incomplete (no verified-upload marker)"
+            elif not all(listing.get(f) == n for f, n in marker["files"].items()):
+                r["remote_state"] = "DAMAGED: objects missing or of another size than uploaded"
+            elif deep:
+                try:
+                    for f in marker["files"]:
+                        if f.endswith(SUFFIX):
+                            store.verify(f)
+                    r["remote_state"] = "ok"
+                except (GdsckptError, OSError) as e:
+                    r["remote_state"] = f"DAMAGED: {type(e).__name__}: {e}"
+            else:
+                r["remote_state"] = "ok"
+    return [rows[k] for k in sorted(rows)]
+
+
+def restore_test(location: str, *, remote: str | None = None) -> tuple[int | None, list[dict]]:
+    """Verify steps newest first, every chunk checksum, until one is intact: (that step or None,
+    the rows checked). What restore() would do, without loading."""
+    checked = []
+    for r in reversed(describe(location, remote=remote)):
+        if r["local"] is not None:
+            r["local_state"] = _check_local(Path(r["local"]), deep=True)
+        if r["remote"] is not None and r["remote_state"] == "ok":
+            from .remote import ObjectStore
+            store = ObjectStore(r["remote"].rsplit("/", 1)[0])
+            try:
+                for f in r["remote_files"]:
+                    if f.endswith(SUFFIX):
+                        store.verify(f)
+            except (GdsckptError, OSError) as e:
+                r["remote_state"] = f"DAMAGED: {type(e).__name__}: {e}"
+        checked.append(r)
+        if "ok" in (r["local_state"], r["remote_state"]):
+            return r["step"], checked
+    return None, checked

@@ -289,3 +289,45 @@ def test_sigkill_during_upload_or_pruning(tmp_path, s3_env, mode):
         assert_same(r.state, state_for(r.step, n=2000 if mode == "prune" else 3_000_000))
         ck.wait(uploads=True, timeout=60)  # a restarted manager uploads its newest step if the store lacks it
         assert ck.status()["uploaded"][-1] == ck.status()["local_steps"][-1]
+
+
+def test_cli_ls_restore_test_prune(tmp_path, s3_env, capsys):
+    from gdsckpt.cli import main
+    url = f"s3://{s3_env.new_bucket()}/cli"
+    d = tmp_path / "run"
+    with Checkpointer(d, keep=5, remote=url, every_remote=2, save_options=OPTS) as ck:
+        for s in (1, 2, 3, 4):
+            ck.save(s, state_for(s, n=2000))
+            ck.wait(uploads=True, timeout=60)
+    capsys.readouterr()
+    assert main(["ls", str(d), "--remote", url]) == 0
+    out = capsys.readouterr().out
+    lines = {int(l.split()[0]): l for l in out.splitlines()[1:]}
+    assert sorted(lines) == [1, 2, 3, 4]
+    assert "local+remote" in lines[1] and "local+remote" in lines[3] and "remote" not in lines[2].split()[1]
+    assert "local: ok; remote: ok" in lines[3], out
+    assert main(["ls", url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["remote_state"]) for r in rows] == [(1, "ok"), (3, "ok")]
+
+    assert main(["restore-test", str(d), "--remote", url]) == 0
+    assert "restore() would use step 4" in capsys.readouterr().out
+    corrupt_chunk(d / step_name(4, False))
+    assert main(["ls", str(d), "--verify"]) == 0
+    assert "DAMAGED: ChecksumError" in capsys.readouterr().out
+    assert main(["restore-test", str(d), "--remote", url]) == 1
+    out = capsys.readouterr().out
+    assert "step 4: local: DAMAGED" in out and "restore() would use step 3, not the newer step 4" in out
+
+    # prune: steps 1-2 may go (step 3, newer, is uploaded); 4 and 3 kept (keep=2); remote keeps 1
+    assert main(["prune", str(d), "--keep", "2", "--remote", url, "--keep-remote", "1"]) == 0
+    assert "would remove: local steps [1, 2]; remote steps [1]" in capsys.readouterr().out
+    with Checkpointer(d):  # a running manager holds the lock: prune refuses
+        assert main(["prune", str(d), "--keep", "1", "--yes"]) == 2
+        assert "in use by another Checkpointer" in capsys.readouterr().err
+    assert main(["prune", str(d), "--keep", "2", "--remote", url, "--keep-remote", "1", "--yes"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == [step_name(3, False),
+                                                                               step_name(4, False)]
+    assert main(["ls", url, "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [3]
