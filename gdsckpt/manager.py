@@ -547,7 +547,16 @@ class Checkpointer:
             path = self._path(step)
             if where == "remote":
                 path = self._fetch_dcp(step)
-            dcp.load(state, storage_reader=GdsckptReader(path))
+            from torch.distributed.checkpoint.api import CheckpointException
+            try:
+                dcp.load(state, storage_reader=GdsckptReader(path))
+            except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
+                errs = [exc for exc, _ in e.failures.values()]
+                if errs and all(isinstance(x, _DAMAGE) and not isinstance(x, VersionError) for x in errs):
+                    first = errs[0]
+                    raise CheckpointFormatError(f"rank(s) {sorted(e.failures)} could not read the step: "
+                                                f"{type(first).__name__}: {first}", path=path) from None
+                raise
             return state, str(path), None
         if where == "local":
             return self._load(self._path(step), str(self._path(step)), state, device, strict)
@@ -581,8 +590,8 @@ class Checkpointer:
                 tmp = self.directory / f".{name}.download"
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
-                for rel in self.store.list(name):
-                    self.store.download(f"{name}/{rel}", tmp / rel)
+                for rel in self.store.list(name):  # "step_.../__0_0.gdsckpt", relative to the prefix
+                    self.store.download(rel, tmp / rel.split("/", 1)[1])
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 fsync_dir(self.directory)

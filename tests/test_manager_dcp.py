@@ -1,0 +1,117 @@
+"""gdsckpt.Checkpointer under torch.distributed (2 CPU ranks over gloo): one DCP directory per step
+(GdsckptWriter), the same calls on every rank, rank 0 uploading to a real S3 server (SeaweedFS),
+restore of a local step, fall-back past a damaged step on every rank alike, and restore of a
+step that only the store still has."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
+
+WORLD = 2
+
+
+def full_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(9, 4, generator=g), "emb": torch.randn(6, 3, generator=g).to(torch.bfloat16),
+            "step": torch.tensor(float(seed)), "meta": {"seed": seed}}
+
+
+def sharded(full: dict, mesh) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) if k in ("w", "emb") else
+            (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in full.items()}
+
+
+def same_local(a: dict, b: dict) -> None:
+    from torch.distributed.tensor import DTensor
+    for k in ("w", "emb", "step"):
+        x, y = a[k], b[k]
+        x = x.to_local() if isinstance(x, DTensor) else x
+        y = y.to_local() if isinstance(y, DTensor) else y
+        assert torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x,
+                           y.view(torch.uint8) if y.dtype == torch.bfloat16 else y), k
+
+
+def _rank_main(rank: int, root: str, url: str, env: dict) -> None:
+    os.environ.update(env)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    root = Path(root)
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), WORLD), rank=rank, world_size=WORLD)
+    try:
+        _scenarios(rank, root, url)
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenarios(rank: int, root: Path, url: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from gdsckpt.manager import Checkpointer, step_name
+    mesh = init_device_mesh("cpu", (WORLD,))
+    d = root / "ck"
+    ck = Checkpointer(d, keep=2, remote=url)
+    assert ck.distributed and ck.rank == rank
+    for s in (1, 2):
+        ck.save(s, sharded(full_state(s), mesh))
+        ck.wait(uploads=True, timeout=60)  # rank 0 uploads; the others have nothing to wait for
+        dist.barrier()
+    state = sharded(full_state(3), mesh)
+    ck.save_async(3, state)
+    state["w"].to_local().fill_(-1)  # safe to mutate once save_async returned
+    ck.wait(uploads=True, timeout=60)
+    dist.barrier()
+    listing = sorted(os.listdir(d / step_name(3, True)))
+    assert listing[0] == ".metadata" and {"__0_0.gdsckpt", "__1_0.gdsckpt"} <= set(listing), listing
+    assert ck.steps() == [1, 2, 3], ck.steps()  # step 1: on the store only (keep=2 locally)
+    assert not (d / step_name(1, True)).exists()
+    if rank == 0:
+        assert ck.status()["uploaded"] == [1, 2, 3], ck.status()
+
+    target = sharded(full_state(0), mesh)
+    r = ck.restore(target)
+    assert r.step == 3 and r.source == "local" and r.skipped == []
+    same_local(target, sharded(full_state(3), mesh))
+
+    r = ck.restore(target, step=1)  # the store's copy: rank 0 downloads it, every rank loads it
+    assert r.step == 1 and r.source == "remote"
+    same_local(target, sharded(full_state(1), mesh))
+    dist.barrier()
+
+    if rank == 0:  # damage rank 1's file of step 3: every rank must fall back to step 2
+        import gdsckpt
+        f = d / step_name(3, True) / "__1_0.gdsckpt"
+        with gdsckpt.open(f) as c:
+            off = c.index.records[0].file_offset
+        with open(f, "r+b") as fh:
+            fh.seek(off + 3)
+            b = fh.read(1)
+            fh.seek(off + 3)
+            fh.write(bytes([b[0] ^ 1]))
+    dist.barrier()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        r = ck.restore(target)
+    assert r.step in (2, 3), r  # the store's step 3 is intact: the local copy is skipped for it
+    assert r.skipped and r.skipped[0][:2] == (3, "local"), r.skipped
+    same_local(target, sharded(full_state(r.step), mesh))
+    ck.close()
+
+
+def test_two_ranks_manager(tmp_path, s3_env):
+    import torch.multiprocessing as mp
+    url = f"s3://{s3_env.new_bucket()}/dcp"
+    mp.start_processes(_rank_main, args=(str(tmp_path), url, s3_env.env()), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    from gdsckpt.remote import ObjectStore
+    names = sorted(ObjectStore(url).list())
+    assert "step_00000003/.metadata" in names and "step_00000003.uploaded.json" in names, names
