@@ -275,7 +275,7 @@ class ObjectStore:
         `concurrency` at a time. Raises CheckpointFormatError / ChecksumError naming the s3:// URL,
         key and chunk, or RemoteStoreError."""
         from . import format as fmt
-        from .checksum import ALGORITHMS
+        from .checksum import ALGORITHMS, CURRENT
 
         url = self.url(name)
         size = self.size(name)
@@ -283,8 +283,13 @@ class ObjectStore:
             raise CheckpointFormatError(f"the object is {size} bytes but the local file is {expected_size}: "
                                         "a torn or partial upload", path=url)
         t = time.perf_counter()
-        index = fmt.read_index(lambda n, o: self.read(name, o, n), size, url)
-        algorithm = ALGORITHMS[index.checksum]
+        pread = lambda n, o: self.read(name, o, n)  # noqa: E731
+        if hasattr(fmt, "read_index"):  # format 1.1: the file's version picks the checksum algorithm
+            index = fmt.read_index(pread, size, url)
+        else:  # format 1.0 trees, before read_index
+            off, length, index_ck = fmt.read_footer(pread, size, url)
+            index = fmt.parse_index(pread(length, off), index_ck, off, url)
+        algorithm = ALGORITHMS[getattr(index, "checksum", CURRENT)]
         plan, records = index.plan, index.records
 
         def check(i):
