@@ -2,11 +2,12 @@
 caller's blocked seconds, the background write's seconds against a synchronous save of the same
 state, the pool's pinned bytes against the stored bytes, extra GPU memory against the ring, and
 bit-exactness of every file although every tensor is overwritten right after save_async returns.
-No training loop runs here (gdsckpt-bench --train measures that). STATE_SIZE (default 4GB)
-and STATE_DEVICE (default cuda) allow a dry run on the CPU ("tiny", "cpu"). Modes: the default (three
-saves: the first allocates the pool), overlap=True (an AdamW over the fp32 master weights; the
-step right after the call waits for the snapshot), snapshot="device". ROUNDS default saves (5). Checkpoints go to
-$BENCH_DIR (default /tmp/bench). JSON to $OUT/async-stallfree.json."""
+No training loop runs here (gdsckpt-bench --train measures that). Modes: the default (ROUNDS
+saves, default 5: the first allocates the pool), overlap=True (an AdamW over the fp32 master
+weights; the step right after the call waits for the snapshot; the other tensors, which that
+optimizer does not own, are copied by the call), snapshot="device". Checkpoints go to
+$BENCH_DIR (default /tmp/bench). JSON to $OUT/async-stallfree.json. STATE_SIZE (default 4GB)
+and STATE_DEVICE (default cuda) allow a dry run on the CPU ("tiny", "cpu")."""
 
 import gc
 import json
