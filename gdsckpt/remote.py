@@ -7,11 +7,12 @@
 
 The client is obstore (Rust object_store), chosen by measurement against boto3/s3transfer
 (bench/probes/probe_s3_upload.py; bench/results/2026-11-23-cpu-s3/upload.json: 256 MiB of unique
-bytes to a loopback SeaweedFS on this project's 2-core CPU machine, 3 interleaved rounds). There
-every method, single PUT or multipart, reached 31-47 MB/s: the server, on the same two cores,
-was the limit, so parallel parts could not show a gain. The client's own CPU differed: obstore
-with 8 MiB parts 1.46-1.55 s per GB, boto3's upload_file 2.37-2.74 s per GB, and obstore moves
-the bytes outside the GIL, which matters for an uploader sharing a process with a training loop.
+bytes to a loopback SeaweedFS on this project's 2-core CPU machine, loaded by other jobs, 3
+interleaved rounds). Every method, single PUT or multipart, reached 29-47 MB/s: the server, on
+the same two cores, was the limit, so parallel parts could not show a gain. The client's own
+CPU differed: obstore with 8 MiB parts 1.46-1.55 s per GB, boto3's upload_file 2.37-2.74 s per
+GB; and obstore moves the bytes outside the GIL, which matters for an uploader that shares a
+process with a training loop.
 
 Endpoint and credentials come from the standard variables, read by obstore itself:
 AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
