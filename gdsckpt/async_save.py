@@ -353,7 +353,14 @@ def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0
         if err is not None:
             fut.set_exception(err)
             return
-        report = job_future.result()
+        try:
+            stats = _stats(job_future.result())
+        except BaseException as e:  # noqa: BLE001 - a future left pending would hang result() forever
+            fut.set_exception(e)
+        else:
+            fut.set_result(stats)
+
+    def _stats(report) -> AsyncStats:
         base = {f.name: getattr(snap, f.name) for f in fields(api.Stats)}
         base.update(path=dest.label, io_path="pool-direct" if report.direct_io else "pool-buffered",
                     file_bytes=dest.layout.file_bytes, seconds=time.perf_counter() - t0,
@@ -368,7 +375,7 @@ def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0
             with hook.lock:
                 stats.hook_wait_s = hook.waited
                 hook.stats = stats
-        fut.set_result(stats)
+        return stats
 
     dest.job.done.add_done_callback(done)
 
