@@ -7,7 +7,7 @@ from gdsckpt.bench.cli import main
 
 def test_train_and_cost(tmp_path, capsys):
     out = tmp_path / "train.json"
-    assert main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "6", "--interval", "3",
+    assert main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "6", "--interval", "2",
                  "--repeats", "2", "--methods", "none,torch,save,async", "--directory", str(tmp_path / "d"),
                  "--output", str(out), "--cost", "--gpus", "8", "--gpu-hour", "3", "--ckpt-every", "60",
                  "--retention", "2", "--tb-month", "20"]) == 0
@@ -21,7 +21,7 @@ def test_train_and_cost(tmp_path, capsys):
     for name in ("torch.save", "gdsckpt.save", "gdsckpt.save_async"):
         m = rows[name]
         assert m["status"] == "ok", m
-        assert len(m["loops_s"]) == 2 and len(m["overhead_per_ckpt_s"]["each"]) == 2
+        assert len(m["loops_s"]) == 2 and len(m["drain_s"]) == 2 and len(m["overhead_per_ckpt_s"]["each"]) == 2
         assert len(m["blocked_s"]["each"]) == 4 and len(m["completion_s"]["each"]) == 4
         assert m["first_save"]["completion_s"] > 0 and m["stored_bytes"] > 0
         # a checkpoint completes after (or when) the caller is released (each rounded to 0.1 ms)

@@ -48,11 +48,13 @@ import torch.nn.functional as F
 TRAIN_SCHEMA = 1
 TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, device: {kind, name}, versions, io_path,
  model: {size, layers, heads, d_model, vocab, seq, batch, params}, state: {logical_bytes, tensors},
- steps, interval, checkpoints_per_loop, repeats, step_s (the 'none' loops' mean),
+ steps, interval, checkpoints_per_loop (at interval, 2 x interval, ..., each followed by a full interval),
+ repeats, step_s (the 'none' loops' mean),
  methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
-   {mean, min, max, each}, blocked_s: {mean, max, each}, completion_s: {mean, max, each},
+   {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
+   blocked_s: {mean, max, each}, completion_s: {mean, max, each},
    first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
-   host: {pinned_torch_bytes, rss_peak_extra_bytes}, notes}],
+   host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
  cost: {...} | null}"""
 
 
@@ -79,6 +81,7 @@ class Ctx:
     device: str
     io_path: str | None = None
     stored_bytes: int | None = None
+    pinned: int = 0  # the largest pinned_host_bytes a gdsckpt Stats reported
 
 
 class Method:
@@ -128,6 +131,7 @@ class GdsSave(Method):
         import gdsckpt
         s = gdsckpt.save(state, path)
         ctx.io_path, ctx.stored_bytes = s.io_path, s.file_bytes
+        ctx.pinned = max(ctx.pinned, s.memory.get("pinned_host_bytes", 0))
 
 
 class GdsSaveAsync(Method):
@@ -154,6 +158,7 @@ class GdsSaveAsync(Method):
             if f.exception() is None:
                 s = f.result()
                 ctx.io_path, ctx.stored_bytes = s.io_path, s.file_bytes
+                ctx.pinned = max(ctx.pinned, s.memory.get("pinned_host_bytes", 0))
         fut.add_done_callback(done)
         return fut
 
@@ -325,6 +330,14 @@ def train_step(model, opt, batches, device, method: Method, hook_t: list):
     return loss.item(), waited + hook_t[1]  # .item(): the loop logs its loss every step, as many do
 
 
+def n_checkpoints(steps: int, interval: int) -> int:
+    """Checkpoints at steps interval, 2 x interval, ... with a full interval of training after
+    each (a loop of 120 steps at interval 40 checkpoints at 40 and 80): the last one gets as
+    long to finish in the background as the others, as in a long run; whatever it still needs
+    after that is drained inside the timed loop (drain_s)."""
+    return max(0, steps // interval - 1 if steps % interval == 0 else steps // interval)
+
+
 def checkpoint_state(model, opt) -> dict:
     """model + optimizer state; the optimizer's per-parameter keys as strings, so that every
     method (DCP's flattening included) takes the same dict."""
@@ -377,6 +390,7 @@ class Loop:
     peak_device: int = 0
     pinned: int = 0
     rss_extra: int = 0
+    drain: float = 0.0
 
 
 def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str) -> Loop:
@@ -398,6 +412,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     # (so after the library's), adds the time since then to the step's wait (hook_t[1]).
     hook_t = [0.0, 0.0]
     hooks = getattr(method, "with_opt", False)  # only then can the library's hook make a step wait
+    waits = hooks or type(method).before_step is not Method.before_step
     first = ctx.opt.register_step_pre_hook(lambda *a: hook_t.__setitem__(0, time.perf_counter())) if hooks else None
     last = None
 
@@ -408,11 +423,11 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         _, waited = train_step(ctx.model, ctx.opt, batches, ctx.device, method, hook_t)
-        if blocked and waited:
+        if blocked and waits:
             blocked[-1] += waited  # the wait the last checkpoint imposed on this optimizer step
         if cuda:
             min_free = min(min_free, torch.cuda.mem_get_info()[0])
-        if method.name != "none" and step % interval == 0:
+        if method.name != "none" and step % interval == 0 and step <= steps - interval:
             path = ctx.directory / f"{tag}-step{step}"
             tc = time.perf_counter()
             handle = method.save(ctx, checkpoint_state(ctx.model, ctx.opt), path)
@@ -431,17 +446,22 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
                 last = ctx.opt.register_step_pre_hook(after)
             if cuda:
                 min_free = min(min_free, torch.cuda.mem_get_info()[0])
+    td = time.perf_counter()
     for h in pending:  # drained inside the timed loop
         h.result()
     method.before_step()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    drain = time.perf_counter() - td
+    deadline = time.perf_counter() + 5  # result() can return before the done callbacks have run
+    while len(done_at) < len(started) and time.perf_counter() < deadline:
+        time.sleep(0.001)
     if first is not None:
         first.remove()
     if last is not None:
         last.remove()
-    loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at])
+    loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain)
     if cuda:
         loop.peak_torch = torch.cuda.max_memory_allocated() - base_alloc
         loop.peak_device = free0 - min_free
@@ -473,8 +493,8 @@ def run_train(args) -> dict:
         raise SystemExit(f"--device cuda: no CUDA ({why})")
     size = args.size if args.size in TRAIN_SIZES else ("gpt2-medium" if device.startswith("cuda") else "small-cpu")
     steps, interval, repeats = args.steps, args.interval, args.repeats
-    if steps < interval:
-        raise SystemExit("--steps must be at least --interval")
+    if n_checkpoints(steps, interval) < 1:
+        raise SystemExit("--steps must be at least twice --interval (every checkpoint is followed by a full interval)")
     methods = select(args.methods)
     model, opt, windows, minfo = build(size, device)
     batches = Batches(windows, minfo["batch"], device)
@@ -520,6 +540,7 @@ def run_train(args) -> dict:
                     continue
                 print(f"[train] repeat {r + 1}/{repeats}: {m.name}", file=sys.stderr, flush=True)
                 ctx.io_path = ctx.stored_bytes = None
+                ctx.pinned = 0
                 try:
                     loop = run_loop(ctx, m, batches, steps, interval, f"r{r}")
                     rows[m.name]["loops"].append(loop)
@@ -527,6 +548,7 @@ def run_train(args) -> dict:
                         rows[m.name]["stored_bytes"] = ctx.stored_bytes
                     if ctx.io_path:
                         rows[m.name]["io_path"] = ctx.io_path
+                    rows[m.name]["_pinned"] = max(rows[m.name].get("_pinned") or 0, ctx.pinned) or None
                 except Exception as e:
                     rows[m.name].update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
                 _clear(directory)
@@ -538,7 +560,7 @@ def run_train(args) -> dict:
                 pass
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    ckpts = steps // interval
+    ckpts = n_checkpoints(steps, interval)
     none_loops: list[Loop] = rows["none"]["loops"]
     base_torch = max((l.peak_torch for l in none_loops), default=0)
     base_device = max((l.peak_device for l in none_loops), default=0)
@@ -551,12 +573,14 @@ def run_train(args) -> dict:
             over = [(l.seconds - none_loops[min(i, len(none_loops) - 1)].seconds) / ckpts for i, l in enumerate(loops)]
             row.update({
                 "loops_s": [round(l.seconds, 4) for l in loops],
+                "drain_s": [round(l.drain, 4) for l in loops],
                 "overhead_per_ckpt_s": _summ(over if m.name != "none" else []),
                 "blocked_s": _summ([b for l in loops for b in l.blocked]),
                 "completion_s": _summ([c for l in loops for c in l.completion]),
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
                         "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
                 "host": {"pinned_torch_bytes": max(l.pinned for l in loops),
+                         "pinned_gdsckpt_bytes": row.pop("_pinned", None),
                          "rss_peak_extra_bytes": max(l.rss_extra for l in loops)},
             })
         out_methods.append(row)
@@ -642,7 +666,8 @@ def add_arguments(ap) -> None:
     from . import cost
     g = ap.add_argument_group("--train: checkpoints inside a training loop")
     g.add_argument("--train", action="store_true", help="measure checkpoints inside a real training loop")
-    g.add_argument("--steps", type=int, default=90, help="training steps per loop (--train)")
+    g.add_argument("--steps", type=int, default=120,
+                   help="training steps per loop (--train); checkpoints every --interval steps but in the last interval")
     g.add_argument("--interval", type=int, default=40, help="a checkpoint every N steps (--train)")
     g.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every method's loop (--train)")
     g.add_argument("--methods", default=None,
