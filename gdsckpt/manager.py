@@ -367,7 +367,7 @@ class Checkpointer:
         if self.distributed:
             meta = p / _DCP_METADATA
             if meta.exists():  # uncommit first: a kill mid-removal leaves an uncommitted directory
-                meta.unlink()
+                meta.unlink(missing_ok=True)  # the uploader's retention may race a save's
                 fsync_dir(p)
             shutil.rmtree(p, ignore_errors=True)
         else:
