@@ -159,6 +159,7 @@ class Checkpointer:
         self._owner = self.rank == 0
         self._lock = _Lock(self.directory) if self._owner else None
         self._mutex = threading.RLock()
+        self._deleting = threading.Lock()
         self._wake = threading.Condition(self._mutex)
         self._closed = False
         self._pending: tuple[int, Future] | None = None
@@ -321,8 +322,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------ retention
     def _retain(self) -> None:
-        for s in self._doomed_local():
-            self._delete_local(s)
+        with self._deleting:  # one deleter at a time: the uploader's retention and a save's
+            for s in self._doomed_local():
+                self._delete_local(s)
 
     def _doomed_local(self) -> list[int]:
         """Local steps the policy lets go now."""
@@ -367,7 +369,7 @@ class Checkpointer:
         if self.distributed:
             meta = p / _DCP_METADATA
             if meta.exists():  # uncommit first: a kill mid-removal leaves an uncommitted directory
-                meta.unlink(missing_ok=True)  # the uploader's retention may race a save's
+                meta.unlink(missing_ok=True)
                 fsync_dir(p)
             shutil.rmtree(p, ignore_errors=True)
         else:
