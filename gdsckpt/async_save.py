@@ -15,9 +15,10 @@ Three ways to take the snapshot (`snapshot=`, `overlap=`):
   `path` exactly as `save` does. Extra GPU memory: the ring (about 835 MiB at the defaults),
   never a copy of the state. Host memory: the pool (gdsckpt/pinned_pool.py), allocated by the
   first saves and reused, holding stored (compressed) bytes; bounded by `pool_bytes` (default:
-  the state's logical size, at most half the host's memory, defaults.POOL_*). A save that
-  finds the pool full waits for the writer to free room (back-pressure): that wait is part of
-  the call, reported as `pool_wait_s` / `pool_waits` in the stats.
+  the most the save can store: its logical size, chunk by chunk rounded up to 4 KiB; at most
+  half the host's memory; defaults.POOL_*). A save that finds the pool full waits for the
+  writer to free room (back-pressure): that wait is part of the call, reported as
+  `pool_wait_s` / `pool_waits` in the stats.
 
 * overlap=True, optimizer=opt: the same snapshot, but on a background thread, so that it runs
   during the next forward and backward; save_async returns at once. It relies on this contract:
@@ -80,7 +81,7 @@ from . import api
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
 from .errors import BackgroundSaveError, SaveInFlightError
 from .host_snapshot import PoolDestination
-from .pinned_pool import pools, release_pools
+from .pinned_pool import align_up, pools, release_pools
 from .tree import flatten, unflatten
 
 __all__ = ["save_async", "AsyncStats", "SaveFuture", "SaveInFlightError", "BackgroundSaveError",
@@ -149,10 +150,11 @@ _streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-def default_pool_limit(logical_bytes: int) -> int:
-    """The pool's bound for a state of `logical_bytes` (defaults.POOL_STATE_FRACTION of it, at
-    most defaults.POOL_HOST_FRACTION of the host's memory)."""
-    limit = int(logical_bytes * POOL_STATE_FRACTION)
+def default_pool_limit(plan) -> int:
+    """The pool's bound for a save of `plan`: defaults.POOL_STATE_FRACTION of the most it can
+    store (each chunk's logical length rounded up to 4 KiB, as the pool holds records; a chunk
+    that would not shrink is stored raw), at most defaults.POOL_HOST_FRACTION of the host's memory."""
+    limit = int(sum(align_up(c.length) for c in plan.chunks) * POOL_STATE_FRACTION)
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         limit = min(limit, int(host * POOL_HOST_FRACTION))
@@ -170,7 +172,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     snapshot: "host" (default: compressed into a host pool) or "device" (a same-device copy).
     overlap: with optimizer=opt, take the host snapshot during the next forward/backward; the
     next opt.step() waits for it. pool_bytes: the host pool's bound for this save (None: the
-    state's logical size). wait=False: SaveInFlightError if an earlier save_async is unfinished.
+    state's logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an earlier save_async is unfinished.
     save_kwargs: codec, chunk_bytes, ring_depth, io, io_threads, backend, as for gdsckpt.save.
     Raised here: an unsupported state (before anything is copied), bad options, an earlier
     unseen background failure (BackgroundSaveError), and errors of the snapshot itself.
@@ -204,8 +206,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             mode = "device"
         else:
             _wait_for([f for f, m, _ in _tracked if m == "device"])
-            limit = pool_bytes or default_pool_limit(sum(l.tensor.nbytes for l in leaves))
-            dest = PoolDestination(Path(path), limit, save_kwargs.get("chunk_bytes"))
+            dest = PoolDestination(Path(path), pool_bytes or default_pool_limit, save_kwargs.get("chunk_bytes"))
             if overlap:
                 fut = _overlap_save(skeleton, leaves, dest, optimizer, save_kwargs, t0)
                 mode = "overlap"

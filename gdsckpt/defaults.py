@@ -42,12 +42,12 @@ ANS_INTERNAL_CHUNK = 512 << 10
 SMALL_HOST_TENSOR = 1 << 20
 
 # save_async's host pool (gdsckpt/pinned_pool.py), where compressed chunks wait for the disk.
-# Its bound, unless pool_bytes= is given: the logical size of the state being saved. A save
-# stores at most its logical bytes (a chunk that would not shrink is stored raw), so one save
-# never waits for the disk; a save_async while an earlier one is still writing waits
-# (back-pressure, reported as blocked time) only for the bytes that one has not written yet.
-# The pool grows as stored bytes arrive, so what it holds is about the stored size (86-88% of
-# logical for fp32 AdamW state, 2026-11-22-h100-e/), not the bound.
+# Its bound, unless pool_bytes= is given: the most the save can store, its chunks' logical
+# lengths each rounded up to 4 KiB as the pool holds them (a chunk that would not shrink is
+# stored raw), so one save never waits for the disk; a save_async while an earlier one is
+# still writing waits (back-pressure, reported as blocked time) only for the bytes that one
+# has not written yet. The pool grows as stored bytes arrive, so what it holds is the stored
+# size (1.006x on the H100 for 3.60 GB stored of 4.37 GB: 2026-11-23-h100-async/), not the bound.
 POOL_STATE_FRACTION = 1.0
 # ... and never more than this share of the host's memory: pinned pages cannot be swapped or
 # reclaimed, and a host that runs out of them fails in ways far from the cause.

@@ -137,9 +137,11 @@ class PoolDestination:
     path: where the background writer commits the file; given here, the file is written while
     the snapshot runs (streaming, and back-pressure can make progress). None: the records stay
     in the pool until `submit(path)` (DCP staging, whose file name is known only later).
-    limit: the most the pool may hold while this snapshot reserves (at least one chunk)."""
+    limit: the most the pool may hold while this snapshot reserves (at least one chunk): bytes,
+    None (no bound: DCP staging, which must hold its whole save), or a function of the plan,
+    called once the plan is known (save_async's default bound)."""
 
-    def __init__(self, path, limit: int | None, chunk_bytes: int | None = None):
+    def __init__(self, path, limit, chunk_bytes: int | None = None):
         self.path = path
         self.label = str(path) if path is not None else "<staged>"
         self._limit, self._chunk_bytes = limit, chunk_bytes
@@ -149,7 +151,8 @@ class PoolDestination:
     def open(self, be) -> PoolFile:
         self.pool = pool_for(getattr(be, "device", None) if be.name == "gpu" else None)
         one_chunk = align_up(self._chunk_bytes or CHUNK_BYTES[be.name])
-        self.limit = UNBOUNDED if self._limit is None else max(self._limit, one_chunk)
+        self._one_chunk = one_chunk
+        self.limit = UNBOUNDED if self._limit is None or callable(self._limit) else max(self._limit, one_chunk)
         if self.pool.capacity > self.limit:
             self.pool.trim(self.limit)  # a smaller bound than an earlier save's: give idle memory back
         self.job = Job(self.pool, self.label)
@@ -159,6 +162,10 @@ class PoolDestination:
         return self.file
 
     def make_layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
+        if callable(self._limit):  # before the first chunk: the ring reserves only after the layout exists
+            self.file.limit = self.limit = max(self._limit(plan), self._one_chunk)
+            if self.pool.capacity > self.limit:
+                self.pool.trim(self.limit)
         meta = dict(meta, writer=dict(meta.get("writer") or {}, io_path="pool"))
         self.layout = DeferredLayout(meta, skeleton, devices, plan)
         return self.layout

@@ -177,10 +177,11 @@ def test_direct_io_and_its_fallbacks_write_the_same_file(tmp_path, monkeypatch):
 
 
 def test_a_full_pool_makes_the_next_snapshot_wait_and_says_so(tmp_path, monkeypatch):
+    one = gdsckpt.save_async(_state(5), tmp_path / "x.gdsckpt", **SMALL).result(30)
+    bound = one.stored_bytes + one.chunks * 4096  # room for one state's records (each rounded up to 4 KiB), not two
     held = HeldWriter(monkeypatch)
     first_state, second_state = _state(5), _state(6)
     want_first, want_second = _clone(first_state), _clone(second_state)
-    bound = 1 << 20  # room for one state's stored bytes (~0.8 MB), not two
     first = gdsckpt.save_async(first_state, tmp_path / "a.gdsckpt", pool_bytes=bound, **SMALL)
     assert not first.done()
     got: list = []
