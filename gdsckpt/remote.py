@@ -275,7 +275,6 @@ class ObjectStore:
         index (validated as any reader validates them), then every chunk record, in ranged GETs,
         `concurrency` at a time. Raises CheckpointFormatError / ChecksumError naming the s3:// URL,
         key and chunk, or RemoteStoreError."""
-        from . import format as fmt
         from .checksum import ALGORITHMS, CURRENT
 
         url = self.url(name)
@@ -284,12 +283,7 @@ class ObjectStore:
             raise CheckpointFormatError(f"the object is {size} bytes but the local file is {expected_size}: "
                                         "a torn or partial upload", path=url)
         t = time.perf_counter()
-        pread = lambda n, o: self.read(name, o, n)  # noqa: E731
-        if hasattr(fmt, "read_index"):  # format 1.1: the file's version picks the checksum algorithm
-            index = fmt.read_index(pread, size, url)
-        else:  # format 1.0 trees, before read_index
-            off, length, index_ck = fmt.read_footer(pread, size, url)
-            index = fmt.parse_index(pread(length, off), index_ck, off, url)
+        index = read_index(lambda n, o: self.read(name, o, n), size, url)
         algorithm = ALGORITHMS[getattr(index, "checksum", CURRENT)]
         plan, records = index.plan, index.records
 
@@ -317,6 +311,16 @@ class ObjectStore:
                 checked += f.result()
         return {"url": url, "bytes": size, "chunks": len(records), "stored_bytes": checked,
                 "seconds": time.perf_counter() - t}
+
+
+def read_index(pread, size: int, url: str):
+    """The validated index of an object of `size` bytes read through `pread(n, offset)` (ranged
+    GETs): the footer, then the index, checked as any reader checks them."""
+    from . import format as fmt
+    if hasattr(fmt, "read_index"):  # format 1.1: the file's version picks the checksum algorithm
+        return fmt.read_index(pread, size, url)
+    off, length, index_ck = fmt.read_footer(pread, size, url)  # format 1.0 trees, before read_index
+    return fmt.parse_index(pread(length, off), index_ck, off, url)
 
 
 class S3Source:
