@@ -19,16 +19,19 @@ import torch
 
 from . import codecs
 from . import format as fmt
+from . import isolated as _isolated
 from ._version import __version__
 from .backend import choose, make_backend, nvcomp_version
 from .checksum import checksum
 from .defaults import CHUNK_BYTES, RING_DEPTH
 from .dtypes import BY_NAME, name_of
-from .errors import CheckpointFormatError, StateMismatchError, VersionError
+from .errors import CheckpointFormatError, GDSUnavailableError, GdsckptError, StateMismatchError, VersionError
 from .plan import make_plan
 from .ring import ChunkFile, Timings, read_chunks, verify_chunk, write_chunks
-from .storage import commit, pread_exact, temp_path_for
-from .tree import flatten, unflatten
+from .storage import adopt_mode, commit, pread_exact, save_target, temp_path_for, user_path
+from .tree import flatten, placements, unflatten
+
+IO_CHOICES = ("auto", "gds", "compat")
 
 
 @dataclass
@@ -77,7 +80,7 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw",
     or {dtype name: codec}. io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
     """
-    return _save(state, _NewFile(Path(path) if path is not None else None), codec=codec, chunk_bytes=chunk_bytes,
+    return _save(state, _NewFile(user_path(path, "save")), codec=codec, chunk_bytes=chunk_bytes,
                  ring_depth=ring_depth, io=io, io_threads=io_threads, backend=backend)
 
 
@@ -88,15 +91,31 @@ def save_through(state, sink: ChunkFile, **options) -> Stats:
 
 
 class _NewFile:
-    """A save's destination: a fresh temporary beside `path`, renamed over it once durable."""
+    """A save's destination: a fresh temporary beside the file `path` names (through a symlink:
+    beside its target), renamed over that file once durable. Every error names `path`, the
+    user's path, not the hidden temporary; a directory, a missing parent or a symlink loop is
+    refused here, before the state is even walked."""
 
     def __init__(self, path: Path):
-        self.path = path
         self.label = str(path)
+        self.path = save_target(path)
 
     def open(self, be) -> ChunkFile:
         self._tmp = temp_path_for(self.path)
-        return be.open(self._tmp, "w")
+        try:
+            file = be.open(self._tmp, "w")
+        except OSError as e:  # an unwritable or full directory: before a byte of the checkpoint is written
+            self._tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"{e.strerror}: cannot create a file in {str(self.path.parent)!r} to save into",
+                          self.label) from None
+        try:
+            adopt_mode(file.fd, self.path)
+        except OSError as e:
+            file.close()
+            self._tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"{e.strerror}: cannot give the new file the mode of the one it replaces",
+                          self.label) from None
+        return file
 
     def commit(self, file: ChunkFile) -> None:
         os.fsync(file.fd)
@@ -130,13 +149,17 @@ class _Sink:
 def _save(state, dest, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH,
           io: str = "auto", io_threads: int | None = None, backend: str | None = None) -> Stats:
     t_start = time.perf_counter()
+    _check_codec(codec)
+    _check_io(io, io_threads)
     skeleton, leaves = flatten(state)
     kind = choose(any(l.tensor.is_cuda for l in leaves), backend)
+    _check_gds(io, kind, "save")
     chunk_bytes = chunk_bytes or CHUNK_BYTES[kind]
-    if chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN:
-        raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN}, got {chunk_bytes}")
-    if ring_depth < 2:
-        raise ValueError(f"ring_depth must be at least 2 so that compression overlaps I/O, got {ring_depth}")
+    if not _is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN or chunk_bytes > fmt.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN} of at most {fmt.MAX_CHUNK_BYTES} "
+                         f"(a reader refuses larger chunks), got {chunk_bytes!r}")
+    if not _is_int(ring_depth) or ring_depth < 2:
+        raise ValueError(f"ring_depth must be at least 2 so that compression overlaps I/O, got {ring_depth!r}")
     with make_backend(kind, io=io, io_threads=io_threads) as be:
         specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
         plan = make_plan(specs, lambda dtype: codecs.resolve(codec, dtype, gpu=kind == "gpu",
@@ -162,6 +185,65 @@ def _save(state, dest, *, codec="auto", chunk_bytes: int | None = None, ring_dep
                      layout.file_bytes if layout.fd is not None else 0, len(plan.chunks), chunk_bytes, ring_depth,
                      time.perf_counter() - t_start, dict(timings.stages), timings.latencies,
                      _stream_stats(plan, records), be.memory())
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_codec(codec) -> None:
+    """codec: "auto", a codec name, or {dtype name: "auto" or a codec name}; else a ValueError,
+    before anything is written (a typo must not fall back to a default silently)."""
+    names = ("auto",) + codecs.ALL_CODECS
+    if isinstance(codec, str):
+        if codec not in names:
+            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(names)}, or a dict of dtype name to one")
+        return
+    if not isinstance(codec, dict):
+        raise ValueError(f"codec must be one of {', '.join(names)} or a dict of dtype name to one, not {codec!r}")
+    for dtype, name in codec.items():
+        if dtype not in BY_NAME:
+            raise ValueError(f"codec: {dtype!r} is not a dtype name gdsckpt stores ({', '.join(BY_NAME)})")
+        if name not in names:
+            raise ValueError(f"codec for {dtype}: unknown codec {name!r}; choose one of {', '.join(names)}")
+
+
+def _check_io(io, io_threads) -> None:
+    if io not in IO_CHOICES:
+        raise ValueError(f"io must be one of {', '.join(map(repr, IO_CHOICES))}, not {io!r}")
+    if io_threads is not None and (not _is_int(io_threads) or io_threads < 1):
+        raise ValueError(f"io_threads must be a positive int or None, not {io_threads!r}")
+
+
+def _check_gds(io: str, kind: str, op: str) -> None:
+    """io="gds" is a demand: where GPUDirect Storage cannot run, an error on every backend. The CPU
+    backend moves host memory with POSIX I/O, so it never can (the GPU backend checks cuFile)."""
+    if io == "gds" and kind == "cpu":
+        raise GDSUnavailableError(
+            f"io='gds' asked for GPUDirect Storage, but this {op} runs on the CPU backend (host tensors, "
+            "backend='cpu', or no usable GPU), which reads and writes with POSIX I/O. Use io='auto', or "
+            "backend='gpu' on a host whose cuFile has GDS")
+
+
+def _device(device) -> torch.device | None:
+    """A load's device= checked: None, "cpu", "cuda" or "cuda:N" that exists here; else ValueError."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device {device!r} is not a device ({e})") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r}: gdsckpt loads onto 'cpu', 'cuda' or 'cuda:N' only")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this process has no CUDA device (torch.cuda.is_available() is "
+                         "False); load with device='cpu', or device=None (each tensor where it was saved from, "
+                         "the CPU where there is no GPU)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def _writer_meta(be, chunk_bytes: int) -> dict:
@@ -193,9 +275,16 @@ class Checkpoint:
     """
 
     def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,
-                 io_threads: int | None = None):
-        self.path = Path(path)
+                 io_threads: int | None = None, trusted: bool = True):
+        self.path = user_path(path, "open")
+        _check_io(io, io_threads)
+        if not _is_int(ring_depth) or ring_depth < 1:
+            raise ValueError(f"ring_depth must be a positive int, not {ring_depth!r}")
+        choose(False, backend)  # a ValueError now for an unknown backend, not at the first read
         self.ring_depth = ring_depth
+        # trusted=False: a file from elsewhere. No chunk reaches a GPU decoder in this process: a
+        # child process decodes them (gdsckpt/isolated.py).
+        self.trusted = bool(trusted)
         # The file stays open: every later read goes to this file even if a save replaces the path.
         # O_NONBLOCK: a FIFO given by mistake must not hang the open.
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -213,7 +302,12 @@ class Checkpoint:
             raise
         self._check_nvcomp()
         self._backend_choice, self._io, self._io_threads = backend, io, io_threads
+        # Every key path -> tensor: each stored tensor's key, then the keys of its aliases (tensors
+        # saved as one because they shared memory, e.g. tied embeddings), which read and load_into
+        # accept like any key.
         self._by_key = {t.key: i for i, t in enumerate(self.index.plan.tensors)}
+        for key, i in self.index.paths.items():
+            self._by_key.setdefault(key, i)
         self.last_stats: Stats | None = None
 
     # -- metadata
@@ -246,38 +340,75 @@ class Checkpoint:
 
     def read(self, keys, device=None) -> dict[str, torch.Tensor]:
         """New tensors for `keys`, on `device` (None: where each was saved from), reading only
-        the chunks that hold them."""
+        the chunks that hold them. Keys of one stored tensor (aliases) get the same tensor."""
+        dev = _device(device)
+        keys = list(keys)
         wanted = [self._entry(k) for k in keys]
-        out = {i: self._new_tensor(i, device) for i in wanted}
+        out = {i: self._new_tensor(i, dev) for i in wanted}
         self._read(out)
-        return {self.index.plan.tensors[i].key: t for i, t in out.items()}
+        return {k: out[i] for k, i in zip(keys, wanted)}
 
-    def read_into(self, targets: dict) -> Stats:
-        """Decode `targets[key]` in place for each key (shape and dtype as in the checkpoint)."""
-        into = {}
+    def read_into(self, targets: dict, *, atomic: bool = False) -> Stats:
+        """Decode `targets[key]` in place for each key (shape and dtype as in the checkpoint).
+
+        Each stored tensor is decoded once: into its first target; a second target of it that is
+        other memory gets a copy afterwards, and the same memory named twice (tied weights) is
+        filled once. A target memory named by keys of two different stored tensors (tied here,
+        stored apart, as a format 1.0 file of tied weights is) is filled from the first of them.
+
+        If the read fails part-way, the error says which targets were already overwritten (wholly
+        or in part) and carries their keys as `.overwritten`; every other target is untouched.
+        atomic=True first reads and checks every chunk's checksum (and zstd frame headers) on the
+        CPU, so that damage is found before the first byte reaches a target: one more read of the
+        stored bytes (see the README for its cost)."""
+        plan = self.index.plan
+        primary: dict[int, torch.Tensor] = {}
+        extra: dict[int, list[torch.Tensor]] = {}
+        owner: dict[tuple, int] = {}  # target memory -> the stored tensor that fills it
         for key, tgt in targets.items():
             i = self._entry(key)
-            t = self.index.plan.tensors[i]
+            t = plan.tensors[i]
+            if not isinstance(tgt, torch.Tensor):
+                raise StateMismatchError(f"{self.path}: the target of {key!r} is a {type(tgt).__name__}, not a tensor")
             if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
-                raise StateMismatchError(f"{self.path}: tensor {t.key!r} is {t.dtype}{list(t.shape)} in the "
+                raise StateMismatchError(f"{self.path}: tensor {key!r} is {t.dtype}{list(t.shape)} in the "
                                          f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
-            into[i] = tgt
-        self._read(into)
+            if not (tgt.is_cpu or tgt.is_cuda) or tgt.layout != torch.strided:
+                raise StateMismatchError(f"{self.path}: the target of {key!r} is not a dense cpu or cuda tensor")
+            mem = _memory(tgt)
+            if mem in owner:
+                continue  # filled already, by this stored tensor or (tied here, apart there) by another
+            owner[mem] = i
+            if i not in primary:
+                primary[i] = tgt
+            else:
+                extra.setdefault(i, []).append(tgt)
+        try:
+            self._read(primary, atomic=atomic)
+        except BaseException as e:
+            touched = {_memory(primary[i]) for i in getattr(e, "_gdsckpt_touched", ())}
+            _note_overwritten(e, [k for k, tgt in targets.items() if _memory(tgt) in touched])
+            raise
+        for i, more in extra.items():
+            for tgt in more:
+                tgt.copy_(primary[i])
         return self.last_stats
 
     def load(self, device=None):
-        tensors = self.read(self.keys(), device)
-        return unflatten(self.index.skeleton, list(tensors.values()))
+        keys = [t.key for t in self.index.plan.tensors]
+        tensors = self.read(keys, device)
+        return unflatten(self.index.skeleton, [tensors[k] for k in keys])
 
-    def load_into(self, state, *, strict: bool = True) -> Stats:
-        _, leaves = flatten(state)
-        targets = {l.key: l.tensor for l in leaves}
+    def load_into(self, state, *, strict: bool = True, atomic: bool = False) -> Stats:
+        """Fill the tensors of `state` in place (see `read_into` for aliases, failures and atomic)."""
+        skeleton, leaves = flatten(state)
+        targets = {key: leaves[i].tensor for key, i in placements(skeleton)}
         missing = [k for k in self._by_key if k not in targets]
         extra = [k for k in targets if k not in self._by_key]
         if strict and (missing or extra):
             raise StateMismatchError(f"{self.path}: keys differ from the checkpoint's: missing from the target "
                                      f"{missing[:5]}, not in the checkpoint {extra[:5]}")
-        return self.read_into({k: targets[k] for k in self._by_key if k in targets})
+        return self.read_into({k: targets[k] for k in self._by_key if k in targets}, atomic=atomic)
 
     def _entry(self, key: str) -> int:
         try:
@@ -295,15 +426,19 @@ class Checkpoint:
                                        f"nvCOMP {mine} cannot read; read it with nvCOMP {theirs.split('.')[0]}.x "
                                        "and `gdsckpt convert --codec zstd`", path=self.path)
 
-    def _new_tensor(self, i: int, device) -> torch.Tensor:
+    def _new_tensor(self, i: int, dev: torch.device | None) -> torch.Tensor:
         t = self.index.plan.tensors[i]
-        dev = torch.device(device if device is not None else self.index.devices[i])
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            dev = torch.device("cpu")  # saved on a GPU, read where there is none
+        if dev is None:
+            dev = torch.device(self.index.devices[i])
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                dev = torch.device("cpu")  # saved on a GPU, read where there is none (device=None only)
         return torch.empty(t.shape, dtype=BY_NAME[t.dtype], device=dev)
 
-    def _read(self, out: dict[int, torch.Tensor]) -> None:
-        """Fill `out[i]` (tensor i's destination) from the chunks that hold them."""
+    def _read(self, out: dict[int, torch.Tensor], *, atomic: bool = False) -> None:
+        """Fill `out[i]` (tensor i's destination) from the chunks that hold them.
+
+        On failure the exception carries `_gdsckpt_touched`: the i whose destination the read had
+        written to, wholly or in part, when it stopped (read_into reports them by key)."""
         t_start = time.perf_counter()
         plan, records = self.index.plan, self.index.records
         # Decode into contiguous memory; a non-contiguous target gets a temporary, copied back at the end.
@@ -313,15 +448,50 @@ class Checkpoint:
         for i, v in work.items():
             views[i] = v.reshape(-1).view(torch.uint8)
         chunk_ids = [c.index for c in plan.chunks if any(views[s.tensor] is not None for s in c.segments)]
-        timings = Timings()
-        with make_backend(self._backend_kind(out), io=self._io, io_threads=self._io_threads) as be:
+        kind = self._backend_kind(out)
+        _check_gds(self._io, kind, "load")
+        # trusted=False: the chunks bound for a decoder that can fault this process's CUDA context
+        # are decoded by a child process, which hands back their bytes (gdsckpt/isolated.py).
+        child_ids = [] if self.trusted else [
+            c for c in chunk_ids
+            if _isolated.needs_child(kind, plan.streams[plan.chunks[c].stream].codec, records[c].raw)]
+        own_ids = [c for c in chunk_ids if c not in set(child_ids)] if child_ids else chunk_ids
+        timings = _Tracked(own_ids)
+        delivered: list[int] = []
+        with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
             self._check_decoders(be, chunk_ids)
+            if atomic:  # every chunk checked before the first byte reaches a target
+                self._verify_chunks(chunk_ids, headers=True)
+                if child_ids:  # and decoded once, into scratch, by a child
+                    _isolated.run(self, child_ids, kind, _cuda_index() if kind == "gpu" else None, self._io)
+                timings.add("atomic_verify", t_start)
+
+            def scatter(c: int, data: torch.Tensor) -> None:  # a chunk the child decoded
+                delivered.append(c)
+                for s in plan.chunks[c].segments:
+                    if views[s.tensor] is not None:
+                        be.copy(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
+                                data[s.chunk_offset:s.chunk_offset + s.length])
+                be.synchronize()  # the host slot goes back to the child after this
+
             file = be.open(self._reopen_path(), "r")
             try:
                 self._same_file(file.fd)
                 be.begin()
-                read_chunks(self.index, chunk_ids, views, be, file, self.ring_depth, timings, self.path)
+                read_chunks(self.index, own_ids, views, be, file, self.ring_depth, timings, self.path)
+                if child_ids:
+                    t = time.perf_counter()
+                    _isolated.run(self, child_ids, kind, _cuda_index() if kind == "gpu" else None, self._io,
+                                  deliver=scatter)
+                    timings.add("isolated_decode", t)
                 be.finish()
+            except BaseException as e:
+                # A chunk's bytes reach its tensors only after its checksum passed ("verify" stage)
+                # or once the child handed them over: those chunks' tensors are overwritten, the
+                # others untouched. Non-contiguous targets are written only by the copy-back below.
+                e._gdsckpt_touched = {s.tensor for c in timings.verified + delivered for s in plan.chunks[c].segments
+                                      if s.tensor in out and work[s.tensor] is out[s.tensor]}
+                raise
             finally:
                 file.close()
             for i, v in work.items():
@@ -349,23 +519,42 @@ class Checkpoint:
             if not self.index.records[ci].raw and not be.can_decode(spec):
                 raise codecs.no_cpu_decoder(spec, self.path)
 
-    def verify(self, deep: bool = False) -> dict:
+    def verify(self, deep: bool = False, isolated: bool = False) -> dict:
         """Check every chunk's checksum on the CPU, reading chunk by chunk (no GPU needed).
         deep=True also decodes every chunk (on the GPU where a codec needs one) into fresh
-        tensors. Raises ChecksumError / CheckpointFormatError naming the file, key and chunk."""
+        tensors. isolated=True decodes every compressed chunk in a child process instead, and
+        none in this one (`gdsckpt verify --isolated`: for files from elsewhere; implies deep).
+        Raises ChecksumError / CheckpointFormatError naming the file, key and chunk."""
+        self._verify_chunks(range(len(self.index.records)))
+        if isolated:
+            kind = self._backend_kind({})
+            with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
+                self._check_decoders(be, range(len(self.index.records)))
+            todo = [c for c, r in enumerate(self.index.records) if not r.raw]
+            _isolated.run(self, todo, kind, _cuda_index() if kind == "gpu" else None, self._io)
+        elif deep:
+            self.load(device="cpu" if all(self._cpu_decodable()) else None)
+        return {"chunks": len(self.index.records), "tensors": len(self.index.plan.tensors),
+                "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep or isolated,
+                "isolated": isolated}
+
+    def _verify_chunks(self, chunk_ids, headers: bool = False) -> None:
+        """Read `chunk_ids` on the CPU and check their checksums (headers=True: and their zstd frame
+        headers, the decoder's own first check), one chunk in memory at a time."""
+        plan, records = self.index.plan, self.index.records
         fd = os.open(self._reopen_path(), os.O_RDONLY)
         try:
             self._same_file(fd)
-            for c, rec in zip(self.index.plan.chunks, self.index.records):
+            for ci in chunk_ids:
+                c, rec = plan.chunks[ci], records[ci]
+                key = plan.tensors[c.segments[0].tensor].key
                 data = pread_exact(fd, rec.stored, rec.file_offset)
-                verify_chunk(len(data), checksum(data), rec, self.path,
-                             self.index.plan.tensors[c.segments[0].tensor].key, c.index)
+                verify_chunk(len(data), checksum(data), rec, self.path, key, c.index)
+                spec = plan.streams[c.stream].codec
+                if headers and spec["name"] == "zstd" and not rec.raw:
+                    _check_frames(data, spec, c, rec, self.path, key)
         finally:
             os.close(fd)
-        if deep:
-            self.load(device="cpu" if all(self._cpu_decodable()) else None)
-        return {"chunks": len(self.index.records), "tensors": len(self.index.plan.tensors),
-                "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep}
 
     def _cpu_decodable(self):
         return (r.raw or codecs.cpu_can_decode(self.index.plan.streams[c.stream].codec)
@@ -396,19 +585,80 @@ class Checkpoint:
         return False
 
 
+class _Tracked(Timings):
+    """Timings that also record which chunks passed their checksum: read_chunks adds the
+    "verify" stage for a chunk just before its bytes go to a decoder and its tensors."""
+
+    def __init__(self, chunk_ids):
+        super().__init__()
+        self._ids, self.verified = chunk_ids, []
+
+    def add(self, stage: str, t0: float) -> float:
+        if stage == "verify":
+            self.verified.append(self._ids[len(self.verified)])
+        return super().add(stage, t0)
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """Identifies a tensor's memory as a view: equal for the same memory seen the same way
+    (model.state_dict() gives tied parameters as two detach()es of one), by object if empty."""
+    if not t.numel():
+        return ("object", id(t))
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _note_overwritten(e: BaseException, keys: list[str]) -> None:
+    """Say on a failed load_into / read_into which targets it had overwritten (wholly or in part)."""
+    e.overwritten = keys
+    shown = ", ".join(map(repr, keys[:10])) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+    note = (f"load_into had already overwritten {len(keys)} target tensor(s) when it failed: {shown} "
+            "(all listed in the exception's .overwritten); the other targets are untouched"
+            if keys else "load_into had not overwritten any target tensor when it failed")
+    if isinstance(e, GdsckptError) and len(e.args) == 1 and isinstance(e.args[0], str):
+        e.args = (f"{e.args[0]}; {note}",)
+    else:
+        e.add_note(note)
+
+
+def _check_frames(data: bytes, spec: dict, chunk, rec, path, key: str) -> None:
+    """The zstd frame headers of one chunk's stored bytes, checked as the decoders check them."""
+    view = memoryview(data)
+    bounds = codecs.frame_bounds(chunk.length, spec["frame_bytes"])
+    for (_, n), pos, clen in zip(bounds, codecs.frame_offsets(rec.frames), rec.frames):
+        try:
+            codecs.check_zstd_header(view[pos:pos + min(clen, codecs.ZSTD_HEADER_MAX)], n)
+        except ValueError as e:
+            raise CheckpointFormatError(f"chunk failed to decode ({e})", path=path, key=key, chunk=chunk.index) from None
+
+
+def _cuda_index() -> int:
+    return torch.cuda.current_device()
+
+
 def open(path, **options) -> Checkpoint:  # noqa: A001 - mirrors safetensors.safe_open / builtins.open
-    """Open a checkpoint lazily: keys(), info(key), get_tensor(key), read(keys), load()."""
+    """Open a checkpoint lazily: keys(), info(key), get_tensor(key), read(keys), load().
+    options: backend, io, ring_depth, io_threads, and trusted=False for a file you did not write
+    (no chunk reaches a GPU decoder here before a child process has decoded it)."""
     return Checkpoint(path, **options)
 
 
 def load(path, *, device=None, **options):
     """Load a checkpoint. device=None puts each tensor where it was saved from (cuda tensors on the
-    current CUDA device; on the CPU where there is no GPU); "cpu" or "cuda:N" puts all there."""
+    current CUDA device; on the CPU where there is no GPU); "cpu" or "cuda:N" puts all there (a
+    device that does not exist here is a ValueError). Tensors saved as one because they shared
+    memory (tied weights) come back as one tensor in each of their places, as torch.save keeps
+    them. trusted=False: see `open`."""
     return Checkpoint(path, **options).load(device)
 
 
-def load_into(path, state, *, strict: bool = True, **options) -> Stats:
+def load_into(path, state, *, strict: bool = True, atomic: bool = False, **options) -> Stats:
     """Fill the tensors of `state` (e.g. model.state_dict()) in place from `path`: no second
     full-size allocation. A missing key, or a shape or dtype mismatch, is a StateMismatchError
-    naming the key, raised before anything is read."""
-    return Checkpoint(path, **options).load_into(state, strict=strict)
+    naming the key, raised before anything is read.
+
+    If it fails part-way (a corrupt chunk, an I/O error), the error lists the keys it had already
+    overwritten, wholly or in part (also as the exception's `.overwritten`); all other targets are
+    untouched. atomic=True checks every chunk's checksum in one more read pass before the first
+    byte reaches a target. A target tensor that several keys share (tied weights) is filled once.
+    trusted=False: see `open`."""
+    return Checkpoint(path, **options).load_into(state, strict=strict, atomic=atomic)

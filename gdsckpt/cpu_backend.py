@@ -59,7 +59,7 @@ class HostFile:
 
     def __init__(self, path: Path, mode: str, threads: int = CPU_IO_THREADS):
         flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if mode == "w" else os.O_RDONLY
-        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o666)  # less the umask, as open() does
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-io")
 
     def pwrite(self, buf, nbytes: int, offset: int) -> Completion:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import checksum as _ck
 from . import dtypes
@@ -21,7 +21,7 @@ from .errors import CheckpointFormatError, VersionError
 from .plan import Chunk, Plan, Stream, TensorEntry, segments
 from .storage import pwrite_all
 
-MAJOR, MINOR = 1, 0
+MAJOR, MINOR = 1, 1
 ALIGN = 4096
 HEADER_SIZE = ALIGN
 HEADER_MAGIC = b"GDSCKPT\x00"
@@ -93,6 +93,9 @@ class Index:
     devices: list[str]  # per tensor: where it was saved from
     plan: Plan
     records: list[ChunkRecord]
+    # Every place the skeleton puts a tensor, by key path ("/"-joined, as tree.flatten builds it) ->
+    # tensor index: the tensor's own key, and from format 1.1 the keys of its aliases (tied weights).
+    paths: dict = field(default_factory=dict)
 
 
 def encode_index(meta: dict, skeleton: dict, devices: list[str], plan: Plan, records: list[ChunkRecord]) -> bytes:
@@ -202,8 +205,8 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
         shape = t.get("shape")
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)):
             raise bad(f"shape {shape!r} is not a list of at most {MAX_NDIM} non-negative ints", key=key)
-        if math.prod(max(d, 1) for d in shape) >= 1 << 62:  # even with no elements: torch overflows
-            raise bad(f"shape {shape!r} is absurdly large", key=key)
+        if shape_problem(shape):
+            raise bad(shape_problem(shape), key=key)
         stream = t.get("stream")
         if not (_is_int(stream) and 0 <= stream < len(streams)) or streams[stream].dtype != t["dtype"]:
             raise bad(f"stream {stream!r} does not exist or holds another dtype", key=key)
@@ -277,44 +280,126 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
             raise bad(f"chunks cover {next_offset[s]} of stream {s}'s {stream.nbytes} bytes")
 
     skeleton = doc.get("skeleton")
-    _check_skeleton(skeleton, len(tensors), bad)
+    paths = _check_skeleton(skeleton, tensors, (fmt[0], fmt[1]), bad)
     meta = {k: doc.get(k) for k in ("format", "library", "nvcomp", "writer", "created")}
-    return Index(meta, skeleton, devices, Plan(tensors, streams, chunks), records)
+    return Index(meta, skeleton, devices, Plan(tensors, streams, chunks), records, paths=paths)
 
 
-def _check_skeleton(node, n_tensors: int, bad) -> None:
+def shape_problem(shape) -> str | None:
+    """Why a reader refuses a tensor of this shape, or None. The one definition: parse_index refuses
+    such a shape in a file, and tree.flatten refuses it at save time, so that save never writes a
+    file that load refuses."""
+    if len(shape) > MAX_NDIM:
+        return f"shape {list(shape)} has more than {MAX_NDIM} dimensions"
+    if math.prod(max(d, 1) for d in shape) >= 1 << 62:  # even with no elements: torch overflows
+        return f"shape {list(shape)} is absurdly large (its dimensions, zeros counted as 1, multiply to 2^62 or more)"
+    return None
+
+
+def metadata_problem(meta) -> str | None:
+    """Why an OrderedDict's `_metadata` cannot be stored, or None: it must map str to a mapping of
+    str to plain values, as torch's Module.state_dict writes it ({prefix: {"version": n}})."""
+    if not isinstance(meta, dict):
+        return f"_metadata is a {type(meta).__name__}, not a mapping"
+    for prefix, entry in meta.items():
+        if not isinstance(prefix, str) or not isinstance(entry, dict):
+            return f"_metadata entry {prefix!r} is not a str mapped to a mapping"
+        for k, v in entry.items():
+            if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
+                return f"_metadata[{prefix!r}][{k!r}] is not a str mapped to a plain value"
+            if isinstance(v, int) and not -_INT_LIMIT < v < _INT_LIMIT:
+                return f"_metadata[{prefix!r}][{k!r}] has more digits than a reader accepts"
+    return None
+
+
+_INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
+SHARED_TENSORS = ODICT = (1, 1)  # the first format version with aliases and {"odict": ...} nodes
+
+
+def _check_skeleton(node, tensors: list, version: tuple[int, int], bad) -> dict[str, int]:
+    """Validate the skeleton; return every tensor placement's key path -> tensor index.
+
+    Key paths are built as tree.flatten builds them: a container's children are "k" at the root,
+    "parent/k" below it. From format 1.1 a tensor may be placed more than once (tensors that
+    shared memory when saved, stored once); its first placement, in tree order, carries the key
+    of its index entry. Paths are built only where a tensor is placed, from a parent chain, and
+    the alias paths' total length is bounded, so a deep or wide hostile tree costs time and
+    memory in proportion to the index, never more."""
+    n_tensors = len(tensors)
+    shared = version >= SHARED_TENSORS
     seen = [False] * n_tensors
-    stack = [(node, 0)]
+    paths: dict[str, int] = {}
+    alias_chars = 0
+    stack = [(node, 0, None, 0)]  # node, depth, path chain (parent chain, segment), path length
     while stack:
-        node, depth = stack.pop()
+        node, depth, chain, length = stack.pop()
         if depth > MAX_DEPTH:
             raise bad(f"skeleton nested deeper than {MAX_DEPTH}")
         if not (isinstance(node, dict) and len(node) == 1):
             raise bad("skeleton node is not a one-key object")
         (kind, body), = node.items()
         if kind == "tensor":
-            if not (_is_int(body) and 0 <= body < n_tensors) or seen[body]:
+            if not (_is_int(body) and 0 <= body < n_tensors) or (seen[body] and not shared):
                 raise bad(f"skeleton refers to tensor {body!r} twice or out of range")
-            seen[body] = True
+            if not shared:
+                seen[body] = True
+                continue
+            if not seen[body]:
+                seen[body] = True
+                key = tensors[body].key
+                if len(key) != length or _join(chain) != key:
+                    raise bad(f"skeleton places tensor {body} first at another path than its key", key=key)
+            else:
+                alias_chars += length
+                if alias_chars > MAX_INDEX_BYTES:
+                    raise bad("skeleton's shared-tensor key paths are too long")
+                key = _join(chain)
+            if key in paths:
+                raise bad("two tensor placements share this key path", key=key)
+            paths[key] = body
         elif kind == "value":
             if not (body is None or isinstance(body, (bool, int, float, str))):
                 raise bad("skeleton value is not a plain value")
-        elif kind == "dict":
+        elif kind in ("dict", "odict"):
+            if kind == "odict":
+                if version < ODICT:
+                    raise bad(f"unknown skeleton node kind {kind!r} (format 1.1 and later)")
+                if not (isinstance(body, dict) and set(body) <= {"items", "metadata"} and "items" in body):
+                    raise bad("skeleton odict body is not an object with items (and metadata)")
+                if "metadata" in body and metadata_problem(body["metadata"]):
+                    raise bad(f"skeleton odict: {metadata_problem(body['metadata'])}")
+                body = body["items"]
             if not isinstance(body, list):
-                raise bad("skeleton dict body is not a list")
-            for item in body:
+                raise bad(f"skeleton {kind} body is not a list")
+            for item in reversed(body):  # reversed onto the stack: popped in tree order
                 if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
                         and not isinstance(item[0], bool)):
-                    raise bad("skeleton dict item is not a [key, node] pair")
-                stack.append((item[1], depth + 1))
+                    raise bad(f"skeleton {kind} item is not a [key, node] pair")
+                seg = str(item[0])
+                stack.append((item[1], depth + 1, (chain, seg, depth > 0),
+                              length + len(seg) + (depth > 0)))
         elif kind in ("list", "tuple"):
             if not isinstance(body, list):
                 raise bad(f"skeleton {kind} body is not a list")
-            stack.extend((v, depth + 1) for v in body)
+            for i in range(len(body) - 1, -1, -1):
+                seg = str(i)
+                stack.append((body[i], depth + 1, (chain, seg, depth > 0), length + len(seg) + (depth > 0)))
         else:
             raise bad(f"unknown skeleton node kind {kind!r}")
     if not all(seen):
         raise bad("skeleton does not place every tensor")
+    return paths if shared else {t.key: i for i, t in enumerate(tensors)}
+
+
+def _join(chain) -> str:
+    """The key path of a parent chain ((parent chain, segment, needs a "/"), or None at the root)."""
+    parts = []
+    while chain is not None:
+        chain, seg, slash = chain
+        parts.append(seg)
+        if slash:
+            parts.append("/")
+    return "".join(reversed(parts))
 
 
 def _codec(spec, stream: int, bad) -> dict:

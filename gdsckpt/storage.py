@@ -5,12 +5,58 @@ live in host memory, and the commit go through here."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TMP_MARK = ".gdsckpt-tmp."
+
+
+def user_path(path, op: str) -> Path:
+    """`path` as a Path, or a TypeError that says what was wrong (None, a number, a file object)."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{op}: path must be a str or os.PathLike naming a checkpoint file, not "
+                        f"{type(path).__name__} {path!r}"[:300])
+    return Path(path)
+
+
+def save_target(path: Path) -> Path:
+    """The file a save to `path` replaces, checked before anything is written: `path` with its
+    symlinks resolved (a save writes through a link, as torch.save does: the temporary goes beside
+    the link's target and the rename replaces the target, so the link stays). Refuses a directory,
+    a missing parent, a parent that is not a directory and a symlink loop, naming `path`."""
+    real = Path(os.path.realpath(path))
+    if real.is_symlink():  # realpath leaves a symlink loop where it is
+        raise OSError(errno.ELOOP, "Too many levels of symbolic links", str(path))
+    if real.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory: a checkpoint path must name a file", str(path))
+    if not real.parent.exists():
+        raise FileNotFoundError(errno.ENOENT, f"No such directory {str(real.parent)!r} to save into", str(path))
+    if not real.parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{str(real.parent)!r} is not a directory", str(path))
+    return real
+
+
+def adopt_mode(fd: int, target: Path) -> None:
+    """Give the temporary (open as `fd`, created with 0o666 less the umask, as torch.save's files
+    are) the mode of the checkpoint it replaces, and its owner where we may (root): a replaced
+    0600 file stays 0600. A new file keeps the umask's mode."""
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+        except OSError:  # not root: the new file is ours, as any file we create
+            pass
 
 
 def temp_path_for(path: Path) -> Path:

@@ -3,21 +3,24 @@
 The skeleton is plain JSON so that loading never unpickles: containers are
 {"dict": [[key, node], ...]}, {"list": [...]}, {"tuple": [...]}, tensors are
 {"tensor": i} (an index into the leaf list) and plain values {"value": v}.
+From format 1.1: an OrderedDict is {"odict": {"items": [[key, node], ...], "metadata": {...}}}
+("metadata": its `_metadata`, which Module.load_state_dict reads for versioned modules), and
+tensors that share memory as identical views (tied weights) are one leaf placed more than once.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
 from . import dtypes
 from .errors import UnsupportedStateError
-from .format import MAX_DEPTH
+from .format import _INT_LIMIT, MAX_DEPTH, MAX_NDIM, MAX_TENSORS, metadata_problem, shape_problem
 
 
 _PLAIN = (bool, int, float, str, type(None))
-_INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
 
 
 class Leaf(NamedTuple):
@@ -29,9 +32,22 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
     """Check the whole state, then split it. Raises before anything is written.
 
     Runs on every save over thousands of nodes: keys ("/"-joined, "" for a bare tensor) are
-    built as strings on the way down, and each tensor is checked with cheap attribute reads."""
+    built as strings on the way down, and each tensor is checked with cheap attribute reads.
+
+    Tensors that are the same memory seen the same way (one tensor referenced twice, or tied
+    weights: `state_dict()` gives each name its own `detach()` of the one parameter) become one
+    leaf, placed twice in the skeleton, so they are stored once and load as one tensor. Views
+    that overlap without being identical (a tensor and its transpose, or a row of it) are
+    refused: storing them apart would silently untie them."""
     leaves: list[Leaf] = []
     seen_keys: set[str] = set()
+    by_object: dict[int, int] = {}  # id(tensor) -> leaf (the tensors are alive in `state` meanwhile)
+    # Non-empty leaves by (first byte's address, device) packed into one int, and the bytes each
+    # spans, per device, in parallel lists of ints: plain ints are not tracked by Python's garbage
+    # collector, so that a save of thousands of tensors does not trigger full collections (a tuple
+    # per tensor tripled the walk's time through gen-2 collections of torch's ~170k objects).
+    by_start: dict[int, int] = {}
+    extents: dict[int, tuple[list, list, list]] = {}  # device -> (starts, ends, leaves)
 
     def walk(obj, key: str, depth: int) -> dict:
         if isinstance(obj, torch.Tensor):
@@ -46,7 +62,20 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise UnsupportedStateError(f"dict key {k!r} at {key or '<root>'!r} is a {type(k).__name__}; "
                                                 "only str and int keys can be saved")
+                if isinstance(k, int) and not -_INT_LIMIT < k < _INT_LIMIT:
+                    raise UnsupportedStateError(
+                        f"int key at {key or '<root>'!r} has more than 4300 digits, more than a reader accepts")
                 items.append([k, walk(v, f"{key}{sep}{k}", depth + 1)])
+            if isinstance(obj, OrderedDict):
+                body = {"items": items}
+                meta = getattr(obj, "_metadata", None)
+                if meta is not None:
+                    problem = metadata_problem(meta)
+                    if problem:
+                        raise UnsupportedStateError(f"OrderedDict at {key or '<root>'!r}: {problem}; gdsckpt stores "
+                                                    "_metadata as torch's state_dict() makes it")
+                    body["metadata"] = {p: dict(e) for p, e in meta.items()}
+                return {"odict": body}
             return {"dict": items}
         if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
             kind = "list" if isinstance(obj, list) else "tuple"
@@ -61,24 +90,120 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             "gdsckpt saves tensors and int, float, bool, str, None in dicts, lists and tuples")
 
     def add_leaf(t: torch.Tensor, key: str) -> int:
+        # Per tensor: a few attribute reads (~2 us); the full view is compared only when two
+        # tensors start at the same address, and overlaps are found by one sort at the end.
         where = key or "<root>"
-        if t.layout != torch.strided:
-            raise UnsupportedStateError(f"tensor {where!r} has layout {t.layout}; only dense tensors can be saved")
-        if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
-            raise UnsupportedStateError(f"tensor {where!r} has dtype {t.dtype}, which gdsckpt does not store")
-        if not (t.is_cuda or t.is_cpu):
-            raise UnsupportedStateError(f"tensor {where!r} is on {t.device}; only cpu and cuda tensors can be saved")
         if key in seen_keys:
             raise UnsupportedStateError(f"two tensors share the key path {where!r}; rename one")
         seen_keys.add(key)
-        leaves.append(Leaf(key, t.detach() if t.requires_grad else t))
-        return len(leaves) - 1
+        i = by_object.get(id(t))
+        if i is None:
+            _check_tensor(t, where)
+            n = t.numel()
+            if n:
+                dev, ptr = t.get_device(), t.data_ptr()
+                start = ptr << 10 | (dev + 1)
+                i = by_start.get(start)
+                if i is not None:
+                    if not _same_view(leaves[i].tensor, t):
+                        raise _overlap(leaves[i].key, key)
+                    by_object[id(t)] = i
+                    return i
+            i = len(leaves)
+            if i >= MAX_TENSORS:
+                raise UnsupportedStateError(f"more than {MAX_TENSORS} tensors, more than a reader accepts")
+            leaves.append(Leaf(key, t.detach() if t.requires_grad else t))
+            if n:
+                by_start[start] = i
+                span = n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
+                e = extents.get(dev)
+                if e is None:
+                    e = extents[dev] = ([], [], [])
+                e[0].append(ptr)
+                e[1].append(ptr + span * t.itemsize)
+                e[2].append(i)
+            by_object[id(t)] = i
+        return i
 
-    return walk(state, "", 0), leaves
+    skeleton = walk(state, "", 0)
+    for starts, ends, owners in extents.values():
+        if len(starts) > 1:
+            _refuse_overlaps(starts, ends, owners, leaves)
+    return skeleton, leaves
+
+
+def _check_tensor(t: torch.Tensor, where: str) -> None:
+    """Everything save refuses about one tensor, as an UnsupportedStateError naming it; cheap
+    attribute reads in the order that keeps each one safe to ask (a nested tensor has no sizes)."""
+    if t.is_nested:
+        raise UnsupportedStateError(f"tensor {where!r} is a nested tensor; only dense tensors can be saved "
+                                    "(save its components, t.unbind(), as a list)")
+    if t.layout != torch.strided:
+        raise UnsupportedStateError(f"tensor {where!r} has layout {t.layout}; only dense tensors can be saved")
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise UnsupportedStateError(
+            f"tensor {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass with its own "
+            "dispatch (FakeTensor, DTensor, ...) whose memory is not its data; save plain tensors "
+            "(DTensor: through gdsckpt.dcp)")
+    if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
+        raise UnsupportedStateError(f"tensor {where!r} has dtype {t.dtype}, which gdsckpt does not store")
+    if not (t.is_cuda or t.is_cpu):
+        raise UnsupportedStateError(f"tensor {where!r} is on {t.device}; only cpu and cuda tensors can be saved")
+    if t.dim() > MAX_NDIM or not 0 < t.numel() < 1 << 62:  # else shape_problem has nothing to say
+        problem = shape_problem(t.shape)
+        if problem:
+            raise UnsupportedStateError(f"tensor {where!r}: {problem}, which a reader refuses")
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+
+
+def _overlap(a: str, b: str) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"tensors {a or '<root>'!r} and {b or '<root>'!r} share memory as different views (overlapping, not "
+        "identical: e.g. a tensor and its transpose or a slice of it); gdsckpt stores shared tensors once only "
+        "when the views are identical. Save one of them, or .clone() the other to store it separately")
+
+
+def _refuse_overlaps(starts: list, ends: list, owners: list, leaves: list[Leaf]) -> None:
+    """Distinct leaves on one device whose byte ranges overlap: views that share memory without
+    being identical. (Interleaved views such as t[::2] and t[1::2] overlap by range too and are
+    refused with them: conservative, never silently untied.)"""
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    end, owner = ends[order[0]], owners[order[0]]
+    for j in order[1:]:
+        if starts[j] < end:
+            raise _overlap(leaves[owner].key, leaves[owners[j]].key)
+        if ends[j] > end:
+            end, owner = ends[j], owners[j]
+
+
+def placements(skeleton: dict) -> list[tuple[str, int]]:
+    """(key path, tensor index) of every tensor placement, in tree order, keys as flatten builds
+    them: what load_into matches a target against. `skeleton` is one flatten made (or validated)."""
+    out = []
+    stack = [(skeleton, "", 0)]
+    while stack:
+        node, key, depth = stack.pop()
+        (kind, body), = node.items()
+        if kind == "tensor":
+            out.append((key, body))
+            continue
+        if kind == "odict":
+            kind, body = "dict", body["items"]
+        sep = "/" if depth else ""
+        if kind == "dict":
+            stack.extend((v, f"{key}{sep}{k}", depth + 1) for k, v in reversed(body))
+        elif kind in ("list", "tuple"):
+            stack.extend((body[i], f"{key}{sep}{i}", depth + 1) for i in range(len(body) - 1, -1, -1))
+    return out
 
 
 def unflatten(skeleton: dict, tensors: list):
-    """Rebuild the state; `tensors[i]` replaces {"tensor": i}. The skeleton was validated by format.py."""
+    """Rebuild the state; `tensors[i]` replaces {"tensor": i} (the same object wherever i is placed
+    more than once). The skeleton was validated by format.py."""
 
     def build(node):
         (kind, body), = node.items()
@@ -88,6 +213,11 @@ def unflatten(skeleton: dict, tensors: list):
             return body
         if kind == "dict":
             return {k: build(v) for k, v in body}
+        if kind == "odict":
+            out = OrderedDict((k, build(v)) for k, v in body["items"])
+            if "metadata" in body:
+                out._metadata = OrderedDict((p, dict(e)) for p, e in body["metadata"].items())
+            return out
         items = [build(v) for v in body]
         return items if kind == "list" else tuple(items)
 

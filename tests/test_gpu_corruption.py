@@ -143,21 +143,19 @@ def test_gpu_all_zero_tensors_stay_within_the_expansion_bound(codec, tmp_path):
     assert all(not t.any() for t in out.values())
 
 
-_DECODER_TRUSTS_INPUT = pytest.mark.xfail(
-    reason="known limitation: nvCOMP's Bitcomp decoder, and its ANS decoder on a truncated stream, fault "
-           "(illegal address) on forged chunks that carry a valid checksum (H100, nvCOMP 6.0.0, 2026-11-22). "
-           "The checksum guards against damage, not against a forger; zstd frames get a header check first.",
-    strict=False)
-
-
 @pytest.mark.gpu
-# zstd first: a fault in the other two poisons the CUDA context for the rest of the process
-@pytest.mark.parametrize("codec", ["zstd", pytest.param("ans", marks=_DECODER_TRUSTS_INPUT),
-                                   pytest.param("bitcomp", marks=_DECODER_TRUSTS_INPUT)])
-def test_gpu_decoder_on_garbage_with_valid_checksums(codec, tmp_path):
+# zstd with trusted=True first: the one case decoded in this process without a child (zstd frames get
+# a header check); then every codec with trusted=False, where no forged chunk reaches nvCOMP here
+# before a child process has decoded it (gdsckpt/isolated.py). Before trusted=False, nvCOMP's
+# Bitcomp decoder and its ANS decoder on a truncated stream faulted the CUDA context (illegal
+# address) on these chunks (H100, nvCOMP 6.0.0, 2026-11-22): known failures, now a clean error.
+@pytest.mark.parametrize("codec,trusted", [("zstd", True), ("zstd", False), ("ans", False), ("bitcomp", False)])
+def test_gpu_decoder_on_garbage_with_valid_checksums(codec, trusted, tmp_path, monkeypatch):
     """A hostile chunk whose checksum is right but whose bytes are not what nvCOMP wrote: a clean
     CheckpointFormatError (or, since the bytes are well-formed garbage, a load), never a crash, a
-    hang or a CUDA error that poisons the process. Kept last: if nvCOMP faulted here, it would."""
+    hang or a CUDA error that poisons the process. With trusted=False a chunk the child could not
+    decode never reaches this process's decoder. Kept last: if nvCOMP faulted here, it would."""
+    from gdsckpt.gpu.backend import GpuBackend
     state = _state("cuda")
     p = tmp_path / "base.gdsckpt"
     gdsckpt.save(state, p, codec=codec, chunk_bytes=CHUNK)
@@ -176,6 +174,14 @@ def test_gpu_decoder_on_garbage_with_valid_checksums(codec, tmp_path):
     variants["shuffled-halves"] = orig[len(orig) // 2:] + orig[:len(orig) // 2]
     if codec != "zstd":  # zstd would need its frame list rewritten: covered on the CPU by test_hostile
         variants["truncated"] = orig[:len(orig) // 2]
+    decoded_here = []  # checksums of the stored bytes this process's nvCOMP was given
+    real = GpuBackend.decode
+
+    def spy(self, spec, stored, out, frames):
+        decoded_here.append(checksum(stored.detach().cpu().numpy()))
+        return real(self, spec, stored, out, frames)
+
+    monkeypatch.setattr(GpuBackend, "decode", spy)
     results = {}
     for name, stored in variants.items():
         if stored is None:
@@ -189,13 +195,39 @@ def test_gpu_decoder_on_garbage_with_valid_checksums(codec, tmp_path):
         q = tmp_path / f"{name}.gdsckpt"
         q.write_bytes(rebuild(data, d, data_area=area))
         try:
-            gdsckpt.load(q)
+            gdsckpt.load(q, trusted=trusted)
             results[name] = "loaded"
         except gdsckpt.CheckpointFormatError as e:
             assert str(q) in str(e)
-            results[name] = type(e).__name__
+            results[name] = type(e).__name__ + (" (in the child)" if "isolated child" in str(e) else "")
+            if not trusted and "isolated child" in str(e):
+                assert e.chunk == i and checksum(stored) not in decoded_here, f"{name}: reached nvCOMP here"
         torch.cuda.synchronize()  # a fault from nvCOMP would surface here
-    print(f"\n{codec}: garbage chunks with valid checksums: {results}")
+    print(f"\n{codec} trusted={trusted}: garbage chunks with valid checksums: {results}")
+    if not trusted:
+        assert not decoded_here, "trusted=False: this process's nvCOMP decoded a chunk of an untrusted file"
     t = torch.arange(1000, device="cuda")
     gdsckpt.save({"t": t}, tmp_path / "after.gdsckpt", codec=codec)
     assert torch.equal(gdsckpt.load(tmp_path / "after.gdsckpt")["t"], t), "the process is poisoned"
+
+
+@pytest.mark.gpu
+def test_gpu_trusted_false_cost(tmp_path):
+    """What trusted=False costs on the GPU (printed with -s): a 256 MiB ANS state loaded with and
+    without the child process that decodes first. Warm page cache (the point is the child)."""
+    import time
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {f"w{i}": (torch.randn(1 << 22, generator=g, device="cuda") * 0.02) for i in range(16)}
+    p = tmp_path / "cost.gdsckpt"
+    gdsckpt.save(state, p, codec="ans")
+    gdsckpt.load(p)
+    rows = {}
+    for trusted in (True, False, True, False):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = gdsckpt.load(p, trusted=trusted)
+        torch.cuda.synchronize()
+        rows.setdefault(trusted, []).append(time.perf_counter() - t)
+    assert_same(out, state)
+    print(f"\ntrusted=False cost, 256 MiB ANS on {torch.cuda.get_device_name()}: "
+          f"trusted {min(rows[True]):.3f} s, trusted=False {min(rows[False]):.3f} s")

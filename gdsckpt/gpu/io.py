@@ -74,7 +74,7 @@ class DeviceFile:
 
     def __init__(self, path: Path, mode: str, as_cupy):
         if mode == "w":  # claim the name first: two writers never share a temporary
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # less the umask
         self._f = kvikio.CuFile(path, mode)
         self.fd = self._f.fileno()
         self._cp = as_cupy
