@@ -28,7 +28,7 @@ from .defaults import POOL_DIRECT_IO
 from .storage import commit, pwrite_all, temp_path_for
 
 IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
-IDLE_S = 2.0  # the thread exits after this long with nothing to write
+IDLE_S = 0.5  # the thread exits after this long with nothing to write (and the interpreter may exit)
 
 
 @dataclass
