@@ -59,6 +59,15 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started it exits (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 class SeaweedS3:
     """One `weed server -s3` process: master, volume, filer and S3 gateway, loopback only."""
 
@@ -101,9 +110,10 @@ class SeaweedS3:
                "-master.electionTimeout=1s"]
         log = open(self.log_path, "ab")
         try:
-            # its own process group: a SIGKILL reaches it alone, and pytest's ^C does not
+            # its own process group: a SIGKILL reaches it alone, and pytest's ^C does not; and it dies
+            # with this process even when the session's teardown never runs (pytest killed by a timeout)
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             log.close()
         self._wait_ready(timeout)
