@@ -22,7 +22,7 @@ from . import format as fmt
 from . import isolated as _isolated
 from ._version import __version__
 from .backend import choose, make_backend, nvcomp_version
-from .checksum import checksum
+from .checksum import ALGORITHMS
 from .defaults import CHUNK_BYTES, RING_DEPTH
 from .dtypes import BY_NAME, name_of
 from .errors import CheckpointFormatError, GDSUnavailableError, GdsckptError, StateMismatchError, VersionError
@@ -294,9 +294,7 @@ class Checkpoint:
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointFormatError("not a regular file, so not a checkpoint", path=self.path)
             self._identity = (st.st_dev, st.st_ino)
-            off, length, ck = fmt.read_footer(lambda n, o: pread_exact(fd, n, o), st.st_size, self.path)
-            raw = pread_exact(fd, length, off)
-            self.index = fmt.parse_index(raw, ck, off, self.path)
+            self.index = fmt.read_index(lambda n, o: pread_exact(fd, n, o), st.st_size, self.path)
         except BaseException:
             self._closer()
             raise
@@ -505,11 +503,15 @@ class Checkpoint:
                                     be.memory())
 
     def _backend_kind(self, out: dict) -> str:
-        """The GPU where a chunk needs nvCOMP or a destination is on a GPU (unless told otherwise)."""
+        """The GPU where a chunk needs nvCOMP or a destination is on a GPU (unless told otherwise);
+        the CPU where a chunk has only a CPU decoder (byte-shuffled zstd: it copies to the GPU)."""
         plan = self.index.plan
         needs_nvcomp = any(not rec.raw and plan.streams[c.stream].codec["name"] in codecs.NVCOMP_CODECS
                            for c, rec in zip(plan.chunks, self.index.records))
-        return choose(needs_nvcomp or any(v.is_cuda for v in out.values()), self._backend_choice)
+        cpu_only = any(not rec.raw and not codecs.gpu_can_decode(plan.streams[c.stream].codec)
+                       for c, rec in zip(plan.chunks, self.index.records))
+        wants_gpu = needs_nvcomp or (any(v.is_cuda for v in out.values()) and not cpu_only)
+        return choose(wants_gpu, self._backend_choice)
 
     def _check_decoders(self, be, chunk_ids) -> None:
         """Before reading a byte: every chunk asked for has a decoder here."""
@@ -549,7 +551,7 @@ class Checkpoint:
                 c, rec = plan.chunks[ci], records[ci]
                 key = plan.tensors[c.segments[0].tensor].key
                 data = pread_exact(fd, rec.stored, rec.file_offset)
-                verify_chunk(len(data), checksum(data), rec, self.path, key, c.index)
+                verify_chunk(len(data), ALGORITHMS[self.index.checksum](data), rec, self.path, key, c.index)
                 spec = plan.streams[c.stream].codec
                 if headers and spec["name"] == "zstd" and not rec.raw:
                     _check_frames(data, spec, c, rec, self.path, key)

@@ -73,7 +73,6 @@ from collections import defaultdict
 from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
@@ -82,6 +81,7 @@ from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
 from .errors import BackgroundSaveError, SaveInFlightError
 from .host_snapshot import PoolDestination
 from .pinned_pool import align_up, pools, release_pools
+from .storage import save_target, user_path
 from .tree import flatten, unflatten
 
 __all__ = ["save_async", "AsyncStats", "SaveFuture", "SaveInFlightError", "BackgroundSaveError",
@@ -189,6 +189,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     if pool_bytes is not None and (not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool) or pool_bytes < 1):
         raise ValueError(f"pool_bytes must be a positive int or None, not {pool_bytes!r}")
     t0 = time.perf_counter()
+    target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
     skeleton, leaves = flatten(state)  # validates the whole state before anything is copied
     if not _calls.acquire(blocking=wait):
         raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
@@ -206,7 +207,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             mode = "device"
         else:
             _wait_for([f for f, m, _ in _tracked if m == "device"])
-            dest = PoolDestination(Path(path), pool_bytes or default_pool_limit, save_kwargs.get("chunk_bytes"))
+            dest = PoolDestination(target, pool_bytes or default_pool_limit, save_kwargs.get("chunk_bytes"))
             if overlap:
                 fut = _overlap_save(skeleton, leaves, dest, optimizer, save_kwargs, t0)
                 mode = "overlap"

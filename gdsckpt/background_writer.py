@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import format as fmt
 from .defaults import POOL_DIRECT_IO
-from .storage import commit, pwrite_all, temp_path_for
+from .storage import adopt_mode, commit, pwrite_all, temp_path_for
 
 IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
 IDLE_S = 0.5  # the thread exits after this long with nothing to write (and the interpreter may exit)
@@ -137,7 +137,9 @@ def write_job(job: Job) -> None:
     error: BaseException | None = None
     try:
         tmp = temp_path_for(job.path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # 0o666 less the umask, then the replaced checkpoint's mode (as save and torch.save do)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        adopt_mode(fd, job.path)
         dfd = _open_direct(tmp)
         pwrite_all(fd, fmt.header_bytes(), 0)
     except BaseException as e:  # noqa: BLE001 - reported on the job's future

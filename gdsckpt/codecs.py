@@ -9,7 +9,7 @@ both sides agree on the bytes of zstd (standard frames) and raw.
 from __future__ import annotations
 
 from . import dtypes
-from .defaults import ANS_INTERNAL_CHUNK, ZSTD_FRAME_BYTES, ZSTD_LEVEL
+from .defaults import ANS_INTERNAL_CHUNK, CPU_AUTO_LEVEL, ZSTD_FRAME_BYTES, ZSTD_LEVEL
 from .errors import CodecUnavailableError
 
 CPU_CODECS = ("raw", "zstd")
@@ -43,7 +43,9 @@ def resolve(codec, dtype: str, *, gpu: bool, nvcomp_version: str | None) -> dict
     if isinstance(codec, dict):
         codec = codec.get(dtype, "auto")
     if codec == "auto":
-        codec = "ans" if gpu else "zstd"
+        if not gpu:
+            return cpu_auto_spec(dtype)
+        codec = "ans"
     if codec in NVCOMP_CODECS and not gpu:
         raise CodecUnavailableError(
             f"codec {codec!r} needs nvCOMP on a GPU; this save runs on the CPU. "
@@ -51,11 +53,40 @@ def resolve(codec, dtype: str, *, gpu: bool, nvcomp_version: str | None) -> dict
     return spec_for(codec, dtype, nvcomp_version, "gpu" if gpu else "cpu")
 
 
+# Byte-shuffle width per dtype: the size of one scalar (a complex number is two), so that each
+# plane holds one byte position of every element and the exponent bytes of floats sit together.
+_SHUFFLE_WIDTH = {"float16": 2, "bfloat16": 2, "int16": 2, "uint16": 2, "complex32": 2,
+                  "float32": 4, "int32": 4, "uint32": 4, "complex64": 4,
+                  "float64": 8, "int64": 8, "uint64": 8, "complex128": 8}
+SHUFFLE_WIDTHS = (2, 4, 8)  # the values FORMAT.md allows for a zstd spec's optional "shuffle"
+
+
+def cpu_auto_spec(dtype: str) -> dict:
+    """codec="auto" on the CPU: zstd at a fast level over byte-shuffled chunks (defaults.py says why).
+    Shuffled zstd decodes on the CPU only; the GPU side refuses it (gpu_can_decode)."""
+    spec = {"name": "zstd", "level": CPU_AUTO_LEVEL, "frame_bytes": ZSTD_FRAME_BYTES["cpu"]}
+    width = _SHUFFLE_WIDTH.get(dtype, 1)
+    if width > 1:
+        spec["shuffle"] = width
+    return spec
+
+
+def gpu_can_decode(spec: dict) -> bool:
+    """nvCOMP decodes every codec but byte-shuffled zstd, whose unshuffle is CPU code."""
+    return "shuffle" not in spec
+
+
 def cpu_can_decode(spec: dict) -> bool:
     return spec["name"] in CPU_CODECS
 
 
 def no_cpu_decoder(spec: dict, path) -> CodecUnavailableError:
+    """The error for a chunk the chosen backend cannot decode: nvCOMP's codecs with no GPU here,
+    or byte-shuffled zstd on the GPU backend."""
+    if not gpu_can_decode(spec):
+        return CodecUnavailableError(
+            f"{str(path)!r} holds byte-shuffled zstd chunks (codec='auto' on the CPU writes them), which only "
+            "the CPU backend decodes; open it with backend='cpu' (device='cuda' still puts the tensors on the GPU)")
     return CodecUnavailableError(
         f"{str(path)!r} holds {spec['name']!r} chunks, which only nvCOMP on a GPU can decode, and this "
         "process has no usable GPU. On a GPU machine, make a portable copy with "

@@ -27,9 +27,30 @@ KVIKIO_DIRECT_IO = True
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.
 CPU_IO_THREADS = 2
 
+# codec="auto" on the CPU: zstd at this level over byte-shuffled chunks (FORMAT.md, "shuffle").
+CPU_AUTO_LEVEL = 1
+
+# zstd's match finder for shuffled chunks, on top of the spec's level: an 8-bit hash table,
+# 7-byte minimum matches, a 128 KiB window. Byte planes of floats are mostly literals (Huffman
+# coded); a small match finder compressed them 1.0-1.4 GB/s instead of level 1's 0.65, for 0.3%
+# more bytes, and they decode at 3.3-3.7 GB/s instead of 1.2 (2026-11-23-cpu-compare/).
+ZSTD_SHUFFLED_PARAMS = {"hash_log": 8, "chain_log": 8, "min_match": 7, "window_log": 17, "strategy": 1}
+
+# Cores that shuffle and compress (or decompress) one CPU chunk: the pool of CpuCodecs and the
+# zstd workers of a large frame.
+CPU_CODEC_THREADS = 2
+
+# A CPU chunk whose samples save less than this fraction is stored raw without compressing it.
+CPU_MIN_SAVING = 0.05
+
+# Start each chunk's write-back as soon as it is written (sync_file_range), not in the final fsync.
+CPU_WRITEBACK = True
+
 # zstd frames. The GPU cuts small frames for parallelism (nvCOMP's RAW zstd takes one frame
-# per batch entry, 16 MiB at most); the CPU cuts large ones for ratio.
-ZSTD_FRAME_BYTES = {"cpu": 16 << 20, "gpu": 1 << 20}
+# per batch entry, 16 MiB at most). The CPU cuts 4 MiB: a 16 MiB chunk of fp32, shuffled, is then
+# one frame per byte plane, so the three mantissa planes are stored as raw blocks and only the
+# exponent plane is compressed; 4 frames also decode in parallel (2026-11-23-cpu-compare/).
+ZSTD_FRAME_BYTES = {"cpu": 4 << 20, "gpu": 1 << 20}
 ZSTD_LEVEL = 3
 
 # nvCOMP ANS splits each chunk into pieces of this size, each with its own frequency table.

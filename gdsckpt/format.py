@@ -16,12 +16,25 @@ from dataclasses import dataclass, field
 
 from . import checksum as _ck
 from . import dtypes
-from .codecs import ALL_CODECS, NVCOMP_CODECS, frame_offsets
-from .errors import CheckpointFormatError, VersionError
+from .codecs import ALL_CODECS, NVCOMP_CODECS, SHUFFLE_WIDTHS, frame_offsets
+from .errors import CheckpointFormatError, UnsupportedStateError, VersionError
 from .plan import Chunk, Plan, Stream, TensorEntry, segments
 from .storage import pwrite_all
 
 MAJOR, MINOR = 1, 1
+# The checksum of every chunk record, the index and the footer, by format version (FORMAT.md,
+# "Checksum"): 1.0 wrote a position-weighted sum that two flipped top bits cancel; 1.1 writes
+# CRC-64/NVME. What this version writes:
+CHECKSUM = "crc64nvme"
+
+
+def checksum_algorithm(major: int, minor: int) -> str:
+    return "sum64" if (major, minor) == (1, 0) else "crc64nvme"
+
+
+def _checksum(data, algorithm: str = CHECKSUM) -> int:
+    return _ck.ALGORITHMS[algorithm](data)
+
 ALIGN = 4096
 HEADER_SIZE = ALIGN
 HEADER_MAGIC = b"GDSCKPT\x00"
@@ -49,8 +62,8 @@ def header_bytes() -> bytes:
 
 def footer_bytes(index_offset: int, index: bytes) -> bytes:
     file_len = index_offset + len(index) + FOOTER_SIZE
-    body = _FOOTER.pack(FOOTER_MAGIC, MAJOR, MINOR, 0, index_offset, len(index), _ck.checksum(index), file_len, bytes(8))
-    return body + struct.pack("<Q", _ck.checksum(body))
+    body = _FOOTER.pack(FOOTER_MAGIC, MAJOR, MINOR, 0, index_offset, len(index), _checksum(index), file_len, bytes(8))
+    return body + struct.pack("<Q", _checksum(body))
 
 
 @dataclass
@@ -67,6 +80,8 @@ class FileWriter:
     chunk record its offset, the next 4 KiB boundary; `finish` writes the index and footer after
     the last record (the index is known only then). fd=None places records without writing
     anything: the bench's targets with storage removed."""
+
+    checksum = CHECKSUM  # the algorithm of the chunk checksums this file records
 
     def __init__(self, fd: int | None, meta: dict, skeleton: dict, devices: list[str], plan: Plan):
         self.fd, self._meta, self._skeleton, self._devices, self._plan = fd, meta, skeleton, devices, plan
@@ -93,6 +108,7 @@ class Index:
     devices: list[str]  # per tensor: where it was saved from
     plan: Plan
     records: list[ChunkRecord]
+    checksum: str = CHECKSUM  # the algorithm of its chunk checksums (checksum.ALGORITHMS)
     # Every place the skeleton puts a tensor, by key path ("/"-joined, as tree.flatten builds it) ->
     # tensor index: the tensor's own key, and from format 1.1 the keys of its aliases (tied weights).
     paths: dict = field(default_factory=dict)
@@ -101,6 +117,7 @@ class Index:
 def encode_index(meta: dict, skeleton: dict, devices: list[str], plan: Plan, records: list[ChunkRecord]) -> bytes:
     doc = dict(meta)
     doc["format"] = [MAJOR, MINOR]
+    doc["checksum"] = CHECKSUM
     doc["skeleton"] = skeleton
     doc["streams"] = [{"dtype": s.dtype, "codec": s.codec, "nbytes": s.nbytes} for s in plan.streams]
     doc["tensors"] = [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "stream": t.stream,
@@ -114,14 +131,28 @@ def encode_index(meta: dict, skeleton: dict, devices: list[str], plan: Plan, rec
         if r.frames is not None:
             rec["frames"] = r.frames
         doc["chunks"].append(rec)
-    return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+    raw = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+    if len(raw) > MAX_INDEX_BYTES:  # save refuses what load would refuse
+        raise UnsupportedStateError(f"the index of this state would be {len(raw)} bytes, over the format's "
+                                    f"{MAX_INDEX_BYTES} byte limit: fewer tensors, or larger chunk_bytes")
+    return raw
 
 
 # ---------------------------------------------------------------- reading
 
 
+def read_index(pread, file_size: int, path) -> Index:
+    """The validated index of a file of `file_size` bytes read through `pread(n, offset)`."""
+    off, length, index_ck, version = _read_footer(pread, file_size, path)
+    return parse_index(pread(length, off), index_ck, off, path, checksum_algorithm(*version))
+
+
 def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:
     """(index offset, index length, index checksum), checked against the file's real size."""
+    return _read_footer(pread, file_size, path)[:3]
+
+
+def _read_footer(pread, file_size: int, path) -> tuple[int, int, int, tuple[int, int]]:
     def bad(msg):
         return CheckpointFormatError(msg, path=path)
 
@@ -137,12 +168,12 @@ def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:
     magic, major, minor, _flags, off, length, index_ck, file_len, _ = _FOOTER.unpack(body)
     if magic != FOOTER_MAGIC:
         raise bad("no gdsckpt footer at the end of the file: the file is torn, truncated or has bytes appended")
-    if _ck.checksum(body) != stored_ck:
-        raise bad("footer checksum mismatch: the footer is corrupt")
     hmajor, hminor = struct.unpack("<HH", head[8:12])
-    if major > MAJOR or hmajor > MAJOR:
+    if major > MAJOR or hmajor > MAJOR:  # before the checksum: a newer format's algorithm is unknown here
         raise VersionError(f"written in format {max(major, hmajor)}.{minor}; this gdsckpt reads format {MAJOR}.x "
                            "and older: upgrade gdsckpt to read it", path=path)
+    if _checksum(body, checksum_algorithm(major, minor)) != stored_ck:
+        raise bad("footer checksum mismatch: the footer is corrupt")
     if (major, minor) != (hmajor, hminor):
         raise bad(f"header says format {hmajor}.{hminor}, footer says {major}.{minor}: the header is corrupt")
     if major < 1:
@@ -153,14 +184,15 @@ def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:
         raise bad(f"footer locates the index at {off}+{length}, outside the file")
     if length > MAX_INDEX_BYTES:
         raise bad(f"index of {length} bytes exceeds the {MAX_INDEX_BYTES} byte limit")
-    return off, length, index_ck
+    return off, length, index_ck, (major, minor)
 
 
-def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> Index:
+def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path, checksum: str = CHECKSUM) -> Index:
+    """The index, validated; `checksum` is the algorithm of the file's version (checksum_algorithm)."""
     def bad(msg, **kw):
         return CheckpointFormatError(f"invalid index: {msg}", path=path, **kw)
 
-    if _ck.checksum(raw) != expected_checksum:
+    if _checksum(raw, checksum) != expected_checksum:
         raise CheckpointFormatError("index checksum mismatch: the index is corrupt", path=path)
     try:
         doc = json.loads(raw)
@@ -282,7 +314,9 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path) -> 
     skeleton = doc.get("skeleton")
     paths = _check_skeleton(skeleton, tensors, (fmt[0], fmt[1]), bad)
     meta = {k: doc.get(k) for k in ("format", "library", "nvcomp", "writer", "created")}
-    return Index(meta, skeleton, devices, Plan(tensors, streams, chunks), records, paths=paths)
+    if "checksum" in doc and doc["checksum"] != checksum:
+        raise bad(f"checksum algorithm {doc.get('checksum')!r} is not the one format {fmt[0]}.{fmt[1]} uses")
+    return Index(meta, skeleton, devices, Plan(tensors, streams, chunks), records, checksum, paths)
 
 
 def shape_problem(shape) -> str | None:
@@ -413,6 +447,9 @@ def _codec(spec, stream: int, bad) -> dict:
     ucs = spec.get("uncomp_chunk_size")
     if ucs is not None and not (_is_int(ucs) and ALIGN <= ucs <= 16 << 20 and ucs & (ucs - 1) == 0):
         raise bad(f"stream {stream}: nvCOMP chunk size {ucs!r} is not a power of two in [4 KiB, 16 MiB]")
+    shuffle = spec.get("shuffle")  # 1.1, optional: byte planes before zstd (FORMAT.md, "Codecs")
+    if "shuffle" in spec and not (spec["name"] == "zstd" and _is_int(shuffle) and shuffle in SHUFFLE_WIDTHS):
+        raise bad(f"stream {stream}: byte shuffle {shuffle!r} is not 2, 4 or 8 on a zstd stream")
     return spec
 
 

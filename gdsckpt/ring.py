@@ -90,7 +90,8 @@ class Backend(Protocol):
 
     def decode(self, spec: dict, stored: Bytes, out: Bytes, frames: list | None) -> None: ...
 
-    def checksum(self, buf: Bytes) -> int: ...
+    def checksum(self, buf: Bytes, algorithm: str) -> int:
+        """`buf`'s checksum by one of checksum.ALGORITHMS (the file's version decides which)."""
 
     def open(self, path: Path, mode: str) -> ChunkFile: ...
 
@@ -212,7 +213,7 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
                     backend.copy(slot.stored[:stored], src)
                     src = slot.stored
             payload = src[:stored] if raw else slot.stored[:stored]
-            ck = backend.checksum(payload)
+            ck = backend.checksum(payload, layout.checksum)
             t = timings.add("checksum", t)
             offset = layout.place(stored)
             slot.pending = file.pwrite(payload, stored, offset)
@@ -255,7 +256,7 @@ def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, fil
             got = fut.get()
             t = timings.add("read_wait", t)
             stored = slot.stored[:rec.stored]
-            verify_chunk(got, backend.checksum(stored) if got == rec.stored else 0, rec, path, key, i)
+            verify_chunk(got, backend.checksum(stored, index.checksum) if got == rec.stored else 0, rec, path, key, i)
             t = timings.add("verify", t)
             out = _target(chunk, views, staging, backend)
             spec = plan.streams[chunk.stream].codec

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import gdsckpt, pytest, hypothesis" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import gdsckpt, pytest, hypothesis, awscrt, obstore, boto3" 2>/dev/null; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   extras="test,bench"

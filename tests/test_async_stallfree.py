@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import stat
 import threading
 import time
 from concurrent.futures import wait as wait_futures
@@ -538,3 +539,20 @@ def test_gpu_overlap_with_adamw(tmp_path):
     fut.result(60)
     assert len(opt._optimizer_step_pre_hooks) == 0
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), want)
+
+
+def test_save_async_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
+    """The paths contract of `save` holds for save_async too: the link stays and its target is
+    replaced; a replaced 0600 checkpoint stays 0600; a directory is refused before any copy."""
+    real = tmp_path / "real.gdsckpt"
+    gdsckpt.save({"w": torch.zeros(8)}, real)
+    os.chmod(real, 0o600)
+    link = tmp_path / "latest.gdsckpt"
+    link.symlink_to(real)
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    gdsckpt.save_async(state, link).result()
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert stat.S_IMODE(os.stat(real).st_mode) == 0o600
+    assert torch.equal(gdsckpt.load(real)["w"], state["w"])
+    with pytest.raises(IsADirectoryError, match=str(tmp_path)):
+        gdsckpt.save_async(state, tmp_path)

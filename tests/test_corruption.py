@@ -264,7 +264,7 @@ def test_decoder_guard_has_teeth(files, tmp_path, decoder_guard, monkeypatch):
     p = tmp_path / "g.gdsckpt"
     p.write_bytes(bytes(b))
     recorded = iter([int(r["checksum"], 16) for r in doc["chunks"]])  # the ring checks chunks in order
-    monkeypatch.setattr(CpuBackend, "checksum", lambda self, buf: next(recorded))
+    monkeypatch.setattr(CpuBackend, "checksum", lambda self, buf, algorithm: next(recorded))
     with contextlib.suppress(gdsckpt.CheckpointFormatError):
         gdsckpt.load(p)
     assert violations

@@ -372,9 +372,8 @@ def test_save_async_wait_false_fails_clearly_while_busy(tmp_path, monkeypatch):
 def test_save_async_errors(tmp_path):
     with pytest.raises(gdsckpt.UnsupportedStateError):
         gdsckpt.save_async({"x": object()}, tmp_path / "x.gdsckpt")  # raised here, nothing copied
-    fut = gdsckpt.save_async(_state(1), tmp_path / "missing-dir" / "x.gdsckpt")
-    with pytest.raises(OSError):
-        fut.result(10)
+    with pytest.raises(FileNotFoundError, match="missing-dir"):  # refused at the call, before any copy
+        gdsckpt.save_async(_state(1), tmp_path / "missing-dir" / "x.gdsckpt")
     # the lock was released both times
     gdsckpt.save_async(_state(5), tmp_path / "ok.gdsckpt", wait=False).result(10)
     assert_same(gdsckpt.load(tmp_path / "ok.gdsckpt"), _state(5))

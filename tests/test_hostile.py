@@ -129,7 +129,7 @@ field("tensors-not-a-list", (T,), "a", match="not a list")
 field("tensor-not-an-object", (T, 0), ["a"], match="key")
 
 # chunks
-field("chunk-overlaps-previous", (C, 1, "file_offset"), 8192, match="overlaps")
+field("chunk-overlaps-previous", (C, 1, "file_offset"), 4096, match="overlaps")  # where chunk 0 starts
 field("chunk-before-data-area", (C, 0, "file_offset"), 0, match="overlaps")
 field("chunk-unaligned", (C, 1, "file_offset"), 16385, match="overlaps")
 field("chunk-into-index", (C, 4, "file_offset"), 36864, match="overlaps")
@@ -169,8 +169,18 @@ field("frames-float", (C, 2, "frames"), [743.0], match="frame")
 field("frames-not-a-list", (C, 2, "frames"), 743, match="frame")
 field("frames-on-raw-chunk", (C, 3, "frames"), [12], match="frame")
 # same count and total, but the wrong split: only the decoder can tell; it must still be a clean error
-field("frames-lie-same-total", (C, 0, "frames"), [2279, 2283, 2305, 2306], stage="load", match="decode")
-field("frames-lie-shifted", (C, 0, "frames"), [2267, 2295, 2305, 2306], stage="load", match="decode")
+def _frames_lie(shift):
+    def build(data, doc):
+        """Chunk 0's frame lengths with `shift` bytes moved from frame 1 to frame 0 (or back)."""
+        real = doc[C][0]["frames"]
+        doc[C][0]["frames"] = [real[0] + shift, real[1] - shift] + real[2:]
+        assert codecs.frame_offsets(doc[C][0]["frames"])[-1] == codecs.frame_offsets(real)[-1]
+        return rebuild(data, doc)
+    return build
+
+
+CASES["frames-lie-same-total"] = (_frames_lie(16), "load", "decode")
+CASES["frames-lie-shifted"] = (_frames_lie(-16), "load", "decode")
 
 # skeleton
 for name, v in [("missing", DELETE), ("string", "x"), ("two-keys", {"tensor": 0, "value": 1}),
@@ -281,7 +291,7 @@ def _(data, doc):
 @case("header-minor-differs", match="header says")
 def _(data, doc):
     b = bytearray(data)
-    b[10:12] = struct.pack("<H", 1)
+    b[10:12] = struct.pack("<H", fmt.MINOR + 1)
     return bytes(b)
 
 

@@ -11,11 +11,11 @@ import cupy
 import numpy as np
 import torch
 
+from ..codecs import gpu_can_decode
 from ..defaults import SMALL_HOST_TENSOR
 from . import kernels
 from .codecs import NvcompCodecs, nvcomp_version
 from .io import DeviceFile, io_settings
-from .kernels import Checksummer
 
 __all__ = ["GpuBackend"]
 
@@ -28,13 +28,13 @@ def as_cupy(t: torch.Tensor) -> cupy.ndarray:
 
 class _DeviceResources:
     """What a save or restore on one GPU reuses: its stream, nvCOMP codecs (slow to create, and
-    their configs), the checksum accumulator. One pipeline at a time per GPU holds them."""
+    their configs), the checksum kernels. One pipeline at a time per GPU holds them."""
 
     def __init__(self, index: int):
         self.torch_stream = torch.cuda.Stream(index)
         self.stream = cupy.cuda.ExternalStream(self.torch_stream.cuda_stream, index)
         self.codecs = NvcompCodecs(self.stream, index)
-        self.checksum = Checksummer(self.stream)
+        self.checksums = {name: kernel(self.stream) for name, kernel in kernels.ALGORITHMS.items()}
         self.lock = threading.Lock()
 
 
@@ -52,7 +52,7 @@ class GpuBackend:
         self.nvcomp_version = nvcomp_version()
         self._res = _resources(self.device.index)
         self._torch_stream, self._stream = self._res.torch_stream, self._res.stream
-        self._codecs, self._checksum = self._res.codecs, self._res.checksum
+        self._codecs, self._checksums = self._res.codecs, self._res.checksums
         self._ring_bytes = 0
         self._free_at_start = 0
         self._min_free = 0
@@ -86,7 +86,7 @@ class GpuBackend:
                 "pinned_host_bytes": 0}
 
     def can_decode(self, spec: dict) -> bool:
-        return True
+        return gpu_can_decode(spec)  # all but byte-shuffled zstd (CPU-only: FORMAT.md)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         self._ring_bytes += nbytes
@@ -163,8 +163,8 @@ class GpuBackend:
     def decode(self, spec, stored, out, frames) -> None:
         self._codecs.decode(spec, as_cupy(stored), as_cupy(out), frames)
 
-    def checksum(self, buf: torch.Tensor) -> int:
-        return self._checksum(as_cupy(buf))
+    def checksum(self, buf: torch.Tensor, algorithm: str) -> int:
+        return self._checksums[algorithm](as_cupy(buf))
 
     def open(self, path: Path, mode: str) -> DeviceFile:
         return DeviceFile(path, mode, as_cupy)
