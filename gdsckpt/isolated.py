@@ -130,9 +130,12 @@ def run(ck, chunk_ids, kind: str, device_index: int | None, io: str = "auto", de
                         c, s = msg["done"], msg["slot"]
                         if deliver is not None:
                             _deliver(deliver, c, shared, s * slot_bytes, plan.chunks[c].length)
+                        current, done = None, done + 1
+                        if deliver is not None and done < len(chunk_ids):
+                            # Hand the slot back. Not after the last chunk: the child, needing no
+                            # more slots, may have exited already, and the write would break the pipe.
                             child.stdin.write(f"{s}\n".encode())
                             child.stdin.flush()
-                        current, done = None, done + 1
                     elif "error" in msg:
                         failure = msg
                         current = msg.get("chunk", current)
