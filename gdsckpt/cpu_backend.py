@@ -9,6 +9,7 @@ took 0.9-4 s through copy_, 0.04-0.07 s through numpy; bench/results/2026-11-23-
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import struct
 import threading
@@ -21,7 +22,7 @@ import zstandard
 
 from .checksum import ALGORITHMS, CURRENT
 from .codecs import FRAME_ALIGN, ZSTD_HEADER_MAX, check_zstd_header, cpu_can_decode, frame_bounds, frame_offsets
-from .defaults import CPU_CODEC_THREADS, CPU_IO_THREADS, CPU_MIN_SAVING, CPU_WRITEBACK, ZSTD_SHUFFLED_PARAMS
+from .defaults import CPU_CODEC_THREADS, CPU_DIRECT_IO, CPU_IO_THREADS, CPU_MIN_SAVING, CPU_WRITEBACK, ZSTD_SHUFFLED_PARAMS
 from .errors import CodecUnavailableError
 from .ring import Completion
 from .storage import pwrite_all
@@ -99,7 +100,7 @@ class CpuCodecs:
     copies and zstandard release the GIL), a large frame compresses on as many zstd workers.
     The ring overlaps the whole with the previous chunk's pwrite."""
 
-    SAMPLE_BYTES = 16 << 10
+    SAMPLES, SAMPLE_BYTES = 4, 4 << 10
     MT_FRAME_BYTES = 1 << 20  # frames from this size up compress on zstd's own worker threads
 
     def __init__(self, threads: int = CPU_CODEC_THREADS, min_saving: float = CPU_MIN_SAVING):
@@ -150,14 +151,16 @@ class CpuCodecs:
         return d
 
     def _pays(self, comp: zstandard.ZstdCompressor, frame: np.ndarray) -> bool:
-        """Whether compressing `frame` is worth its CPU time: a sample from its middle must save
-        at least `min_saving`. A frame of mantissa bytes fails, and is stored in raw blocks for the
-        price of a copy (most of an fp32 chunk, once shuffled)."""
-        size = self.SAMPLE_BYTES
-        if self._min_saving <= 0 or len(frame) < 4 * size:
+        """Whether compressing `frame` is worth its CPU time: samples spread over it (a frame
+        may span several byte planes) must save at least `min_saving` together. A frame of
+        mantissa bytes fails, and is stored in raw blocks for the price of a copy (most of an fp32
+        chunk, once shuffled, where a frame is a plane)."""
+        k, size = self.SAMPLES, self.SAMPLE_BYTES
+        if self._min_saving <= 0 or len(frame) < 4 * k * size:
             return True
-        mid = (len(frame) - size) // 2
-        return len(comp.compress(frame[mid:mid + size])) <= (1 - self._min_saving) * size
+        step = len(frame) // k
+        got = sum(len(comp.compress(frame[i * step + (step - size) // 2:][:size])) for i in range(k))
+        return got <= (1 - self._min_saving) * k * size
 
     def encode(self, spec: dict, src: np.ndarray, out: np.ndarray) -> tuple[int, list | None]:
         """Compress src into out: (stored length, frame lengths), or (-1, None) to store it raw
@@ -231,15 +234,31 @@ _memmove = ctypes.memmove  # releases the GIL
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-class HostFile:
-    """Chunk I/O for the CPU backend: os.pwrite / os.pread on `threads` workers. Each chunk's
-    write-back to the disk starts as soon as it is written (sync_file_range, where there is one),
-    so that the disk works while the next chunks compress instead of all at once in the final
-    fsync."""
+_DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length multiples of this (records are 4 KiB aligned)
 
-    def __init__(self, path: Path, mode: str, threads: int = CPU_IO_THREADS):
+
+class HostFile:
+    """Chunk I/O for the CPU backend: os.pwrite / os.pread on `threads` workers.
+
+    Writes of buffers the backend allocated (its ring slots: `owned(buf)` gives the bytes that
+    may be written from buf's address) go through a second, O_DIRECT descriptor, rounded up to
+    4 KiB with zeros (the padding up to the next record, which the format leaves zero): the disk
+    reads them straight from the slot, with no copy into the page cache and nothing left for the
+    final fsync. Anything else (a raw chunk written from the caller's tensor), a file system
+    without O_DIRECT (tmpfs) and any EINVAL fall back to buffered writes, whose write-back starts
+    at once (sync_file_range, where there is one), so that the disk works while the next chunks
+    compress instead of all at once in the final fsync."""
+
+    def __init__(self, path: Path, mode: str, threads: int = CPU_IO_THREADS, owned=None):
         flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if mode == "w" else os.O_RDONLY
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._dfd = -1
+        self._owned = owned
+        if mode == "w" and owned is not None and CPU_DIRECT_IO and hasattr(os, "O_DIRECT"):
+            try:
+                self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError:  # tmpfs and a few others refuse O_DIRECT: buffered writes only
+                self._dfd = -1
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-io")
 
     def pwrite(self, buf, nbytes: int, offset: int) -> Completion:
@@ -249,10 +268,29 @@ class HostFile:
         return Completion(self._pool.submit(self._pread, buf, nbytes, offset).result)
 
     def _pwrite(self, buf, nbytes, offset) -> int:
+        if self._dfd >= 0 and self._write_direct(buf, nbytes, offset):
+            return nbytes
         pwrite_all(self.fd, _np(buf)[:nbytes], offset)
         if _SYNC_FILE_RANGE is not None:  # a hint: the fsync at the commit is what makes it durable
             _SYNC_FILE_RANGE(self.fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
         return nbytes
+
+    def _write_direct(self, buf, nbytes: int, offset: int) -> bool:
+        """Write buf[:nbytes] and zeros up to the next 4 KiB through O_DIRECT; False where that
+        cannot be done (the caller then writes it buffered)."""
+        rounded = -(-nbytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        addr = buf.data_ptr()
+        if offset % _DIRECT_ALIGN or addr % _DIRECT_ALIGN or self._owned(buf) < rounded:
+            return False
+        view = (ctypes.c_char * rounded).from_address(addr)  # buf's slot: it outlives this write
+        ctypes.memset(addr + nbytes, 0, rounded - nbytes)
+        try:
+            pwrite_all(self._dfd, memoryview(view), offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return False  # rewritten buffered, from the start
+        return True
 
     def _pread(self, buf, nbytes, offset) -> int:
         view = memoryview(_np(buf)[:nbytes])
@@ -266,6 +304,9 @@ class HostFile:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -279,12 +320,24 @@ class CpuBackend:
     def __init__(self, io_threads: int = CPU_IO_THREADS):
         self.io_threads = io_threads
         self._codecs = CpuCodecs()
+        self._buffers: dict[int, tuple] = {}  # storage address -> (buffer from empty(), end of its room)
 
     def can_decode(self, spec: dict) -> bool:
         return cpu_can_decode(spec)
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """nbytes at a 4 KiB aligned address, with room to round a write up to 4 KiB (HostFile's
+        O_DIRECT writes)."""
+        room = -(-nbytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        base = torch.empty(room + _DIRECT_ALIGN, dtype=torch.uint8)
+        skip = -base.data_ptr() % _DIRECT_ALIGN
+        self._buffers[base.untyped_storage().data_ptr()] = (base, base.data_ptr() + skip + room)  # kept alive
+        return base[skip:skip + nbytes]
+
+    def _owned(self, buf: torch.Tensor) -> int:
+        """Bytes from buf's address to the end of the buffer it lies in, if this backend made it; else 0."""
+        owner = self._buffers.get(buf.untyped_storage().data_ptr()) if buf.is_cpu else None
+        return owner[1] - buf.data_ptr() if owner else 0
 
     def direct(self, view: torch.Tensor) -> bool:
         return view.device.type == "cpu"
@@ -343,7 +396,7 @@ class CpuBackend:
         return ALGORITHMS[algorithm](_np(buf))
 
     def open(self, path: Path, mode: str) -> HostFile:
-        return HostFile(path, mode, self.io_threads)
+        return HostFile(path, mode, self.io_threads, self._owned)
 
     def synchronize(self) -> None:
         pass

@@ -46,6 +46,9 @@ CPU_MIN_SAVING = 0.05
 # Start each chunk's write-back as soon as it is written (sync_file_range), not in the final fsync.
 CPU_WRITEBACK = True
 
+# Write the CPU ring's slots with O_DIRECT (buffered where the file system refuses it).
+CPU_DIRECT_IO = True
+
 # zstd frames. The GPU cuts small frames for parallelism (nvCOMP's RAW zstd takes one frame
 # per batch entry, 16 MiB at most). The CPU cuts 4 MiB: a 16 MiB chunk of fp32, shuffled, is then
 # one frame per byte plane, so the three mantissa planes are stored as raw blocks and only the

@@ -148,6 +148,22 @@ def test_frames_that_do_not_pay_are_raw_blocks_and_random_chunks_are_raw():
         cc.close()
 
 
+@pytest.mark.parametrize("w, n", [(4, 1 << 20), (8, 3 << 20), (2, 512 << 10)])
+def test_a_frame_spanning_several_planes_is_still_compressed(w, n):
+    """A frame holding all planes (a chunk smaller than a frame, or 2 MiB planes of fp64 in 4 MiB
+    frames) is sampled all over, not just in its middle (a mantissa plane): it is compressed."""
+    src = (np.random.default_rng(w).standard_normal(n // w) * 1e-3).astype(f"<f{w}")
+    src = src.view(np.uint8)[:n].copy()
+    spec = {"name": "zstd", "level": 1, "frame_bytes": 4 << 20, "shuffle": w}
+    cc = CpuCodecs(threads=2)
+    try:
+        out = np.zeros(len(src), np.uint8)
+        stored, frames = cc.encode(spec, src, out)
+        assert 0 < stored < 0.95 * len(src) and frames[0] != raw_frame_size(min(len(src), 4 << 20))
+    finally:
+        cc.close()
+
+
 def test_every_dtype_round_trips_through_auto(tmp_path):
     """codec="auto" on the CPU: every dtype, element counts that are not multiples of anything,
     chunks that cut tensors and tensors that share chunks; bit-exact, including the non-finite
@@ -279,3 +295,86 @@ def test_auto_is_zstd_on_the_cpu_for_every_dtype():
         spec = codecs.resolve("auto", name, gpu=False, nvcomp_version=None)
         assert spec == codecs.cpu_auto_spec(name)
         assert json.loads(json.dumps(spec)) == spec
+
+
+# ---------------------------------------------------------------- O_DIRECT writes of the ring's slots
+
+
+def _data_area(p):
+    head, doc, off = split(p.read_bytes())
+    return head, doc
+
+
+def test_direct_writes_match_buffered_ones(tmp_path, monkeypatch):
+    """Slots are written with O_DIRECT, rounded up to 4 KiB with zeros: the file holds the same
+    bytes as a buffered save (records and zero padding; only the index's timestamp may differ)."""
+    from gdsckpt import cpu_backend as cb
+    used = []
+    real = cb.HostFile._write_direct
+    monkeypatch.setattr(cb.HostFile, "_write_direct", lambda self, *a: used.append(real(self, *a)) or used[-1])
+    state = {"w": torch.randn(1_000_003), "b": torch.randn(70_001).bfloat16(), "i": torch.arange(999)}
+    a, b = tmp_path / "direct.gdsckpt", tmp_path / "buffered.gdsckpt"
+    gdsckpt.save(state, a, chunk_bytes=256 << 10)
+    assert used and all(used)  # every record went through O_DIRECT (this file system has it)
+    monkeypatch.setattr(cb, "CPU_DIRECT_IO", False)
+    gdsckpt.save(state, b, chunk_bytes=256 << 10)
+    (ha, da), (hb, db) = _data_area(a), _data_area(b)
+    assert ha == hb and da["chunks"] == db["chunks"]
+    assert_same(gdsckpt.load(a), state)
+
+
+def test_raw_chunks_from_the_callers_tensor_are_not_touched(tmp_path):
+    """A chunk stored raw straight from the caller's tensor is written buffered: the rounding up
+    to 4 KiB, which zeroes bytes past the record in the slot, must never touch a tensor."""
+    noise = torch.randint(0, 256, (3 * (256 << 10) + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    keep = noise.clone()
+    p = tmp_path / "raw.gdsckpt"
+    stats = gdsckpt.save({"noise": noise}, p, chunk_bytes=256 << 10)
+    assert stats.streams[0]["raw_chunks"] == 4
+    assert torch.equal(noise, keep)
+    assert torch.equal(gdsckpt.load(p)["noise"], keep)
+
+
+def test_direct_write_refused_falls_back_to_buffered(tmp_path, monkeypatch):
+    """EINVAL from an O_DIRECT write (an alignment this file system wants and we did not meet):
+    the chunk is written again, buffered, and the save completes bit-exact."""
+    import errno
+    import os
+    from gdsckpt import cpu_backend as cb
+    real_open, direct_fds = os.open, set()
+
+    def tracking_open(path, flags, *a):
+        fd = real_open(path, flags, *a)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    state = {"w": torch.randn(600_000)}
+    p = tmp_path / "fallback.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=256 << 10)
+    assert direct_fds
+    monkeypatch.undo()
+    assert_same(gdsckpt.load(p), state)
+    assert cb.CPU_DIRECT_IO
+
+
+def test_file_systems_without_o_direct(tmp_path):
+    """tmpfs refuses O_DIRECT at open: the save writes buffered."""
+    import os
+    import tempfile
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        state = {"w": torch.randn(300_000)}
+        p = os.path.join(d, "s.gdsckpt")
+        gdsckpt.save(state, p, chunk_bytes=256 << 10)
+        assert_same(gdsckpt.load(p), state)
