@@ -276,18 +276,21 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         return self.path
 
     def _plan_is_staged(self, plan: SavePlan, planner: SavePlanner) -> bool:
+        """All of the plan's tensors are stage()'s stand-ins (True) or none is (another save: False).
+        A mix would write stand-ins, which hold no data, as if they were the state: refused."""
         keys = self._staged[0][1]
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                return isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() in keys
-        return True
+        found = [isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() in keys
+                 for data in (planner.resolve_data(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)]
+        if any(found) and not all(found):
+            raise DCPPlanError(f"{found.count(False)} of the plan's {len(found)} tensors are not the ones this "
+                               "writer's stage() compressed; refusing to write stand-ins as data")
+        return all(found)
 
     def _write_staged(self, plan: SavePlan, planner: SavePlanner, prefix: str) -> Future:
         """write_data after a compressed `stage`: the tensor items are in the pool already; the
         byte items (pickled plain values, small) go to a second file through gdsckpt.save."""
         staged, self._staged[0] = self._staged[0], None
-        dest, keys, shapes, snap = staged
+        dest, keys, shapes, snap, _ = staged
         name, bytes_name = f"{prefix}0{SUFFIX}", f"{prefix}1{SUFFIX}"
         submitted = False
         try:
@@ -528,6 +531,7 @@ def stage_compressed(state_dict, save_options: dict):
     tensors: dict[str, torch.Tensor] = {}
     keys: dict[int, str] = {}
     shapes: dict[str, tuple] = {}
+    alive: list[torch.Tensor] = []
 
     def stand_in(t: torch.Tensor, path: str) -> torch.Tensor:
         if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
@@ -538,10 +542,14 @@ def stage_compressed(state_dict, save_options: dict):
             key += "#"
         tensors[key] = t.detach()
         shapes[key] = tuple(t.shape)
-        base = torch.zeros(1, dtype=t.dtype)
+        # On the tensor's own device: DTensor.from_local moves a local tensor that is not on the
+        # mesh's device type, and write_data would then not recognise the copy as staged. Kept
+        # alive with the staging, so that no two stand-ins ever share a storage address.
+        base = torch.zeros(1, dtype=t.dtype, device=t.device)
         if t.requires_grad and (t.is_floating_point() or t.is_complex()):
             base.requires_grad_(True)
         keys[base.untyped_storage().data_ptr()] = key
+        alive.append(base)
         return base.reshape(()).expand(t.shape)
 
     def rebuild(o, path: str, depth: int):
@@ -572,7 +580,7 @@ def stage_compressed(state_dict, save_options: dict):
     dest = PoolDestination(None, None, save_options.get("chunk_bytes"))
     with _OnDevice(_cuda_device(tensors.values())):
         snap = api._save(tensors, dest, **save_options)
-    return state, (dest, keys, shapes, snap)
+    return state, (dest, keys, shapes, snap, alive)
 
 
 def snapshot_state_dict(obj):
