@@ -20,6 +20,7 @@ import torch
 from . import codecs
 from . import format as fmt
 from . import isolated as _isolated
+from . import remote as _remote
 from ._version import __version__
 from .backend import choose, make_backend, nvcomp_version
 from .checksum import ALGORITHMS
@@ -276,7 +277,8 @@ class Checkpoint:
 
     def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,
                  io_threads: int | None = None, trusted: bool = True):
-        self.path = user_path(path, "open")
+        self._remote = None  # an s3:// checkpoint: remote.S3Source, read by ranged GETs only
+        self.path = path if _remote.is_remote(path) else user_path(path, "open")
         _check_io(io, io_threads)
         if not _is_int(ring_depth) or ring_depth < 1:
             raise ValueError(f"ring_depth must be a positive int, not {ring_depth!r}")
@@ -285,6 +287,9 @@ class Checkpoint:
         # trusted=False: a file from elsewhere. No chunk reaches a GPU decoder in this process: a
         # child process decodes them (gdsckpt/isolated.py).
         self.trusted = bool(trusted)
+        if isinstance(self.path, str):
+            self._open_remote(backend, io, io_threads)
+            return
         # The file stays open: every later read goes to this file even if a save replaces the path.
         # O_NONBLOCK: a FIFO given by mistake must not hang the open.
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -298,6 +303,21 @@ class Checkpoint:
         except BaseException:
             self._closer()
             raise
+        self._after_index(backend, io, io_threads)
+
+    def _open_remote(self, backend, io, io_threads) -> None:
+        """An object in an S3-compatible store: the footer and index by ranged GETs now, each chunk
+        record by a ranged GET when a tensor that needs it is read (into device memory through
+        KvikIO's RemoteFile on the GPU); nothing is downloaded whole."""
+        if not self.trusted:
+            raise ValueError("trusted=False reads local files only: download the object first")
+        self._remote = _remote.S3Source(self.path)
+        self._fd, self._identity = None, None
+        self._closer = weakref.finalize(self, lambda: None)
+        self.index = _remote.read_index(self._remote.pread, self._remote.size, self.path)
+        self._after_index(backend, io, io_threads)
+
+    def _after_index(self, backend, io, io_threads) -> None:
         self._check_nvcomp()
         self._backend_choice, self._io, self._io_threads = backend, io, io_threads
         # Every key path -> tensor: each stored tensor's key, then the keys of its aliases (tensors
@@ -472,9 +492,8 @@ class Checkpoint:
                                 data[s.chunk_offset:s.chunk_offset + s.length])
                 be.synchronize()  # the host slot goes back to the child after this
 
-            file = be.open(self._reopen_path(), "r")
+            file = self._open_chunks(be)
             try:
-                self._same_file(file.fd)
                 be.begin()
                 read_chunks(self.index, own_ids, views, be, file, self.ring_depth, timings, self.path)
                 if child_ids:
@@ -540,23 +559,41 @@ class Checkpoint:
                 "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep or isolated,
                 "isolated": isolated}
 
+    def _open_chunks(self, be):
+        """The ring's ChunkFile on this checkpoint: the file opened, or the object's ranged GETs."""
+        if self._remote is not None:
+            return be.open_url(self.path, self._remote.size)
+        file = be.open(self._reopen_path(), "r")
+        try:
+            self._same_file(file.fd)
+        except BaseException:
+            file.close()
+            raise
+        return file
+
     def _verify_chunks(self, chunk_ids, headers: bool = False) -> None:
         """Read `chunk_ids` on the CPU and check their checksums (headers=True: and their zstd frame
         headers, the decoder's own first check), one chunk in memory at a time."""
         plan, records = self.index.plan, self.index.records
-        fd = os.open(self._reopen_path(), os.O_RDONLY)
+        if self._remote is not None:
+            fd, pread = None, self._remote.pread
+        else:
+            fd = os.open(self._reopen_path(), os.O_RDONLY)
+            pread = lambda n, o: pread_exact(fd, n, o)  # noqa: E731
         try:
-            self._same_file(fd)
+            if fd is not None:
+                self._same_file(fd)
             for ci in chunk_ids:
                 c, rec = plan.chunks[ci], records[ci]
                 key = plan.tensors[c.segments[0].tensor].key
-                data = pread_exact(fd, rec.stored, rec.file_offset)
+                data = pread(rec.stored, rec.file_offset)
                 verify_chunk(len(data), ALGORITHMS[self.index.checksum](data), rec, self.path, key, c.index)
                 spec = plan.streams[c.stream].codec
                 if headers and spec["name"] == "zstd" and not rec.raw:
                     _check_frames(data, spec, c, rec, self.path, key)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def _cpu_decodable(self):
         return (r.raw or codecs.cpu_can_decode(self.index.plan.streams[c.stream].codec)
