@@ -79,7 +79,7 @@ import torch
 from . import api
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
 from .errors import BackgroundSaveError, SaveInFlightError
-from .host_snapshot import PoolDestination
+from .host_snapshot import PoolDestination, side_stream
 from .pinned_pool import align_up, pools, release_pools
 from .storage import save_target, user_path
 from .tree import flatten, unflatten
@@ -146,8 +146,6 @@ _tracked: list[tuple[SaveFuture, str, str]] = []  # (future, mode, path) of call
 _snapshot_done = threading.Event()  # the last overlap snapshot has ended
 _snapshot_done.set()
 _hooks: list = []  # [handle, done event] of step pre-hooks not yet removed
-_streams: dict[int, torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
 
 
 def default_pool_limit(plan) -> int:
@@ -241,7 +239,7 @@ def _overlap_save(skeleton, leaves, dest: PoolDestination, optimizer, save_kwarg
     gpu = _cuda_device_of(tensors)
     fence = None
     if gpu is not None:  # the snapshot's ring starts after the work queued before this call, not after later work
-        fence = _side_stream(torch.device("cuda", gpu))
+        fence = side_stream("snapshot", torch.device("cuda", gpu))
         fence.wait_stream(torch.cuda.current_stream(gpu))
     fut = _new_future()
     done = threading.Event()
@@ -385,14 +383,6 @@ def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0
 # ---------------------------------------------------------------- device snapshot (snapshot="device")
 
 
-def _side_stream(device: torch.device):
-    with _streams_lock:
-        s = _streams.get(device.index)
-        if s is None:
-            s = _streams[device.index] = torch.cuda.Stream(device=device)
-        return s
-
-
 def snapshot_tensors(tensors: list) -> list:
     """Contiguous private copies of `tensors`, each on the tensor's own device; complete on return.
 
@@ -408,7 +398,7 @@ def snapshot_tensors(tensors: list) -> list:
             out[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     used = []
     for dev, idx in by_gpu.items():
-        side = _side_stream(dev)
+        side = side_stream("snapshot", dev)
         with torch.cuda.device(dev):
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):

@@ -42,15 +42,17 @@ class DeferredLayout(fmt.FileWriter):
         self.file_bytes = self._next + len(index) + fmt.FOOTER_SIZE
 
 
-_copy_streams: dict[int, torch.cuda.Stream] = {}
-_copy_streams_lock = threading.Lock()
+_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
 
 
-def _copy_stream(device: torch.device):
-    with _copy_streams_lock:
-        s = _copy_streams.get(device.index)
+def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
+    """One CUDA stream per purpose ("copy": device-to-host copies; "snapshot": save_async's
+    device copies and fences) and GPU, made once: creating streams per save would leak them."""
+    with _streams_lock:
+        s = _streams.get((purpose, device.index))
         if s is None:
-            s = _copy_streams[device.index] = torch.cuda.Stream(device=device)
+            s = _streams[(purpose, device.index)] = torch.cuda.Stream(device=device)
         return s
 
 
@@ -80,7 +82,7 @@ class PoolFile:
         extent.zero_tail(nbytes)
         event = None
         if buf.is_cuda:
-            stream = _copy_stream(buf.device)
+            stream = side_stream("copy", buf.device)
             stream.wait_stream(torch.cuda.current_stream(buf.device))  # the ring's stream: the record is ready
             with torch.cuda.stream(stream):
                 pos = 0
