@@ -391,7 +391,9 @@ class CpuBackend:
         return view.device.type == "cpu"
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.is_cpu and src.is_cpu:
+        if dst.is_cpu and src.is_cpu and dst.is_contiguous() and src.is_contiguous() and dst.nbytes == src.nbytes:
+            _memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)  # the restore's scatter: ~3,600 small copies
+        elif dst.is_cpu and src.is_cpu:
             np.copyto(_np(dst), _np(src))
         else:  # a CUDA tensor saved or loaded through the CPU backend
             dst.copy_(src)
