@@ -27,7 +27,10 @@ KVIKIO_DIRECT_IO = True
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.
 CPU_IO_THREADS = 2
 
-# codec="auto" on the CPU: zstd at this level over byte-shuffled chunks (FORMAT.md, "shuffle").
+# codec="auto" on the CPU: zstd from this level over byte-shuffled chunks (FORMAT.md, "shuffle").
+# Shuffled, fp32 planes 0-2 do not compress at all and the sign/exponent plane to 0.30-0.35, so
+# a 350 MB AdamW state stores 81.3% (zstd level 3 on whole words: 90.3%, 2-5x slower); levels
+# above 1 cost time for no gain on byte planes (2026-11-23-cpu-compare/README.md).
 CPU_AUTO_LEVEL = 1
 
 # zstd's match finder for shuffled chunks, on top of the spec's level: an 8-bit hash table,
@@ -37,16 +40,24 @@ CPU_AUTO_LEVEL = 1
 ZSTD_SHUFFLED_PARAMS = {"hash_log": 8, "chain_log": 8, "min_match": 7, "window_log": 17, "strategy": 1}
 
 # Cores that shuffle and compress (or decompress) one CPU chunk: the pool of CpuCodecs and the
-# zstd workers of a large frame.
+# zstd workers of a large frame. On the 2-core test VM, 2 against 1: the whole state's encode
+# alone 0.22-0.27 s against 0.35-0.48; in full saves no difference while other processes held
+# the second core (2026-11-23-cpu-compare/variants.txt, threads-writeback.json).
 CPU_CODEC_THREADS = 2
 
-# A CPU chunk whose samples save less than this fraction is stored raw without compressing it.
+# A zstd frame on the CPU whose four 4 KiB samples save less than this fraction is written as
+# raw blocks, with a copy instead of a compressor run: in a shuffled fp32 chunk, the three
+# mantissa planes. Compressing every frame instead: save median 0.68 s vs 0.62 in the same rounds,
+# for the same size (2026-11-23-cpu-compare/variants.txt).
 CPU_MIN_SAVING = 0.05
 
-# Start each chunk's write-back as soon as it is written (sync_file_range), not in the final fsync.
+# Start each buffered chunk write's write-back at once (sync_file_range), not in the final fsync:
+# save median 0.56 s against 0.66 s (2026-11-23-cpu-compare/threads-writeback.json, buffered writes).
 CPU_WRITEBACK = True
 
-# Write the CPU ring's slots with O_DIRECT (buffered where the file system refuses it).
+# Write the CPU ring's slots with O_DIRECT (buffered where the file system refuses it): no copy
+# into the page cache, nothing left for the fsync. Save median 0.48 s against 0.58 s buffered,
+# torch.save 0.44 s in the same rounds (2026-11-23-cpu-compare/direct-vs-buffered.json).
 CPU_DIRECT_IO = True
 
 # zstd frames. The GPU cuts small frames for parallelism (nvCOMP's RAW zstd takes one frame
