@@ -94,6 +94,23 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def _place_frame(out: np.ndarray, pos: int, frame, blob: bytes | None, limit: int, frames: list) -> int:
+    """Put one frame after `pos` at the next 16-byte boundary (FORMAT.md; the gap zeroed): the
+    compressed `blob`, or `frame` as raw zstd blocks where blob is None. Returns the end, or -1
+    once the chunk would reach `limit` bytes (it does not shrink: the caller stores it raw)."""
+    start = (pos + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
+    size = raw_frame_size(len(frame)) if blob is None else len(blob)
+    if start + size >= limit:
+        return -1
+    out[pos:start] = 0
+    if blob is None:
+        write_raw_frame(frame, out[start:start + size])
+    else:
+        out[start:start + size] = np.frombuffer(blob, dtype=np.uint8)
+    frames.append(size)
+    return start + size
+
+
 class CpuCodecs:
     """raw and zstd (optionally byte-shuffled) on host memory, on `threads` cores: a chunk's
     shuffle, unshuffle and frame decodes are spread over a pool of that many threads (numpy's
@@ -182,22 +199,13 @@ class CpuCodecs:
         pos, frames = 0, []
         for o, n in frame_bounds(len(data), spec["frame_bytes"]):
             frame = data[o:o + n]
-            start = (pos + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
+            blob = None
             if self._pays(probe, frame):
                 workers = self._threads if n >= self.MT_FRAME_BYTES and self._threads > 1 else 0
                 blob = self._compressor(level, shuffled, workers).compress(frame)
-                size = len(blob)
-            else:
-                blob, size = None, raw_frame_size(n)
-            if start + size >= len(data):
+            pos = _place_frame(out, pos, frame, blob, len(data), frames)
+            if pos < 0:
                 return -1, None
-            out[pos:start] = 0
-            if blob is None:
-                write_raw_frame(frame, out[start:start + size])
-            else:
-                out[start:start + size] = np.frombuffer(blob, dtype=np.uint8)
-            pos = start + size
-            frames.append(size)
         return pos, frames
 
     def _encode_planes(self, spec: dict, src: np.ndarray, out: np.ndarray, width: int) -> tuple[int, list | None]:
@@ -227,18 +235,9 @@ class CpuCodecs:
         pos, frames = 0, []
         try:
             for k, view in enumerate(views):
-                start = (pos + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
-                blob = result(k) if pays[k] else None
-                size = raw_frame_size(fb) if blob is None else len(blob)
-                if start + size >= len(src):
+                pos = _place_frame(out, pos, view, result(k) if pays[k] else None, len(src), frames)
+                if pos < 0:
                     return -1, None
-                out[pos:start] = 0
-                if blob is None:
-                    write_raw_frame(view, out[start:start + size])
-                else:
-                    out[start:start + size] = np.frombuffer(blob, dtype=np.uint8)
-                pos = start + size
-                frames.append(size)
         finally:  # scratch is the next chunk's: no compression may still be reading it
             for f in futures.values():
                 f.exception()
