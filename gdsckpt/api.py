@@ -314,7 +314,7 @@ class Checkpoint:
         self._remote = _remote.S3Source(self.path)
         self._fd, self._identity = None, None
         self._closer = weakref.finalize(self, lambda: None)
-        self.index = _remote.read_index(self._remote.pread, self._remote.size, self.path)
+        self.index = fmt.read_index(self._remote.pread, self._remote.size, self.path)
         self._after_index(backend, io, io_threads)
 
     def _after_index(self, backend, io, io_threads) -> None:

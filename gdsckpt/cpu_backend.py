@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .checksum import ALGORITHMS, CURRENT
+from .checksum import ALGORITHMS
 from .codecs import FRAME_ALIGN, ZSTD_HEADER_MAX, check_zstd_header, cpu_can_decode, frame_bounds, frame_offsets
 from .defaults import CPU_CODEC_THREADS, CPU_DIRECT_IO, CPU_IO_THREADS, CPU_MIN_SAVING, CPU_WRITEBACK, ZSTD_SHUFFLED_PARAMS
 from .errors import CodecUnavailableError
@@ -441,7 +441,7 @@ class CpuBackend:
     def decode(self, spec, stored, out, frames) -> None:
         self._codecs.decode(spec, _np(stored), _np(out), frames)
 
-    def checksum(self, buf: torch.Tensor, algorithm: str = CURRENT) -> int:
+    def checksum(self, buf: torch.Tensor, algorithm: str) -> int:
         return ALGORITHMS[algorithm](_np(buf))
 
     def open(self, path: Path, mode: str) -> HostFile:

@@ -24,8 +24,8 @@ from .storage import pwrite_all
 MAJOR, MINOR = 1, 1
 # The checksum of every chunk record, the index and the footer, by format version (FORMAT.md,
 # "Checksum"): 1.0 wrote a position-weighted sum that two flipped top bits cancel; 1.1 writes
-# CRC-64/NVME. What this version writes:
-CHECKSUM = "crc64nvme"
+# CRC-64/NVME. What this version writes (defined with the algorithms, in checksum.py):
+CHECKSUM = _ck.CURRENT
 
 
 def checksum_algorithm(major: int, minor: int) -> str:

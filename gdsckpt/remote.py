@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .errors import (
     GdsckptError,
-    BucketNotFoundError, CheckpointFormatError, ChecksumError, RemoteAccessError, RemoteNotFoundError,
+    BucketNotFoundError, CheckpointFormatError, RemoteAccessError, RemoteNotFoundError,
     RemoteStoreError, RemoteUnavailableError,
 )
 
@@ -276,7 +276,9 @@ class ObjectStore:
         index (validated as any reader validates them), then every chunk record, in ranged GETs,
         `concurrency` at a time. Raises CheckpointFormatError / ChecksumError naming the s3:// URL,
         key and chunk, or RemoteStoreError."""
-        from .checksum import ALGORITHMS, CURRENT
+        from . import format as fmt
+        from .checksum import ALGORITHMS
+        from .ring import verify_chunk
 
         url = self.url(name)
         size = self.size(name)
@@ -284,20 +286,15 @@ class ObjectStore:
             raise CheckpointFormatError(f"the object is {size} bytes but the local file is {expected_size}: "
                                         "a torn or partial upload", path=url)
         t = time.perf_counter()
-        index = read_index(lambda n, o: self.read(name, o, n), size, url)
-        algorithm = ALGORITHMS[getattr(index, "checksum", CURRENT)]
+        index = fmt.read_index(lambda n, o: self.read(name, o, n), size, url)
+        algorithm = ALGORITHMS[index.checksum]
         plan, records = index.plan, index.records
 
         def check(i):
             rec, chunk = records[i], plan.chunks[i]
             data = self.read(name, rec.file_offset, rec.stored)
             key = plan.tensors[chunk.segments[0].tensor].key if chunk.segments else None
-            if len(data) != rec.stored:
-                raise CheckpointFormatError(f"short read: {len(data)} of {rec.stored} bytes (the object ends early)",
-                                            path=url, key=key, chunk=i)
-            if algorithm(data) != rec.checksum:
-                raise ChecksumError("stored bytes do not match their checksum: the object is corrupt",
-                                    path=url, key=key, chunk=i)
+            verify_chunk(len(data), algorithm(data) if len(data) == rec.stored else 0, rec, url, key, i)
             return rec.stored
 
         checked = 0
@@ -312,16 +309,6 @@ class ObjectStore:
                 checked += f.result()
         return {"url": url, "bytes": size, "chunks": len(records), "stored_bytes": checked,
                 "seconds": time.perf_counter() - t}
-
-
-def read_index(pread, size: int, url: str):
-    """The validated index of an object of `size` bytes read through `pread(n, offset)` (ranged
-    GETs): the footer, then the index, checked as any reader checks them."""
-    from . import format as fmt
-    if hasattr(fmt, "read_index"):  # format 1.1: the file's version picks the checksum algorithm
-        return fmt.read_index(pread, size, url)
-    off, length, index_ck = fmt.read_footer(pread, size, url)  # format 1.0 trees, before read_index
-    return fmt.parse_index(pread(length, off), index_ck, off, url)
 
 
 class S3Source:

@@ -19,7 +19,8 @@ import torch
 from ..backend import make_backend
 from ..dtypes import BY_NAME
 from ..errors import GdsckptError
-from ..remote import parse_url, read_index
+from .. import format as fmt
+from ..remote import parse_url
 from ..ring import Completion, Timings, read_chunks
 from .backend import as_cupy
 
@@ -64,7 +65,7 @@ def read_tensors(url: str, *, ring_depth: int = 2, io_threads: int | None = None
     f = RemoteDeviceFile(url)
     try:
         size = f.nbytes()
-        index = read_index(f.read_host, size, url)
+        index = fmt.read_index(f.read_host, size, url)
     except BaseException:
         f.close()
         raise
