@@ -26,7 +26,7 @@ from gdsckpt import async_save as am
 from gdsckpt import background_writer as bw
 from gdsckpt import host_snapshot as hs
 from gdsckpt import pinned_pool as pp
-from conftest import all_dtype_tensors, assert_same
+from conftest import all_dtype_tensors, assert_same, same
 
 
 def _state(seed: int, n: int = 200_000) -> dict:
@@ -466,15 +466,7 @@ def test_calls_from_two_threads_are_serialized(tmp_path, monkeypatch):
     spans = sorted((t0, t1) for _, t0, t1 in held.spans)
     assert spans[0][1] <= spans[1][0]
     got = gdsckpt.load(p)
-    assert any(_same(got, _state(s)) for s in (30, 31))
-
-
-def _same(a, b) -> bool:
-    try:
-        assert_same(a, b)
-        return True
-    except AssertionError:
-        return False
+    assert any(same(got, _state(s)) for s in (30, 31))
 
 
 def test_device_mode_waits_for_host_saves_and_host_for_device(tmp_path, monkeypatch):

@@ -38,15 +38,6 @@ def free_port() -> int:
     return port
 
 
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
@@ -72,6 +63,7 @@ def main() -> int:
         from boto3.s3.transfer import TransferConfig
 
         import gdsckpt
+        from gdsckpt.bench.disk import drop_page_cache
         from gdsckpt.gpu.remote import read_tensors
         doc["kvikio"] = kvikio.__version__
         doc["remote_file_available"] = kvikio.is_remote_file_available()
@@ -112,7 +104,7 @@ def main() -> int:
             del got
             rows.append({"method": "s3->gpu (KvikIO RemoteFile)", "round": r, "seconds": stats["seconds"],
                          "index_seconds": stats["index_seconds"], "stages": stats["stages"], "bit_exact": ok})
-            drop_cache(path)
+            drop_page_cache(path)
             torch.cuda.synchronize()
             t = time.perf_counter()
             loaded = gdsckpt.load(path, device="cuda")
