@@ -473,7 +473,8 @@ class Checkpoint:
         child_ids = [] if self.trusted else [
             c for c in chunk_ids
             if _isolated.needs_child(kind, plan.streams[plan.chunks[c].stream].codec, records[c].raw)]
-        own_ids = [c for c in chunk_ids if c not in set(child_ids)] if child_ids else chunk_ids
+        in_child = set(child_ids)
+        own_ids = [c for c in chunk_ids if c not in in_child]
         timings = _Tracked(own_ids)
         delivered: list[int] = []
         with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
