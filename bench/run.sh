@@ -17,6 +17,8 @@
 #   disk4g   gdsckpt-bench --size 4GB --loops 3: durable saves, cold loads, disk probe (disk4g.json/.txt)
 #   scale    gdsckpt-bench --size S --loops 3 for S = 1GB 4GB 16GB 32GB (scale-S.json, scale.txt)
 #   train    gdsckpt-bench --train: checkpoints inside a training loop (train.json/.txt)
+#   train-ranks  the same under torchrun, one FSDP2 rank per GPU saving through DCP, every
+#            method DCP can run (train-ranks.json/.txt/.png)
 #   dcp      the 2-GPU DCP tests and bench/probes/dcp_bench.py (gpu-dcp-tests.log, dcp-2gpu.json/.txt);
 #            ARGS go to dcp_bench.py
 #   NAME     bench/probes/NAME.py (bench/README.md says what each measures) (its JSON, NAME.txt);
@@ -37,7 +39,7 @@ shift $((OPTIND - 1))
 round=$1; shift
 for job in "$@"; do  # refuse a misspelt job before spending GPU time on the others
   name=${job%%=*}
-  case $name in tests|compare|null|d2h|disk4g|scale|train|dcp) ;;
+  case $name in tests|compare|null|d2h|disk4g|scale|train|train-ranks|dcp) ;;
     *) [ -f "bench/probes/$name.py" ] || { echo "unknown job: $name" >&2; usage; } ;;
   esac
 done
@@ -99,6 +101,12 @@ for job in "$@"; do
     d2h) bench d2h --size 4GB --target null-d2h --loops 8 "${args[@]}" ;;
     disk4g) bench disk4g --size 4GB --loops 3 --directory "$scratch" "${args[@]}" ;;
     train) bench train --train --directory "$scratch" "${args[@]}" ;;
+    train-ranks)
+      NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node "$(nvidia-smi -L | grep -c '^GPU')" \
+        -m gdsckpt.bench --train --directory "$scratch" --methods none,dcp-thread,dcp-process,dcp-gdsckpt \
+        --plot "$dir/train-ranks.png" "${args[@]}" --output "$dir/train-ranks.json" > "$dir/train-ranks.txt" 2>&1
+      status train-ranks $?
+      grep -v "^\[train\]" "$dir/train-ranks.txt" | tail -25 ;;
     scale)
       for s in 1GB 4GB 16GB 32GB; do
         python3 -m gdsckpt.bench --size $s --loops 3 --directory "$scratch" "${args[@]}" \

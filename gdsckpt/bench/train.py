@@ -20,6 +20,10 @@ max_memory_allocated, and device-wide free memory from cudaMemGetInfo sampled ev
 which also sees nvCOMP/CuPy/KvikIO allocations), torch's pinned host memory (its caching host
 allocator), and the process's peak RSS over its start (pinned pools count there once touched).
 
+Under torchrun (`torchrun --nproc-per-node 2 -m gdsckpt.bench --train ...`) each rank trains
+its FSDP2 shard and saves it through DCP (ranks.py); the one-process methods are reported as
+unavailable there.
+
 Methods are a table (METHODS): one line per method or mode. gdsckpt.save_async modes are
 detected from the installed save_async's signature; a mode it does not accept is reported as
 unavailable, and a method that raises is recorded with its exception, not fatal.
@@ -45,6 +49,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import ranks
+from .ranks import Ranks
+
 TRAIN_SCHEMA = 1
 TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, device: {kind, name}, versions, io_path,
  model: {size, layers, heads, d_model, vocab, seq, batch, params}, state: {logical_bytes, tensors},
@@ -55,7 +62,10 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    blocked_s: {mean, max, each}, completion_s: {mean, max, each},
    first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
- cost: {...} | null}"""
+ cost: {...} | null;
+ under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
+ ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save,
+   gpu, host, stored_bytes}]}]}"""
 
 
 # name: layers, heads, d_model, vocab, context, seq, batch
@@ -65,6 +75,8 @@ TRAIN_SIZES = {
     "gpt2-small": (12, 12, 768, 50257, 1024, 1024, 8),
     # GPT-2 medium's shapes with an untied head: 406M params, fp32 + AdamW = 4.87 GB of state.
     "gpt2-medium": (24, 16, 1024, 50257, 1024, 1024, 8),
+    # GPT-2 large's shapes, untied head: 838M params, 10.1 GB of state (5.0 GB per rank on two GPUs).
+    "gpt2-large": (36, 20, 1280, 50257, 1024, 1024, 8),
 }
 
 
@@ -82,6 +94,17 @@ class Ctx:
     io_path: str | None = None
     stored_bytes: int | None = None
     pinned: int = 0  # the largest pinned_host_bytes a gdsckpt Stats reported
+    ranks: Ranks | None = None  # under torchrun
+
+    @property
+    def group(self):
+        """The process group for DCP's collectives (None: the default one)."""
+        return self.ranks.group if self.ranks else None
+
+    def state(self) -> dict:
+        if self.ranks:
+            return ranks.checkpoint_state(self.model, self.opt)
+        return checkpoint_state(self.model, self.opt)
 
 
 class Method:
@@ -90,6 +113,8 @@ class Method:
 
     name = "?"
     asynchronous = False
+    sharded = False  # runs under torchrun: saves each rank's DTensor shards
+    notes = ""  # what the result should say about how it ran
 
     def available(self) -> str | None:
         """None if it can run here, else why not."""
@@ -111,6 +136,7 @@ class Method:
 
 class NoCheckpoint(Method):
     name = "none"
+    sharded = True
 
 
 class TorchSave(Method):
@@ -179,9 +205,16 @@ def _process_group() -> None:
 
 
 class DcpPinned(Method):
-    """dcp.async_save with DCP's pinned-memory DefaultStager, FileSystemWriter (fsync on)."""
+    """dcp.async_save with DCP's pinned-memory DefaultStager, FileSystemWriter (fsync on).
+
+    One stager for every save, as DCP intends (its pinned buffers are reused), except where
+    staging closes it: torch 2.11's DefaultStager closes its StateDictStager after each stage
+    (pytorch/pytorch#183413; a second save then fails with KeyError(<class 'type'>)), and so
+    frees its pinned cache anyway. There a new stager per save is DCP's actual behaviour, and
+    the result's notes say so."""
 
     asynchronous = True
+    sharded = True
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -198,16 +231,32 @@ class DcpPinned(Method):
         return None
 
     def setup(self, ctx):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         _process_group()
-        self.stager = DefaultStager(StagingOptions(True, True, True, True))
+        self.gpu = ctx.device.startswith("cuda")
+        if not self.gpu:
+            self.notes = "CPU: DefaultStager without pinned memory or non-blocking copies (they need an accelerator)"
+        self.stager = self._new_stager()
+
+    def _new_stager(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        # (pinned memory, shared memory, async staging, non-blocking copies): torchtitan's async_with_pinned_mem
+        return DefaultStager(StagingOptions(self.gpu, True, True, self.gpu))
+
+    def _closed_by_staging(self) -> bool:
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
     def save(self, ctx, state, path):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        if self._closed_by_staging():
+            self.stager.close()
+            self.stager = self._new_stager()
+            self.notes = (f"torch {torch.__version__}: DefaultStager closes itself after staging "
+                          "(pytorch/pytorch#183413), so a new one (new pinned buffers) per save")
         kind = AsyncCheckpointerType.THREAD if self.kind == "thread" else AsyncCheckpointerType.PROCESS
         r = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
-                           async_checkpointer_type=kind, async_stager=self.stager)
+                           async_checkpointer_type=kind, async_stager=self.stager, process_group=ctx.group)
         if hasattr(r, "upload_completion"):  # AsyncSaveResponse: staging runs in the background too
             self.staging = r.staging_completion
             return r.upload_completion
@@ -227,6 +276,7 @@ class DcpPinned(Method):
 class DcpGdsckpt(Method):
     name = "dcp.async_save GdsckptWriter"
     asynchronous = True
+    sharded = True
 
     def setup(self, ctx):
         _process_group()
@@ -235,7 +285,7 @@ class DcpGdsckpt(Method):
         import torch.distributed.checkpoint as dcp
         from gdsckpt.dcp import GdsckptWriter
         w = GdsckptWriter(path)
-        fut = dcp.async_save(state, storage_writer=w)
+        fut = dcp.async_save(state, storage_writer=w, process_group=ctx.group)
 
         def done(f):
             if f.exception() is None and w.last_stats is not None:
@@ -430,7 +480,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
         if method.name != "none" and step % interval == 0 and step <= steps - interval:
             path = ctx.directory / f"{tag}-step{step}"
             tc = time.perf_counter()
-            handle = method.save(ctx, checkpoint_state(ctx.model, ctx.opt), path)
+            handle = method.save(ctx, ctx.state(), path)
             te = time.perf_counter()
             blocked.append(te - tc)
             started.append(tc)
@@ -488,31 +538,53 @@ def run_train(args) -> dict:
     from gdsckpt.backend import gpu_status
 
     gpu_ok, why = gpu_status()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device cuda: no CUDA ({why})")
+    rk, device = ranks.from_env(args.device)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size if args.size in TRAIN_SIZES else ("gpt2-medium" if device.startswith("cuda") else "small-cpu")
     steps, interval, repeats = args.steps, args.interval, args.repeats
     if n_checkpoints(steps, interval) < 1:
         raise SystemExit("--steps must be at least twice --interval (every checkpoint is followed by a full interval)")
     methods = select(args.methods)
     model, opt, windows, minfo = build(size, device)
+    if rk:
+        opt = ranks.shard(model)
+        # every rank its own batches, as data parallel training reads them
+        windows = windows[torch.randperm(len(windows), generator=torch.Generator().manual_seed(rk.rank))]
     batches = Batches(windows, minfo["batch"], device)
-    tmp = None
-    directory = Path(args.directory) if args.directory else Path(tmp := tempfile.mkdtemp(prefix="gdsckpt-train-"))
+    if rk:
+        where, made = rk.shared_directory(args.directory)
+        directory, tmp = Path(where), (where if made else None)
+    else:
+        tmp = None
+        directory = Path(args.directory) if args.directory else Path(tmp := tempfile.mkdtemp(prefix="gdsckpt-train-"))
     directory.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(model, opt, directory, device)
+    ctx = Ctx(model, opt, directory, device, ranks=rk)
     hook = [0.0, 0.0]
     for _ in range(3):  # warm-up steps: AdamW creates its state on the first step, kernels compile
         train_step(model, opt, batches, device, NoCheckpoint(), hook)
-    state_bytes = nbytes(checkpoint_state(model, opt))
-    n_tensors = sum(1 for v in checkpoint_state(model, opt)["model"].values()) \
-        + sum(len(s) for s in opt.state_dict()["state"].values())
+    state = ctx.state()
+    state_bytes = nbytes(state)  # DTensors count their global size
+    rank_bytes = ranks.local_bytes(state) if rk else state_bytes
+    n_tensors = sum(1 for v in state["model"].values()) + sum(len(s) for s in state["optim"]["state"].values())
+    del state
     rows = {m.name: {"name": m.name, "status": "ok", "error": None, "loops": [], "first_save": None,
                      "notes": ""} for m in methods}
+
+    def clear():
+        if rk:  # every rank done with the files before rank 0 removes them
+            rk.barrier()
+        if not rk or rk.rank == 0:
+            _clear(directory)
+        if rk:
+            rk.barrier()
+
     active = []
     for m in methods:
         why_not = m.available()
+        if rk and not m.sharded:
+            why_not = "one process's method: under torchrun each rank saves its shards through DCP"
         if why_not:
             rows[m.name].update(status="unavailable", error=why_not)
             continue
@@ -525,7 +597,7 @@ def run_train(args) -> dict:
             try:
                 m.setup(ctx)
                 tc = time.perf_counter()
-                h = m.save(ctx, checkpoint_state(model, opt), directory / f"first-{len(rows[m.name]['loops'])}")
+                h = m.save(ctx, ctx.state(), directory / f"first-{len(rows[m.name]['loops'])}")
                 tb = time.perf_counter() - tc
                 if h is not None:
                     h.result()
@@ -533,7 +605,7 @@ def run_train(args) -> dict:
                 rows[m.name]["first_save"] = {"blocked_s": tb, "completion_s": time.perf_counter() - tc}
             except Exception as e:
                 rows[m.name].update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
-            _clear(directory)
+            clear()
         for r in range(repeats):
             for m in active:
                 if rows[m.name]["status"] != "ok":
@@ -551,13 +623,15 @@ def run_train(args) -> dict:
                     rows[m.name]["_pinned"] = max(rows[m.name].get("_pinned") or 0, ctx.pinned) or None
                 except Exception as e:
                     rows[m.name].update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
-                _clear(directory)
+                clear()
     finally:
         for m in active:
             try:
                 m.teardown()
             except Exception:
                 pass
+        if rk:
+            rk.barrier()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     ckpts = n_checkpoints(steps, interval)
@@ -567,6 +641,7 @@ def run_train(args) -> dict:
     out_methods = []
     for m in methods:
         row = rows[m.name]
+        row["notes"] = row["notes"] or m.notes
         loops: list[Loop] = row.pop("loops")
         if loops and none_loops:
             # Paired with the 'none' loop of the same repeat (they ran minutes apart at most).
@@ -585,7 +660,7 @@ def run_train(args) -> dict:
             })
         out_methods.append(row)
     none_mean = statistics.fmean(l.seconds for l in none_loops) if none_loops else None
-    return {"schema": TRAIN_SCHEMA, "mode": "train",
+    result = {"schema": TRAIN_SCHEMA, "mode": "train",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(),
             "device": {"kind": "gpu" if device.startswith("cuda") else "cpu",
@@ -597,6 +672,22 @@ def run_train(args) -> dict:
             "steps": steps, "interval": interval, "checkpoints_per_loop": ckpts, "repeats": repeats,
             "step_s": none_mean / steps if none_mean else None,
             "methods": out_methods, "cost": None}
+    if rk:
+        result["model"]["sharding"] = f"FSDP2 over {rk.world} ranks"
+        result["state"]["per_rank_bytes"] = rank_bytes
+        result["world_size"] = rk.world
+        per_rank = rk.gather([_rank_row(r) for r in out_methods])
+        result["ranks"] = [{"rank": i, "methods": rows_i} for i, rows_i in enumerate(per_rank)]
+        result["rank"] = rk.rank
+        rk.close()
+    return result
+
+
+def _rank_row(r: dict) -> dict:
+    """The figures of one rank's method row that the per-rank table shows."""
+    keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save",
+            "gpu", "host", "stored_bytes")
+    return {k: r[k] for k in keep if k in r}
 
 
 
@@ -617,6 +708,9 @@ def print_train(result: dict, out=None) -> None:
           f"state {d['state']['logical_bytes'] / 1e9:.2f} GB ({d['state']['tensors']} tensors); "
           f"step {_f(d['step_s'] and d['step_s'] * 1e3, '{:.1f}')} ms; a checkpoint every {d['interval']} steps, "
           f"{d['checkpoints_per_loop']} per loop of {d['steps']} steps, {d['repeats']} repeat(s)", file=out)
+    if d.get("world_size"):
+        print(f"  {d['model']['sharding']}: {d['state']['per_rank_bytes'] / 1e9:.2f} GB of state per rank; "
+              "the table is rank 0's, each rank's figures follow it", file=out)
     print(f"\n{'method':<38}{'overhead/ckpt s':>24}{'blocked s':>11}{'blocked max':>12}{'done s':>8}"
           f"{'first s':>9}{'+GPU GiB':>9}{'+dev GiB':>9}{'pinned GiB':>11}{'stored GB':>10}", file=out)
     for r in d["methods"]:
@@ -630,6 +724,13 @@ def print_train(result: dict, out=None) -> None:
               f"{_f(first, '{:.2f}'):>9}{r['gpu']['peak_extra_torch_bytes'] / 2**30:>9.2f}"
               f"{r['gpu']['peak_extra_device_bytes'] / 2**30:>9.2f}{r['host']['pinned_torch_bytes'] / 2**30:>11.2f}"
               f"{_f(r.get('stored_bytes') and r['stored_bytes'] / 1e9):>10}", file=out)
+    for rr in d.get("ranks", []):
+        for r in rr["methods"]:
+            if r.get("overhead_per_ckpt_s") and r["name"] != "none":
+                o, b = r["overhead_per_ckpt_s"], r["blocked_s"]
+                print(f"  rank {rr['rank']} {r['name']:<36}{_f(o['mean']):>8} s overhead, {_f(b['mean'])} s blocked "
+                      f"(max {_f(b['max'])}), done {_f(r['completion_s']['mean'], '{:.2f}')} s, "
+                      f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB", file=out)
     print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
           " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
           " outside the loops; +GPU: torch peak over the 'none' loop; +dev: device-wide (cudaMemGetInfo, per step);"
@@ -679,6 +780,8 @@ def main(args) -> int:
     from . import cost
     if args.train:
         result = run_train(args)
+        if result.get("rank", 0) != 0:  # under torchrun rank 0 reports every rank
+            return 0
     else:
         if not args.cost_from:
             raise SystemExit("--cost needs --train (this run) or --cost-from RESULT.json")
