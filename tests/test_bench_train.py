@@ -57,3 +57,35 @@ def test_cost_from_file_and_unavailable_modes(tmp_path, capsys):
     from gdsckpt.bench import train
     names = {m.name: m.available() for m in train.all_methods().values()}
     assert names["none"] is None and names["gdsckpt.save_async"] is None
+
+
+def test_train_under_torchrun(tmp_path):
+    """Two gloo ranks (FSDP2 on the CPU): every rank trains its shard and saves it through DCP;
+    rank 0 writes one JSON with each rank's figures; a one-process method is reported, not run."""
+    import subprocess
+    import sys
+    out = tmp_path / "ranks.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "gdsckpt.bench", "--train", "--size", "tiny", "--device", "cpu", "--steps", "4", "--interval", "2",
+           "--repeats", "1", "--methods", "none,torch,dcp-thread,dcp-gdsckpt", "--directory", str(tmp_path / "d"),
+           "--output", str(out), "--cost"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("cost per month") == 1  # rank 0 reports, rank 1 does not
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["model"]["sharding"] == "FSDP2 over 2 ranks"
+    assert 0 < r["state"]["per_rank_bytes"] < r["state"]["logical_bytes"]
+    rows = {m["name"]: m for m in r["methods"]}
+    assert rows["torch.save"]["status"] == "unavailable" and "torchrun" in rows["torch.save"]["error"]
+    assert [x["rank"] for x in r["ranks"]] == [0, 1]
+    for rank in r["ranks"]:
+        per = {m["name"]: m for m in rank["methods"]}
+        for name in ("dcp.async_save pinned thread", "dcp.async_save GdsckptWriter"):
+            assert per[name]["status"] == "ok", per[name]
+            assert len(per[name]["blocked_s"]["each"]) == 1 and len(per[name]["completion_s"]["each"]) == 1
+            assert per[name]["stored_bytes"] > 0
+    c = {m["name"]: m for m in r["cost"]["methods"]}
+    assert r["cost"]["inputs"]["measured_state_bytes"] == r["state"]["per_rank_bytes"]
+    # storage per GPU: the directory's bytes shared out over the ranks
+    g = rows["dcp.async_save GdsckptWriter"]
+    assert abs(c[g["name"]]["checkpoint_bytes"] - g["stored_bytes"] / 2 * r["cost"]["inputs"]["gpus"]) < 1

@@ -42,7 +42,9 @@ def compute(result: dict, args) -> dict:
         raise SystemExit("--cost needs a --train result (its JSON has mode: train)")
     if args.ckpt_every <= 0 or args.gpus <= 0:
         raise SystemExit("--ckpt-every and --gpus must be positive")
-    measured = result["state"]["logical_bytes"]
+    # per GPU: under torchrun each rank holds and stores its share (stored_bytes is every rank's files)
+    measured = result["state"].get("per_rank_bytes", result["state"]["logical_bytes"])
+    world = result.get("world_size", 1)
     scale = parse_size(args.state_per_gpu) / measured if args.state_per_gpu else 1.0
     per_month = MONTH_S / (args.ckpt_every * 60)
     rows = []
@@ -56,7 +58,7 @@ def compute(result: dict, args) -> dict:
         idle_s = max(0.0, o) * scale
         gpu_h = per_month * idle_s / 3600 * args.gpus
         stored = r.get("stored_bytes")
-        ckpt_bytes = stored * scale * args.gpus if stored else None
+        ckpt_bytes = stored / world * scale * args.gpus if stored else None
         rows.append({"name": r["name"], "idle_s_per_ckpt": idle_s, "idle_gpu_hours_month": gpu_h,
                      "idle_usd_month": gpu_h * args.gpu_hour,
                      "checkpoint_bytes": ckpt_bytes,

@@ -259,7 +259,8 @@ class DcpPinned(Method):
                            async_checkpointer_type=kind, async_stager=self.stager, process_group=ctx.group)
         if hasattr(r, "upload_completion"):  # AsyncSaveResponse: staging runs in the background too
             self.staging = r.staging_completion
-            return r.upload_completion
+            r = r.upload_completion
+        r.add_done_callback(lambda f: f.exception() is None and setattr(ctx, "stored_bytes", _dir_bytes(path)))
         return r
 
     def before_step(self):
@@ -271,6 +272,11 @@ class DcpPinned(Method):
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+def _dir_bytes(path) -> int:
+    """A DCP checkpoint's size: every rank's files and the metadata (on a shared directory)."""
+    return sum(p.stat().st_size for p in Path(path).iterdir())
 
 
 class DcpGdsckpt(Method):
@@ -290,7 +296,7 @@ class DcpGdsckpt(Method):
         def done(f):
             if f.exception() is None and w.last_stats is not None:
                 ctx.io_path = w.last_stats.io_path
-                ctx.stored_bytes = sum(p.stat().st_size for p in Path(path).iterdir())
+                ctx.stored_bytes = _dir_bytes(path)
         fut.add_done_callback(done)
         return fut
 

@@ -1,0 +1,135 @@
+"""Does checkpoint I/O slow a 2-GPU training step through the host? (issue 13, 2x H200)
+
+Under torchrun, one rank per GPU. Times, each phase ~4 s:
+  nccl: all_gather_into_tensor of 256 MiB per rank (FSDP2's parameter all-gather), bus GB/s;
+  mm:   a bf16 matmul loop (compute only), ms per iteration;
+alone, then while a thread in each rank writes a pinned 1 GiB buffer to a file with O_DIRECT
+(what gdsckpt's background writer does), then while a side stream copies device-to-host into
+pinned memory (what a staging copy does). If nccl slows under the writes and mm does not, the
+collectives share a path with the disk's DMA (host memory / PCIe: NCCL over SHM or PCIe P2P,
+not NVLink). Run with NCCL_DEBUG=INFO to see the transport. Writes $OUT/nccl_contention.json.
+"""
+import json
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+PHASE_S = 4.0
+
+
+def bench_nccl(stop_after):
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(n * dist.get_world_size(), dtype=torch.uint8, device="cuda")
+    dist.all_gather_into_tensor(dst, src)
+    torch.cuda.synchronize()
+    k, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < stop_after:
+        dist.all_gather_into_tensor(dst, src)
+        k += 1
+        if k % 4 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    w = dist.get_world_size()
+    return k * n * (w - 1) / dt / 1e9  # bus bandwidth of an all-gather
+
+
+def bench_mm(stop_after):
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    k, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < stop_after:
+        a @ a
+        k += 1
+        if k % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / k * 1e3
+
+
+class Writer(threading.Thread):
+    def __init__(self, path):
+        super().__init__(daemon=True)
+        self.buf = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        self.buf.fill_(7)
+        self.path, self.stop, self.bytes = path, threading.Event(), 0
+
+    def run(self):
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        except OSError:  # no O_DIRECT on this file system
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        mv = memoryview(self.buf.numpy())
+        t0 = time.perf_counter()
+        try:
+            while not self.stop.is_set():
+                for off in range(0, len(mv), 64 << 20):
+                    self.bytes += os.pwrite(fd, mv[off:off + (64 << 20)], off)
+                    if self.stop.is_set():
+                        break
+        finally:
+            os.close(fd)
+            os.unlink(self.path)
+        self.gbps = self.bytes / (time.perf_counter() - t0) / 1e9
+
+
+class D2H(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        self.dst = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        self.stream, self.stop, self.bytes = torch.cuda.Stream(), threading.Event(), 0
+
+    def run(self):
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                self.dst.copy_(self.src, non_blocking=True)
+                self.stream.synchronize()
+                self.bytes += self.src.nbytes
+        self.gbps = self.bytes / (time.perf_counter() - t0) / 1e9
+
+
+def phase(name, bg):
+    if bg is not None:
+        bg.start()
+        time.sleep(0.3)
+    dist.barrier()
+    r = {"nccl_busbw_gbps": bench_nccl(PHASE_S), "mm_ms": bench_mm(PHASE_S / 2)}
+    if bg is not None:
+        bg.stop.set()
+        bg.join()
+        r["background_gbps"] = getattr(bg, "gbps", None)
+    dist.barrier()
+    return name, r
+
+
+def main():
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = dist.get_rank()
+    scratch = os.environ.get("BENCH_DIR", "/tmp/bench")
+    os.makedirs(scratch, exist_ok=True)
+    out = dict([phase("alone", None),
+                phase("while O_DIRECT writes from pinned memory", Writer(f"{scratch}/contention-{rank}")),
+                phase("while D2H copies into pinned memory", D2H()),
+                phase("alone again", None)])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name(),
+               "world_size": dist.get_world_size(), "ranks": everyone}
+        print(json.dumps(res, indent=1))
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "nccl_contention.json"), "w") as f:
+                json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
