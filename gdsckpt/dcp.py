@@ -209,8 +209,9 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                                "prepare_global_plan skipped?")
         name = f"{prefix}0{SUFFIX}"
         if self._staged[0] is not None:
-            if self._plan_is_staged(plan, planner):
-                return self._write_staged(plan, planner, prefix)
+            items = [(item, planner.resolve_data(item)) for item in plan.items]  # resolved once: DCP's thread holds the GIL
+            if self._plan_is_staged(items):
+                return self._write_staged(items, prefix)
             _drop_staged(self._staged)  # staged by an async_save whose write never came; this is another save
         state: dict[str, torch.Tensor] = {}
         results: list[WriteResult] = []
@@ -275,18 +276,19 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     def checkpoint_id(self) -> str | os.PathLike:
         return self.path
 
-    def _plan_is_staged(self, plan: SavePlan, planner: SavePlanner) -> bool:
-        """All of the plan's tensors are stage()'s stand-ins (True) or none is (another save: False).
-        A mix would write stand-ins, which hold no data, as if they were the state: refused."""
+    def _plan_is_staged(self, items: list) -> bool:
+        """All of the plan's tensors (items: (write item, its resolved data)) are stage()'s
+        stand-ins (True) or none is (another save: False). A mix would write stand-ins, which
+        hold no data, as if they were the state: refused."""
         keys = self._staged[0][1]
         found = [isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() in keys
-                 for data in (planner.resolve_data(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)]
+                 for item, data in items if item.type != WriteItemType.BYTE_IO]
         if any(found) and not all(found):
             raise DCPPlanError(f"{found.count(False)} of the plan's {len(found)} tensors are not the ones this "
                                "writer's stage() compressed; refusing to write stand-ins as data")
         return all(found)
 
-    def _write_staged(self, plan: SavePlan, planner: SavePlanner, prefix: str) -> Future:
+    def _write_staged(self, items: list, prefix: str) -> Future:
         """write_data after a compressed `stage`: the tensor items are in the pool already; the
         byte items (pickled plain values, small) go to a second file through gdsckpt.save."""
         staged, self._staged[0] = self._staged[0], None
@@ -296,8 +298,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         try:
             byte_state: dict[str, torch.Tensor] = {}
             results: list[WriteResult] = []
-            for item in plan.items:
-                data = planner.resolve_data(item)
+            for item, data in items:
                 if item.type == WriteItemType.BYTE_IO:
                     key = item_key(item.index)
                     buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
