@@ -3,6 +3,8 @@
 Under torchrun, one rank per GPU. Times, each phase ~4 s:
   nccl: all_gather_into_tensor of 256 MiB per rank (FSDP2's parameter all-gather), bus GB/s;
   mm:   a bf16 matmul loop (compute only), ms per iteration;
+  launch: 2,000 tiny kernels launched from Python then a sync, us per launch (what an FSDP2
+        step's CPU side is made of: the GIL and the CPU show here, the disk's DMA does not);
 alone, then while a thread in each rank writes a pinned 1 GiB buffer to a file with O_DIRECT
 (what gdsckpt's background writer does), then while a side stream copies device-to-host into
 pinned memory (what a staging copy does). If nccl slows under the writes and mm does not, the
@@ -36,6 +38,18 @@ def bench_nccl(stop_after):
     dt = time.perf_counter() - t0
     w = dist.get_world_size()
     return k * n * (w - 1) / dt / 1e9  # bus bandwidth of an all-gather
+
+
+def bench_launch(stop_after):
+    x = torch.zeros(16, device="cuda")
+    torch.cuda.synchronize()
+    k, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < stop_after:
+        for _ in range(2000):
+            x.add_(1)
+        torch.cuda.synchronize()
+        k += 2000
+    return (time.perf_counter() - t0) / k * 1e6
 
 
 def bench_mm(stop_after):
@@ -99,7 +113,8 @@ def phase(name, bg):
         bg.start()
         time.sleep(0.3)
     dist.barrier()
-    r = {"nccl_busbw_gbps": bench_nccl(PHASE_S), "mm_ms": bench_mm(PHASE_S / 2)}
+    r = {"nccl_busbw_gbps": bench_nccl(PHASE_S), "mm_ms": bench_mm(PHASE_S / 2),
+         "launch_us": bench_launch(PHASE_S / 2)}
     if bg is not None:
         bg.stop.set()
         bg.join()
