@@ -1,7 +1,6 @@
 """gdsckpt-bench --train: what checkpointing costs a real training loop.
 
-A GPT-shaped decoder (a plain nn.Module, workload.GPT: DCP's pinned stager raised
-KeyError(<class 'type'>) on Hugging Face GPT-2's state dict on torch 2.11) trains with AdamW
+A GPT-shaped decoder (a plain nn.Module, workload.GPT, no Hugging Face dependency) trains with AdamW
 under bf16 autocast (on the CPU: a small model, bf16 emulated as workload._Bf16Matmuls does)
 and checkpoints {"model": model.state_dict(), "optim": optimizer state} every --interval steps.
 Every method runs the same loop of --steps steps; the last checkpoint's background write is
