@@ -103,7 +103,7 @@ for job in "$@"; do
     train) bench train --train --directory "$scratch" "${args[@]}" ;;
     train-ranks)
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node "$(nvidia-smi -L | grep -c '^GPU')" \
-        -m gdsckpt.bench --train --directory "$scratch" --methods none,dcp-thread,dcp-process,dcp-gdsckpt \
+        -m gdsckpt.bench --train --directory "$scratch" --methods none,dcp-sync,dcp-thread,dcp-process,dcp-gdsckpt-sync,dcp-gdsckpt \
         --plot "$dir/train-ranks.png" "${args[@]}" --output "$dir/train-ranks.json" > "$dir/train-ranks.txt" 2>&1
       status train-ranks $?
       grep -v "^\[train\]" "$dir/train-ranks.txt" | tail -25 ;;

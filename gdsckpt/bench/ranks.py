@@ -87,19 +87,5 @@ def checkpoint_state(model, opt) -> dict:
 def local_bytes(state) -> int:
     """Bytes this rank holds of a state (DTensors count their local shard)."""
     from torch.distributed.tensor import DTensor
-    total = 0
-
-    def walk(x):
-        nonlocal total
-        if isinstance(x, DTensor):
-            total += x.to_local().nbytes
-        elif isinstance(x, torch.Tensor):
-            total += x.nbytes
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-    walk(state)
-    return total
+    from .workload import _walk
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for _, t in _walk(state))

@@ -300,20 +300,49 @@ class DcpGdsckpt(Method):
         return fut
 
 
+class DcpSave(Method):
+    """dcp.save (synchronous) through FileSystemWriter (fsync on) or GdsckptWriter: the sharded
+    runs' counterparts of torch.save and gdsckpt.save."""
+
+    sharded = True
+
+    def __init__(self, writer: str):
+        self.writer = writer
+        self.name = f"dcp.save {writer}"
+
+    def setup(self, ctx):
+        _process_group()
+
+    def save(self, ctx, state, path):
+        import torch.distributed.checkpoint as dcp
+        if self.writer == "GdsckptWriter":
+            from gdsckpt.dcp import GdsckptWriter
+            w = GdsckptWriter(path)
+        else:
+            w = dcp.FileSystemWriter(str(path), sync_files=True)
+        dcp.save(state, storage_writer=w, process_group=ctx.group)
+        ctx.stored_bytes = _dir_bytes(path)
+        if getattr(w, "last_stats", None) is not None:
+            ctx.io_path = w.last_stats.io_path
+
+
 # One line per method or mode: adding a save_async mode is one more GdsSaveAsync line.
 METHODS: list[Callable[[], Method]] = [
     NoCheckpoint,
     TorchSave,
+    lambda: DcpSave("FileSystemWriter"),
     lambda: DcpPinned("thread"),
     lambda: DcpPinned("process"),
     GdsSave,
+    lambda: DcpSave("GdsckptWriter"),
     lambda: GdsSaveAsync("gdsckpt.save_async", {}),
     lambda: GdsSaveAsync("gdsckpt.save_async snapshot=host", {"snapshot": "host"}),
     lambda: GdsSaveAsync("gdsckpt.save_async snapshot=device", {"snapshot": "device"}),
     lambda: GdsSaveAsync("gdsckpt.save_async overlap", {"overlap": True}, optimizer=True),
     DcpGdsckpt,
 ]
-ALIASES = {"none": "none", "torch": "torch.save", "dcp-thread": "dcp.async_save pinned thread",
+ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSystemWriter",
+           "dcp-gdsckpt-sync": "dcp.save GdsckptWriter", "dcp-thread": "dcp.async_save pinned thread",
            "dcp-process": "dcp.async_save pinned process", "save": "gdsckpt.save",
            "async": "gdsckpt.save_async", "async-host": "gdsckpt.save_async snapshot=host",
            "async-device": "gdsckpt.save_async snapshot=device", "async-overlap": "gdsckpt.save_async overlap",
