@@ -85,3 +85,15 @@ def make_state(k: int, mb: float = 2.0) -> dict:
         "optim": {"exp_avg": w * 0.1, "step": torch.tensor(k, dtype=torch.int64)},
         "meta": {"step": k, "lr": 1e-3 * (k + 1), "tag": f"state {k}"},
     }
+
+
+def flip_chunk_byte(path, at: int, mask: int, chunk: int = 0) -> None:
+    """XOR byte `at` of chunk record `chunk` in a checkpoint file with `mask`, in place."""
+    import gdsckpt
+    with gdsckpt.open(path) as ck:
+        off = ck.index.records[chunk].file_offset + at
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ mask]))

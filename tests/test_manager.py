@@ -19,6 +19,7 @@ import gdsckpt
 from gdsckpt.errors import CheckpointLockedError, NoCheckpointError
 from gdsckpt.manager import Checkpointer, step_name
 from conftest import assert_same
+from ckpt_tools import flip_chunk_byte
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -34,13 +35,7 @@ def state_for(step: int, n: int = 50_000) -> dict:
 
 
 def corrupt_chunk(path: Path) -> None:
-    with gdsckpt.open(path) as ck:
-        off = ck.index.records[0].file_offset
-    with open(path, "r+b") as f:
-        f.seek(off + 10)
-        b = f.read(1)
-        f.seek(off + 10)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_chunk_byte(path, 10, 0x40)
 
 
 def test_steps_retention_and_restore(tmp_path):
