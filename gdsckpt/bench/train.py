@@ -437,24 +437,23 @@ def _rss_reset():
         pass
 
 
-def _rss_peak() -> int:
+def _status_bytes(field: str) -> int:
+    """A kB field of /proc/self/status in bytes (0 where there is none)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _rss_peak() -> int:
+    return _status_bytes("VmHWM")
 
 
 def _rss() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def _pinned_torch() -> int:
