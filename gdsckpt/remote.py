@@ -244,10 +244,10 @@ class ObjectStore:
     def download(self, name: str, path: str | os.PathLike) -> int:
         """The object at `name` into the file `path`, written to a temporary beside it, fsync'd and
         renamed (a failed download leaves nothing at `path`). Ranged GETs in parallel."""
-        from .storage import fsync_dir, pwrite_all
+        from .storage import commit, pwrite_all, temp_path_for
         path = Path(path)
         size = self.size(name)
-        tmp = path.with_name(f".{path.name}.download.{os.getpid()}")
+        tmp = temp_path_for(path)  # named as a save's temporary: `gdsckpt clean` finds a leftover
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             step = max(self.part_bytes, VERIFY_READ_BYTES)
@@ -267,8 +267,7 @@ class ObjectStore:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        commit(tmp, path)
         return size
 
     def verify(self, name: str, *, expected_size: int | None = None) -> dict:
