@@ -281,7 +281,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         stand-ins (True) or none is (another save: False). A mix would write stand-ins, which
         hold no data, as if they were the state: refused."""
         keys = self._staged[0][1]
-        found = [isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() in keys
+        found = [isinstance(data, torch.Tensor) and _address(data) in keys
                  for item, data in items if item.type != WriteItemType.BYTE_IO]
         if any(found) and not all(found):
             raise DCPPlanError(f"{found.count(False)} of the plan's {len(found)} tensors are not the ones this "
@@ -307,7 +307,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                     results.append(WriteResult(index=item.index, size_in_bytes=buf.nbytes,
                                                storage_data={"file": bytes_name, "key": key}))
                     continue
-                key = keys.get(data.untyped_storage().data_ptr()) if isinstance(data, torch.Tensor) else None
+                key = keys.get(_address(data)) if isinstance(data, torch.Tensor) else None
                 if key is None or tuple(data.shape) != shapes[key]:
                     raise DCPPlanError(f"write item {item_key(item.index)!r} is not a tensor this writer's stage() "
                                        "compressed (async_staging='host' stages whole tensors and DTensor shards)")
@@ -515,6 +515,44 @@ def _local_dir_id(checkpoint_id) -> bool:
     return not p.exists() or p.is_dir()
 
 
+class _StandInElements:
+    """The one element behind each stand-in: a distinct element of a block per (dtype,
+    device), so that no two stand-ins share a data address (write_data finds each one's key
+    by it) while a staging of thousands of tensors allocates a few blocks, not a tensor
+    (and, on a GPU, a kernel) each. Kept alive with the staging."""
+
+    BLOCK = 4096
+
+    def __init__(self):
+        self.blocks: dict[tuple, list] = {}  # (dtype, device) -> [block, elements used]
+
+    def take(self, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.Tensor:
+        entry = self.blocks.get((dtype, device))
+        if entry is None or entry[1] == self.BLOCK:
+            entry = self.blocks[(dtype, device)] = [torch.zeros(self.BLOCK, dtype=dtype, device=device), 0]
+        one = entry[0][entry[1]:entry[1] + 1]
+        entry[1] += 1
+        # a stand-in of a parameter requires grad as the parameter does
+        return one.detach().requires_grad_(True) if requires_grad else one
+
+
+def _address(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's data starts, also for one of no elements (whose data_ptr() is 0)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset()
+
+
+def _dtensor_like(d, local: torch.Tensor):
+    """A DTensor of `d`'s global shape, mesh and placements over `local`. DTensor's own
+    constructor with d's (immutable) spec: DTensor.from_local re-derives and validates the
+    spec through an autograd Function, ~0.1 ms a tensor, most of a 1,748-tensor staging's
+    Python time (bench/probes/dcp_stage_profile.py); from_local where that constructor differs."""
+    from torch.distributed.tensor import DTensor
+    try:
+        return DTensor(local, d._spec, requires_grad=local.requires_grad)
+    except (AttributeError, TypeError):
+        return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+
+
 def _drop_staged(box: list) -> None:
     staged, box[0] = box[0], None
     if staged is not None:
@@ -526,13 +564,14 @@ def stage_compressed(state_dict, save_options: dict):
     process's host pool, as save_async does; return (stand-in state dict, staged) where the
     stand-ins have the shapes, dtypes and DTensor placements of the tensors but hold no memory
     (one element, expanded), other values are deep-copied, and `staged` is
-    (PoolDestination with the records, {stand-in storage address: key}, {key: shape}, Stats)."""
+    (PoolDestination with the records, {stand-in _address: key}, {key: shape}, Stats, the
+    stand-ins' element blocks)."""
     from torch.distributed.tensor import DTensor
 
     tensors: dict[str, torch.Tensor] = {}
     keys: dict[int, str] = {}
     shapes: dict[str, tuple] = {}
-    alive: list[torch.Tensor] = []
+    elements = _StandInElements()
 
     def stand_in(t: torch.Tensor, path: str) -> torch.Tensor:
         if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
@@ -544,21 +583,16 @@ def stage_compressed(state_dict, save_options: dict):
         tensors[key] = t.detach()
         shapes[key] = tuple(t.shape)
         # On the tensor's own device: DTensor.from_local moves a local tensor that is not on the
-        # mesh's device type, and write_data would then not recognise the copy as staged. Kept
-        # alive with the staging, so that no two stand-ins ever share a storage address.
-        base = torch.zeros(1, dtype=t.dtype, device=t.device)
-        if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-            base.requires_grad_(True)
-        keys[base.untyped_storage().data_ptr()] = key
-        alive.append(base)
-        return base.reshape(()).expand(t.shape)
+        # mesh's device type, and write_data would then not recognise the copy as staged.
+        one = elements.take(t.dtype, t.device, t.requires_grad and (t.is_floating_point() or t.is_complex()))
+        keys[_address(one)] = key
+        return one.reshape(()).expand(t.shape)
 
     def rebuild(o, path: str, depth: int):
         if depth > 512:
             raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
         if isinstance(o, DTensor):
-            return DTensor.from_local(stand_in(o.to_local(), path), o.device_mesh, o.placements, run_check=False,
-                                      shape=o.shape, stride=o.stride())
+            return _dtensor_like(o, stand_in(o.to_local(), path))
         if isinstance(o, torch.Tensor):
             return stand_in(o, path)
         sep = "/" if path else ""
@@ -581,7 +615,7 @@ def stage_compressed(state_dict, save_options: dict):
     dest = PoolDestination(None, None, save_options.get("chunk_bytes"))
     with _OnDevice(_cuda_device(tensors.values())):
         snap = api._save(tensors, dest, **save_options)
-    return state, (dest, keys, shapes, snap, alive)
+    return state, (dest, keys, shapes, snap, elements)
 
 
 def snapshot_state_dict(obj):
