@@ -59,12 +59,13 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
  methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
    {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
    blocked_s: {mean, max, each}, completion_s: {mean, max, each},
+   steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's median step],
    first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
  cost: {...} | null;
  under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
  ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save,
-   gpu, host, stored_bytes}]}]}"""
+   steps_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
 
 
 # name: layers, heads, d_model, vocab, context, seq, batch
@@ -186,6 +187,27 @@ class GdsSaveAsync(Method):
                 ctx.pinned = max(ctx.pinned, s.memory.get("pinned_host_bytes", 0))
         fut.add_done_callback(done)
         return fut
+
+
+class GdsSaveAsyncShards(GdsSaveAsync):
+    """Under torchrun: each rank gdsckpt.save_async's its local shards (DTensor.to_local) to a
+    file of its own, without DCP. Not a checkpoint DCP can load or reshard: it measures what
+    DCP's planning and collectives add to dcp.async_save with GdsckptWriter."""
+
+    sharded = True
+
+    def __init__(self):
+        super().__init__("gdsckpt.save_async per rank, no DCP", {})
+
+    def available(self):
+        return None if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "a comparison for runs under torchrun"
+
+    def save(self, ctx, state, path):
+        from torch.distributed.tensor import DTensor
+        from .workload import _walk
+        local = {k: (t.to_local() if isinstance(t, DTensor) else t) for k, t in _walk(state)}
+        rank = ctx.ranks.rank if ctx.ranks else 0
+        return super().save(ctx, local, path.with_name(f"{path.name}-rank{rank}.gdsckpt"))
 
 
 _PG_READY = False
@@ -340,12 +362,14 @@ METHODS: list[Callable[[], Method]] = [
     lambda: GdsSaveAsync("gdsckpt.save_async snapshot=device", {"snapshot": "device"}),
     lambda: GdsSaveAsync("gdsckpt.save_async overlap", {"overlap": True}, optimizer=True),
     DcpGdsckpt,
+    GdsSaveAsyncShards,
 ]
 ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSystemWriter",
            "dcp-gdsckpt-sync": "dcp.save GdsckptWriter", "dcp-thread": "dcp.async_save pinned thread",
            "dcp-process": "dcp.async_save pinned process", "save": "gdsckpt.save",
            "async": "gdsckpt.save_async", "async-host": "gdsckpt.save_async snapshot=host",
            "async-device": "gdsckpt.save_async snapshot=device", "async-overlap": "gdsckpt.save_async overlap",
+           "async-shards": "gdsckpt.save_async per rank, no DCP",
            "dcp-gdsckpt": "dcp.async_save GdsckptWriter"}
 
 
@@ -474,6 +498,8 @@ class Loop:
     pinned: int = 0
     rss_extra: int = 0
     drain: float = 0.0
+    steps: list = field(default_factory=list)  # each training step's seconds (the saves apart)
+    ckpt_steps: list = field(default_factory=list)  # the steps a checkpoint followed
 
 
 def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str) -> Loop:
@@ -504,8 +530,11 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     blocked, done_at, started = [], {}, []
     pending = []
     t0 = time.perf_counter()
+    step_s, ckpt_steps = [], []
     for step in range(1, steps + 1):
+        ts = time.perf_counter()
         _, waited = train_step(ctx.model, ctx.opt, batches, ctx.device, method, hook_t)
+        step_s.append(time.perf_counter() - ts)
         if blocked and waits:
             blocked[-1] += waited  # the wait the last checkpoint imposed on this optimizer step
         if cuda:
@@ -517,6 +546,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             te = time.perf_counter()
             blocked.append(te - tc)
             started.append(tc)
+            ckpt_steps.append(step)
             i = len(started) - 1
             if handle is None:
                 done_at[i] = te
@@ -544,7 +574,8 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
         first.remove()
     if last is not None:
         last.remove()
-    loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain)
+    loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain,
+                steps=step_s, ckpt_steps=ckpt_steps)
     if cuda:
         loop.peak_torch = torch.cuda.max_memory_allocated() - base_alloc
         loop.peak_device = free0 - min_free
@@ -685,6 +716,7 @@ def run_train(args) -> dict:
                 "overhead_per_ckpt_s": _summ(over if m.name != "none" else []),
                 "blocked_s": _summ([b for l in loops for b in l.blocked]),
                 "completion_s": _summ([c for l in loops for c in l.completion]),
+                "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
                         "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
                 "host": {"pinned_torch_bytes": max(l.pinned for l in loops),
@@ -716,10 +748,25 @@ def run_train(args) -> dict:
     return result
 
 
+def _extra_after_ckpt(loops: list, none_loops: list, interval: int) -> list | None:
+    """Where a method's loop time lands: for k = 1..interval, how much longer the k-th training
+    step after a checkpoint took than the median step of the same repeat's 'none' loop (mean
+    over checkpoints and repeats). A step's time includes any wait the method imposes before
+    opt.step (blocked time, also counted there); the checkpoint call itself is not in it."""
+    extra = [[] for _ in range(interval)]
+    for i, loop in enumerate(loops):
+        base = statistics.median(none_loops[min(i, len(none_loops) - 1)].steps)
+        for c in loop.ckpt_steps:
+            for k in range(interval):
+                if c + k < len(loop.steps):
+                    extra[k].append(loop.steps[c + k] - base)
+    return [round(statistics.fmean(e), 4) for e in extra] if extra and extra[0] else None
+
+
 def _rank_row(r: dict) -> dict:
     """The figures of one rank's method row that the per-rank table shows."""
     keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save",
-            "gpu", "host", "stored_bytes")
+            "steps_after_ckpt_extra_s", "gpu", "host", "stored_bytes")
     return {k: r[k] for k in keep if k in r}
 
 
@@ -730,6 +777,11 @@ def _rank_row(r: dict) -> dict:
 
 def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
+
+
+def _after(extra: list) -> str:
+    """steps_after_ckpt_extra_s in a few words: the first three steps, then the rest, summed."""
+    return f"{sum(extra[:3]):+.3f} s (steps 1-3) and {sum(extra[3:]):+.3f} s (steps 4-{len(extra)}) beyond 'none'"
 
 
 def print_train(result: dict, out=None) -> None:
@@ -757,13 +809,18 @@ def print_train(result: dict, out=None) -> None:
               f"{_f(first, '{:.2f}'):>9}{r['gpu']['peak_extra_torch_bytes'] / 2**30:>9.2f}"
               f"{r['gpu']['peak_extra_device_bytes'] / 2**30:>9.2f}{r['host']['pinned_torch_bytes'] / 2**30:>11.2f}"
               f"{_f(r.get('stored_bytes') and r['stored_bytes'] / 1e9):>10}", file=out)
+    for r in d["methods"]:
+        if r.get("steps_after_ckpt_extra_s"):
+            print(f"  {r['name']:<44} steps after a checkpoint took {_after(r['steps_after_ckpt_extra_s'])}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
             if r.get("overhead_per_ckpt_s") and r["name"] != "none":
                 o, b = r["overhead_per_ckpt_s"], r["blocked_s"]
                 print(f"  rank {rr['rank']} {r['name']:<36}{_f(o['mean']):>8} s overhead, {_f(b['mean'])} s blocked "
                       f"(max {_f(b['max'])}), done {_f(r['completion_s']['mean'], '{:.2f}')} s, "
-                      f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB", file=out)
+                      f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB"
+                      + (f"; steps after {_after(r['steps_after_ckpt_extra_s'])}"
+                         if r.get("steps_after_ckpt_extra_s") else ""), file=out)
     print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
           " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
           " outside the loops; +GPU: torch peak over the 'none' loop; +dev: device-wide (cudaMemGetInfo, per step);"
