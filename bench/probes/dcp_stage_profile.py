@@ -1,0 +1,132 @@
+"""Where a rank's blocked time goes in dcp.async_save with GdsckptWriter (issue 13, 2x H200).
+
+Under torchrun, the bench's FSDP2 GPT (gdsckpt-bench --train's model, --size), trained a few
+steps so AdamW holds its state. Then, REPEATS times each, after a training step (its .item()
+has synchronized, as in the bench loop):
+  state:     get_state_dict(model, opt) (the DTensor shards the bench checkpoints)
+  stage:     GdsckptWriter.stage(state) = stage_compressed: stand-ins + api._save into the pool,
+             with the save's own stage timings (Stats.stages)
+  async:     the whole dcp.async_save call (stage + DCP's synchronous part), as the bench's
+             blocked time
+  save_async: gdsckpt.save_async on the same local shards as a plain dict (no DCP)
+and one cProfile of get_state_dict + dcp.async_save on rank 0 (top functions by own time and
+by cumulative time). Writes $OUT/dcp_stage_profile.json; the profile goes to stdout.
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+import gdsckpt
+from gdsckpt.bench import ranks, train
+from gdsckpt.bench.workload import _walk
+from gdsckpt.dcp import GdsckptWriter, _drop_staged
+
+
+def step(model, opt, batches, device):
+    return train.train_step(model, opt, batches, device, train.NoCheckpoint(), [0.0, 0.0])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="gpt2-large")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, help="override the size's layer count (the tensor count, on the CPU)")
+    args = ap.parse_args()
+    if args.layers:
+        train.TRAIN_SIZES[args.size] = (args.layers,) + train.TRAIN_SIZES[args.size][1:]
+    rk, device = ranks.from_env(args.device)
+    model, _, windows, _ = train.build(args.size, device)
+    opt = ranks.shard(model)
+    batches = train.Batches(windows, train.TRAIN_SIZES[args.size][-1], device)
+    for _ in range(3):
+        step(model, opt, batches, device)
+    directory = rk.shared_directory(os.environ.get("BENCH_DIR"))[0]
+    out = {k: [] for k in ("state_s", "stage_s", "stand_in_s", "save_s", "save_stages", "async_s", "async_done_s",
+                           "save_async_s", "save_async_done_s")}
+
+    for i in range(args.repeats + 1):  # the first round warms pools and codecs: dropped
+        step(model, opt, batches, device)
+        t0 = time.perf_counter()
+        state = ranks.checkpoint_state(model, opt)
+        t1 = time.perf_counter()
+        w = GdsckptWriter(os.path.join(directory, f"stage-{i}"))
+        w.stage(state)
+        t2 = time.perf_counter()
+        snap = w._staged[0][3]
+        _drop_staged(w._staged)
+        step(model, opt, batches, device)
+        state = ranks.checkpoint_state(model, opt)
+        t3 = time.perf_counter()
+        fut = dcp.async_save(state, storage_writer=GdsckptWriter(os.path.join(directory, f"async-{i}")),
+                             process_group=rk.group)
+        t4 = time.perf_counter()
+        fut.result()
+        t5 = time.perf_counter()
+        step(model, opt, batches, device)
+        local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in _walk(state)}
+        t6 = time.perf_counter()
+        f2 = gdsckpt.save_async(local, os.path.join(directory, f"plain-{rk.rank}-{i}.gdsckpt"))
+        t7 = time.perf_counter()
+        f2.result()
+        t8 = time.perf_counter()
+        if i == 0:
+            continue
+        out["state_s"].append(t1 - t0)
+        out["stage_s"].append(t2 - t1)
+        out["save_s"].append(snap.seconds)
+        out["stand_in_s"].append(t2 - t1 - snap.seconds)
+        out["save_stages"].append({k: round(v, 4) for k, v in snap.stages.items()})
+        out["async_s"].append(t4 - t3)
+        out["async_done_s"].append(t5 - t3)
+        out["save_async_s"].append(t7 - t6)
+        out["save_async_done_s"].append(t8 - t6)
+    out["logical_bytes"] = snap.logical_bytes
+    out["stored_bytes"] = snap.stored_bytes
+    out["tensors"] = len(local)
+
+    if rk.rank == 0:
+        prof = cProfile.Profile()
+    step(model, opt, batches, device)
+    rk.barrier()
+    if rk.rank == 0:
+        prof.enable()
+    state = ranks.checkpoint_state(model, opt)
+    fut = dcp.async_save(state, storage_writer=GdsckptWriter(os.path.join(directory, "profiled")),
+                         process_group=rk.group)
+    if rk.rank == 0:
+        prof.disable()
+    fut.result()
+    if rk.rank == 0:
+        for key in ("tottime", "cumulative"):
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats(key).print_stats(30)
+            print(f"== rank 0, get_state_dict + dcp.async_save, by {key}\n{s.getvalue()}")
+
+    everyone = rk.gather(out)
+    if rk.rank == 0:
+        res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+               "size": args.size, "world_size": rk.world, "ranks": everyone}
+        for r, o in enumerate(everyone):
+            print(f"rank {r}: " + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in o.items()
+                                            if isinstance(v, list) and v and isinstance(v[0], float)))
+            print(f"rank {r} save stages: {o['save_stages'][-1]}")
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "dcp_stage_profile.json"), "w") as f:
+                json.dump(res, f, indent=1)
+    rk.close()
+
+
+if __name__ == "__main__":
+    main()
