@@ -11,7 +11,8 @@ S3-compatible object store in the background, restored from the newest intact st
 
 Layout: one gdsckpt file per step, DIR/step_00001000.gdsckpt, for a single process; under
 torch.distributed, one DCP directory per step, DIR/step_00001000/ (gdsckpt.dcp.GdsckptWriter:
-a file per rank and DCP's .metadata), with the same calls on every rank. A step counts once it
+a file per rank and DCP's .metadata; DCP's plans cached between saves, gdsckpt.dcp.CachedSavePlanner),
+with the same calls on every rank. A step counts once it
 is committed: the file renamed into place (gdsckpt.save is atomic and durable), or the DCP
 directory's .metadata written. Temporaries of killed saves never count.
 
@@ -257,8 +258,8 @@ class Checkpointer:
         path = self._path(step)
         if self.distributed:
             import torch.distributed.checkpoint as dcp
-            from .dcp import GdsckptWriter
-            dcp.save(state, storage_writer=GdsckptWriter(path, **self.save_options))
+            from .dcp import CachedSavePlanner, GdsckptWriter
+            dcp.save(state, storage_writer=GdsckptWriter(path, **self.save_options), planner=CachedSavePlanner())
             stats = None
         else:
             stats = api.save(state, path, **self.save_options)
@@ -274,8 +275,9 @@ class Checkpointer:
         path = self._path(step)
         if self.distributed:
             import torch.distributed.checkpoint as dcp
-            from .dcp import GdsckptWriter
-            fut = dcp.async_save(state, storage_writer=GdsckptWriter(path, **self.save_options))
+            from .dcp import CachedSavePlanner, GdsckptWriter
+            fut = dcp.async_save(state, storage_writer=GdsckptWriter(path, **self.save_options),
+                                 planner=CachedSavePlanner())
         else:
             from .async_save import save_async
             fut = save_async(state, path, **self.save_options)

@@ -6,7 +6,7 @@ dcp.save and dcp.async_save through GdsckptWriter and load it back with GdsckptR
 bit-exact; the checkpoints are resharded 2 -> 1 (plain tensors in this process), 1 -> 2
 (saved here without a process group, loaded into shards) and 2 -> 2 with another sharding;
 a rank that fails in write_data leaves no .metadata (fresh directory and overwrite) and an
-error on every rank.
+error on every rank; CachedSavePlanner reuses a plan only while nothing changed, dtype included.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import gdsckpt  # noqa: E402
 from gdsckpt import async_save as async_mod  # noqa: E402
-from gdsckpt.dcp import GdsckptReader, GdsckptWriter, item_key  # noqa: E402
+from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, item_key  # noqa: E402
 from conftest import assert_same, same  # noqa: E402
 
 WORLD = 2
@@ -176,6 +176,41 @@ def _scenarios(rank: int, root: Path) -> None:
     with pytest.raises(CheckpointException, match="overwrite=False"):
         dcp.save(state, storage_writer=GdsckptWriter(d, overwrite=False))
     dist.barrier()
+
+    # 7. CachedSavePlanner: the second async save reuses the plan (each rank sends an empty one),
+    # a dtype change sends the full plan again; every checkpoint loads bit-exact, the last with
+    # the new dtype in DCP's metadata
+    def with_rep32(st):
+        st["rep"] = sharded_state({"rep": local(st["rep"]).float()}, mesh)["rep"]
+        return st
+
+    sent = []
+    for i, (seed, change) in enumerate(((10, None), (11, None), (12, with_rep32))):
+        state = sharded_state(full_state(seed), mesh)
+        if change:
+            state = change(state)
+        planner = RecordingPlanner()
+        fut = dcp.async_save(state, storage_writer=GdsckptWriter(root / f"cached-{i}"), planner=planner)
+        local(state["w"]).fill_(-7)
+        fut.result()
+        sent.append(planner.sent_full_plan)
+        target = sharded_state(full_state(103), mesh)
+        want = sharded_state(full_state(seed), mesh)
+        if change:
+            target, want = change(target), change(want)
+        dcp.load(target, storage_reader=GdsckptReader(root / f"cached-{i}"))
+        check_local(target, want)
+    assert sent == [True, False, True], sent
+    dist.barrier()
+
+
+class RecordingPlanner(CachedSavePlanner):
+    """Notes whether this rank sent its whole plan or reused the cached one."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.sent_full_plan = plan.usable
+        return plan
 
 
 def _spawn(root: Path) -> None:
