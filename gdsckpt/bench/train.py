@@ -55,11 +55,12 @@ TRAIN_SCHEMA = 1
 TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, device: {kind, name}, versions, io_path,
  model: {size, layers, heads, d_model, vocab, seq, batch, params}, state: {logical_bytes, tensors},
  steps, interval, checkpoints_per_loop (at interval, 2 x interval, ..., each followed by a full interval),
- repeats, step_s (the 'none' loops' mean),
+ repeats, dcp_planner (cached | default: the DCP methods' save planner), step_s (the 'none' loops' mean),
  methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
    {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
    blocked_s: {mean, max, each}, completion_s: {mean, max, each},
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's median step],
+   overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the median step before its first checkpoint),
    first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
  cost: {...} | null;
@@ -95,11 +96,20 @@ class Ctx:
     stored_bytes: int | None = None
     pinned: int = 0  # the largest pinned_host_bytes a gdsckpt Stats reported
     ranks: Ranks | None = None  # under torchrun
+    dcp_planner: str = "cached"  # every DCP method's: "cached" (gdsckpt.dcp.CachedSavePlanner) or "default"
 
     @property
     def group(self):
         """The process group for DCP's collectives (None: the default one)."""
         return self.ranks.group if self.ranks else None
+
+    def planner(self, method: str):
+        """The DCP save planner of a DCP method (None: DCP's DefaultSavePlanner); cached plans
+        are the method's own (each stores its writer's data)."""
+        if self.dcp_planner == "cached":
+            from gdsckpt.dcp import CachedSavePlanner
+            return CachedSavePlanner(cache_key=method)
+        return None
 
     def state(self) -> dict:
         if self.ranks:
@@ -277,7 +287,8 @@ class DcpPinned(Method):
                           "(pytorch/pytorch#183413), so a new one (new pinned buffers) per save")
         kind = AsyncCheckpointerType.THREAD if self.kind == "thread" else AsyncCheckpointerType.PROCESS
         r = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
-                           async_checkpointer_type=kind, async_stager=self.stager, process_group=ctx.group)
+                           async_checkpointer_type=kind, async_stager=self.stager, process_group=ctx.group,
+                           planner=ctx.planner(self.name))
         if hasattr(r, "upload_completion"):  # AsyncSaveResponse: staging runs in the background too
             self.staging = r.staging_completion
             r = r.upload_completion
@@ -312,7 +323,7 @@ class DcpGdsckpt(Method):
         import torch.distributed.checkpoint as dcp
         from gdsckpt.dcp import GdsckptWriter
         w = GdsckptWriter(path)
-        fut = dcp.async_save(state, storage_writer=w, process_group=ctx.group)
+        fut = dcp.async_save(state, storage_writer=w, process_group=ctx.group, planner=ctx.planner(self.name))
 
         def done(f):
             if f.exception() is None and w.last_stats is not None:
@@ -342,7 +353,7 @@ class DcpSave(Method):
             w = GdsckptWriter(path)
         else:
             w = dcp.FileSystemWriter(str(path), sync_files=True)
-        dcp.save(state, storage_writer=w, process_group=ctx.group)
+        dcp.save(state, storage_writer=w, process_group=ctx.group, planner=ctx.planner(self.name))
         ctx.stored_bytes = _dir_bytes(path)
         if getattr(w, "last_stats", None) is not None:
             ctx.io_path = w.last_stats.io_path
@@ -624,7 +635,7 @@ def run_train(args) -> dict:
         tmp = None
         directory = Path(args.directory) if args.directory else Path(tmp := tempfile.mkdtemp(prefix="gdsckpt-train-"))
     directory.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(model, opt, directory, device, ranks=rk)
+    ctx = Ctx(model, opt, directory, device, ranks=rk, dcp_planner=args.dcp_planner)
     hook = [0.0, 0.0]
     for _ in range(3):  # warm-up steps: AdamW creates its state on the first step, kernels compile
         train_step(model, opt, batches, device, NoCheckpoint(), hook)
@@ -717,6 +728,8 @@ def run_train(args) -> dict:
                 "blocked_s": _summ([b for l in loops for b in l.blocked]),
                 "completion_s": _summ([c for l in loops for c in l.completion]),
                 "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
+                "overhead_in_loop_per_ckpt_s": _summ([_in_loop_overhead(l, interval, ckpts) for l in loops]
+                                                     if m.name != "none" else []),
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
                         "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
                 "host": {"pinned_torch_bytes": max(l.pinned for l in loops),
@@ -735,6 +748,7 @@ def run_train(args) -> dict:
             "io_path": next((r.get("io_path") for r in out_methods if r.get("io_path")), None),
             "model": minfo, "state": {"logical_bytes": state_bytes, "tensors": n_tensors},
             "steps": steps, "interval": interval, "checkpoints_per_loop": ckpts, "repeats": repeats,
+            "dcp_planner": args.dcp_planner,
             "step_s": none_mean / steps if none_mean else None,
             "methods": out_methods, "cost": None}
     if rk:
@@ -746,6 +760,15 @@ def run_train(args) -> dict:
         result["rank"] = rk.rank
         rk.close()
     return result
+
+
+def _in_loop_overhead(loop: Loop, interval: int, ckpts: int) -> float:
+    """Overhead per checkpoint against the loop's own first interval, before any checkpoint
+    (its median step, the loop's first step left out): loop seconds - steps x that median.
+    Immune to drift between loops (on the 2x H200 host, 'none' loops ran up to 12% slower
+    or faster than the loops beside them), blind to a slowdown that outlasts the interval."""
+    base = statistics.median(loop.steps[1:interval])
+    return (loop.seconds - len(loop.steps) * base) / ckpts
 
 
 def _extra_after_ckpt(loops: list, none_loops: list, interval: int) -> list | None:
@@ -766,7 +789,7 @@ def _extra_after_ckpt(loops: list, none_loops: list, interval: int) -> list | No
 def _rank_row(r: dict) -> dict:
     """The figures of one rank's method row that the per-rank table shows."""
     keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save",
-            "steps_after_ckpt_extra_s", "gpu", "host", "stored_bytes")
+            "steps_after_ckpt_extra_s", "overhead_in_loop_per_ckpt_s", "gpu", "host", "stored_bytes")
     return {k: r[k] for k in keep if k in r}
 
 
@@ -811,7 +834,9 @@ def print_train(result: dict, out=None) -> None:
               f"{_f(r.get('stored_bytes') and r['stored_bytes'] / 1e9):>10}", file=out)
     for r in d["methods"]:
         if r.get("steps_after_ckpt_extra_s"):
-            print(f"  {r['name']:<44} steps after a checkpoint took {_after(r['steps_after_ckpt_extra_s'])}", file=out)
+            print(f"  {r['name']:<44} overhead/ckpt against its own first interval "
+                  f"{_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
+                  f"{_after(r['steps_after_ckpt_extra_s'])}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
             if r.get("overhead_per_ckpt_s") and r["name"] != "none":
@@ -819,8 +844,9 @@ def print_train(result: dict, out=None) -> None:
                 print(f"  rank {rr['rank']} {r['name']:<36}{_f(o['mean']):>8} s overhead, {_f(b['mean'])} s blocked "
                       f"(max {_f(b['max'])}), done {_f(r['completion_s']['mean'], '{:.2f}')} s, "
                       f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB"
-                      + (f"; steps after {_after(r['steps_after_ckpt_extra_s'])}"
-                         if r.get("steps_after_ckpt_extra_s") else ""), file=out)
+                      + (f"; in-loop overhead {_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s, steps after "
+                         f"{_after(r['steps_after_ckpt_extra_s'])}" if r.get("steps_after_ckpt_extra_s") else ""),
+                      file=out)
     print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
           " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
           " outside the loops; +GPU: torch peak over the 'none' loop; +dev: device-wide (cudaMemGetInfo, per step);"
@@ -861,6 +887,9 @@ def add_arguments(ap) -> None:
                    help="training steps per loop (--train); checkpoints every --interval steps but in the last interval")
     g.add_argument("--interval", type=int, default=40, help="a checkpoint every N steps (--train)")
     g.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every method's loop (--train)")
+    g.add_argument("--dcp-planner", choices=["cached", "default"], default="cached",
+                   help="the save planner of every DCP method (--train): gdsckpt.dcp.CachedSavePlanner, "
+                        "DCP's plan caching, as torchtitan-scale runs use it; or DCP's DefaultSavePlanner")
     g.add_argument("--methods", default=None,
                    help="comma list (--train): " + ", ".join(ALIASES) + " (default: all that run here)")
     cost.add_arguments(ap)
