@@ -561,12 +561,14 @@ class _StandInElements:
     BLOCK = 4096
 
     def __init__(self):
-        self.blocks: dict[tuple, list] = {}  # (dtype, device) -> [block, elements used]
+        self.blocks: list[torch.Tensor] = []  # all of them: a freed block's addresses could come back
+        self.current: dict[tuple, list] = {}  # (dtype, device) -> [block, elements used]
 
     def take(self, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.Tensor:
-        entry = self.blocks.get((dtype, device))
+        entry = self.current.get((dtype, device))
         if entry is None or entry[1] == self.BLOCK:
-            entry = self.blocks[(dtype, device)] = [torch.zeros(self.BLOCK, dtype=dtype, device=device), 0]
+            self.blocks.append(torch.zeros(self.BLOCK, dtype=dtype, device=device))
+            entry = self.current[(dtype, device)] = [self.blocks[-1], 0]
         one = entry[0][entry[1]:entry[1] + 1]
         entry[1] += 1
         # a stand-in of a parameter requires grad as the parameter does

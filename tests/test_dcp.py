@@ -404,3 +404,16 @@ def test_save_async_errors(tmp_path):
     # the lock was released both times
     gdsckpt.save_async(_state(5), tmp_path / "ok.gdsckpt", wait=False).result(10)
     assert_same(gdsckpt.load(tmp_path / "ok.gdsckpt"), _state(5))
+
+
+def test_stand_ins_never_share_an_address():
+    """GdsckptWriter finds a staged tensor's key by its stand-in's address: more stand-ins than
+    one block holds, empty ones among them, every address distinct while the staging lives."""
+    from gdsckpt.dcp import _address, _StandInElements
+    elements, seen = _StandInElements(), set()
+    for i in range(2 * _StandInElements.BLOCK + 10):
+        one = elements.take(torch.float32 if i % 2 else torch.bfloat16, torch.device("cpu"), i % 3 == 0)
+        stand_in = one.reshape(()).expand((0, 3) if i % 5 == 0 else (4, 2))
+        seen.add(_address(stand_in))
+        assert stand_in.requires_grad == (i % 3 == 0)
+    assert len(seen) == 2 * _StandInElements.BLOCK + 10

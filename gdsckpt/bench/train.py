@@ -767,7 +767,7 @@ def _in_loop_overhead(loop: Loop, interval: int, ckpts: int) -> float:
     (its median step, the loop's first step left out): loop seconds - steps x that median.
     Immune to drift between loops (on the 2x H200 host, 'none' loops ran up to 12% slower
     or faster than the loops beside them), blind to a slowdown that outlasts the interval."""
-    base = statistics.median(loop.steps[1:interval])
+    base = statistics.median(loop.steps[1:interval] or loop.steps[:interval])
     return (loop.seconds - len(loop.steps) * base) / ckpts
 
 
