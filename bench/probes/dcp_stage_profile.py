@@ -10,7 +10,11 @@ has synchronized, as in the bench loop):
              blocked time
   save_async: gdsckpt.save_async on the same local shards as a plain dict (no DCP)
 and one cProfile of get_state_dict + dcp.async_save on rank 0 (top functions by own time and
-by cumulative time). Writes $OUT/dcp_stage_profile.json; the profile goes to stdout.
+by cumulative time). Then DCP's background thread: its CPU seconds per save (time.thread_time
+around DCP's save in that thread; its Python work holds the GIL the training loop needs),
+with DCP's DefaultSavePlanner and with gdsckpt.dcp.CachedSavePlanner, and a cProfile of the
+last cached save's background on rank 0. Writes $OUT/dcp_stage_profile.json; the profiles go
+to stdout.
 """
 import argparse
 import cProfile
@@ -24,12 +28,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.tensor import DTensor
 
 import gdsckpt
 from gdsckpt.bench import ranks, train
 from gdsckpt.bench.workload import _walk
-from gdsckpt.dcp import GdsckptWriter, _drop_staged
+from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter, _drop_staged
 
 
 def step(model, opt, batches, device):
@@ -113,6 +118,7 @@ def main():
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(30)
             print(f"== rank 0, get_state_dict + dcp.async_save, by {key}\n{s.getvalue()}")
 
+    out["background"] = background_cpu(model, opt, batches, device, directory, rk, args.repeats)
     everyone = rk.gather(out)
     if rk.rank == 0:
         res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -122,10 +128,53 @@ def main():
             print(f"rank {r}: " + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in o.items()
                                             if isinstance(v, list) and v and isinstance(v[0], float)))
             print(f"rank {r} save stages: {o['save_stages'][-1]}")
+            for name, b in o["background"].items():
+                print(f"rank {r} DCP background thread, {name} planner: CPU s {b['cpu_s']}, wall s {b['wall_s']}")
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "dcp_stage_profile.json"), "w") as f:
                 json.dump(res, f, indent=1)
     rk.close()
+
+
+def background_cpu(model, opt, batches, device, directory, rk, repeats) -> dict:
+    """CPU seconds of DCP's background thread per dcp.async_save, per planner (the first save
+    of each, which fills the plan cache, dropped)."""
+    saver, record = state_dict_saver.save, {}
+
+    def timed_save(*args, **kwargs):  # runs in DCP's background thread (it imports save per call)
+        prof = cProfile.Profile() if record.get("profile") else None
+        t, c = time.perf_counter(), time.thread_time()
+        if prof:
+            prof.enable()
+        try:
+            return saver(*args, **kwargs)
+        finally:
+            if prof:
+                prof.disable()
+                record["stats"] = prof
+            record["cpu"].append(time.thread_time() - c)
+            record["wall"].append(time.perf_counter() - t)
+
+    result = {}
+    state_dict_saver.save = timed_save
+    try:
+        for name, planner in (("default", lambda: None), ("cached", lambda: CachedSavePlanner(cache_key="probe"))):
+            record.update(cpu=[], wall=[])
+            for i in range(repeats + 1):
+                record["profile"] = name == "cached" and i == repeats and rk.rank == 0
+                step(model, opt, batches, device)
+                state = ranks.checkpoint_state(model, opt)
+                dcp.async_save(state, storage_writer=GdsckptWriter(os.path.join(directory, f"bg-{name}-{i}")),
+                               process_group=rk.group, planner=planner()).result()
+            result[name] = {"cpu_s": [round(x, 4) for x in record["cpu"][1:]],
+                            "wall_s": [round(x, 4) for x in record["wall"][1:]]}
+    finally:
+        state_dict_saver.save = saver
+    if rk.rank == 0:
+        s = io.StringIO()
+        pstats.Stats(record["stats"], stream=s).sort_stats("tottime").print_stats(25)
+        print(f"== rank 0, DCP's background thread, cached planner, by tottime\n{s.getvalue()}")
+    return result
 
 
 if __name__ == "__main__":
