@@ -608,7 +608,7 @@ def stage_compressed(state_dict, save_options: dict):
     from torch.distributed.tensor import DTensor
 
     tensors: dict[str, torch.Tensor] = {}
-    keys: dict[int, str] = {}
+    keys: dict[tuple[int, int], str] = {}  # _address of a stand-in -> its key
     shapes: dict[str, tuple] = {}
     elements = _StandInElements()
 
