@@ -73,6 +73,7 @@ from collections import defaultdict
 from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
 from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 import torch
 
@@ -193,9 +194,8 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
         raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                 "(call .result() on its future first, or pass wait=True)")
     try:
-        _snapshot_done.wait()  # an overlap snapshot still running: it owns the ring and the pool
+        wait_for_snapshot()
         _surface_failures(path)
-        _remove_hooks()
         if not wait and any(not f.done() for f, _, _ in _tracked):
             raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                     "(call .result() on its future first, or pass wait=True)")
@@ -230,32 +230,63 @@ def _host_save(state, leaves, dest: PoolDestination, save_kwargs: dict, t0: floa
 
 
 def _overlap_save(skeleton, leaves, dest: PoolDestination, optimizer, save_kwargs: dict, t0: float) -> SaveFuture:
-    tensors = [l.tensor for l in leaves]
-    guarded = _optimizer_memory(optimizer)
-    loose = [i for i, t in enumerate(tensors) if _memory_of(t) not in guarded]
-    for i, copy in zip(loose, snapshot_tensors([tensors[i] for i in loose])):
-        tensors[i] = copy  # buffers and anything else forward may change: copied now
+    tensors = freeze_for_overlap([l.tensor for l in leaves], optimizer)
     state = unflatten(skeleton, tensors)
-    gpu = _cuda_device_of(tensors)
+    fut = _new_future()
+    hook = HookTimer()
+    blocked = time.perf_counter() - t0
+
+    def finish(snap, error):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            _link(fut, dest, snap, "overlap", t0, blocked, hook)
+
+    run_overlapped(lambda: api._save(state, dest, **save_kwargs), _cuda_device_of(tensors), optimizer, finish, hook)
+    return fut
+
+
+def freeze_for_overlap(tensors: list, optimizer) -> list:
+    """`tensors` as a snapshot taken during the next forward/backward may read them: those that
+    only `optimizer`'s step changes as they are, every other one (buffers) copied now."""
+    guarded = optimizer_memory(optimizer)
+    tensors = list(tensors)
+    loose = [i for i, t in enumerate(tensors) if memory_of(t) not in guarded]
+    for i, copy in zip(loose, snapshot_tensors([tensors[i] for i in loose])):
+        tensors[i] = copy
+    return tensors
+
+
+def wait_for_snapshot() -> None:
+    """Wait for a running overlap snapshot (it owns the ring and the pool); drop the step hooks
+    of finished ones."""
+    _snapshot_done.wait()
+    _remove_hooks()
+
+
+def run_overlapped(snapshot: Callable[[], Any], gpu: int | None, optimizer, finish: Callable[[Any, BaseException | None], None],
+                   hook: HookTimer | None = None) -> None:
+    """Run snapshot() on a background thread, on the GPU's "snapshot" side stream started after
+    the work queued so far (not after later work), and make `optimizer`'s next step wait for it
+    (the wait goes to `hook`). finish(result, None) or finish(None, error) runs on that thread
+    before the step may go on."""
     fence = None
-    if gpu is not None:  # the snapshot's ring starts after the work queued before this call, not after later work
+    if gpu is not None:
         fence = side_stream("snapshot", torch.device("cuda", gpu))
         fence.wait_stream(torch.cuda.current_stream(gpu))
-    fut = _new_future()
     done = threading.Event()
-    hook = _HookTimer()
+    hook = hook or HookTimer()
     _snapshot_done.clear()
-    blocked = time.perf_counter() - t0
 
     def run():
         try:
             with _on_device(gpu), (torch.cuda.stream(fence) if fence is not None else contextlib.nullcontext()):
-                snap = api._save(state, dest, **save_kwargs)
-        except BaseException as e:  # noqa: BLE001 - the future carries it; the next save_async raises it if unseen
+                result = snapshot()
+        except BaseException as e:  # noqa: BLE001 - the future carries it; the next save raises it if unseen
             traceback.clear_frames(e.__traceback__)
-            fut.set_exception(e)
+            finish(None, e)
         else:
-            _link(fut, dest, snap, "overlap", t0, blocked, hook)
+            finish(result, None)
         finally:
             done.set()
             _snapshot_done.set()
@@ -266,10 +297,9 @@ def _overlap_save(skeleton, leaves, dest: PoolDestination, optimizer, save_kwarg
         _snapshot_done.set()
         raise
     _install_hook(optimizer, done, hook)
-    return fut
 
 
-class _HookTimer:
+class HookTimer:
     """The step pre-hook's wait, added to the save's stats whenever they exist."""
 
     def __init__(self):
@@ -284,7 +314,7 @@ class _HookTimer:
                 self.stats.hook_wait_s = self.waited
 
 
-def _install_hook(optimizer, done: threading.Event, timer: _HookTimer) -> None:
+def _install_hook(optimizer, done: threading.Event, timer: HookTimer) -> None:
     """A step pre-hook that waits for the snapshot, then goes away. It cannot remove itself while
     the optimizer iterates its hooks (an OrderedDict) unless it is the last one; otherwise a
     step post-hook removes it, and is itself removed by the next save_async."""
@@ -320,31 +350,34 @@ def _remove_hooks() -> None:
             _hooks.remove(entry)
 
 
-def _optimizer_memory(optimizer) -> set:
+def optimizer_memory(optimizer) -> set:
     """The memory of every parameter of `optimizer` and every tensor in its state: what only
     its step changes."""
     out = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
-            out.add(_memory_of(p))
+            out.add(memory_of(p))
     for st in optimizer.state.values():
         if isinstance(st, dict):
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    out.add(_memory_of(v))
+                    out.add(memory_of(v))
     out.discard(None)
     return out
 
 
-def _memory_of(t: torch.Tensor):
-    """The tensor's storage (device, base address): a state_dict() entry shares it with its parameter."""
+def memory_of(t: torch.Tensor):
+    """The tensor's storage (device, base address): a state_dict() entry shares it with its
+    parameter; a DTensor (FSDP2's parameters and optimizer state) by its local shard's."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     if t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr())
 
 
 def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0: float, blocked: float,
-          hook: _HookTimer | None = None) -> None:
+          hook: HookTimer | None = None) -> None:
     """Complete `fut` when the writer has committed the file (or failed)."""
     file = dest.file
 

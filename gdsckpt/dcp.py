@@ -40,6 +40,7 @@ import pickle
 import re
 import uuid
 import weakref
+from concurrent.futures import Future as ConcurrentFuture
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import api
-from .async_save import snapshot_tensors
+from .async_save import (memory_of, optimizer_memory, run_overlapped, snapshot_tensors,
+                         wait_for_snapshot)
 from .defaults import RING_DEPTH
 from .dtypes import name_of
 from .errors import CheckpointExistsError, CheckpointFormatError, DCPPlanError, UnsupportedStateError
@@ -178,16 +180,33 @@ class GdsckptWriter(StorageWriter, AsyncStager):
       save then compresses on the CPU).
     After dcp.async_save returns the state dict is safe to mutate; wait on its future before
     the next save to the same directory.
+
+    optimizer=opt (with async_staging="host"): the compressed snapshot is taken during the next
+    forward/backward, as gdsckpt.save_async(..., overlap=True, optimizer=opt) takes it, under
+    the same contract (gdsckpt/async_save.py): tensors of the state dict that share memory with
+    a parameter of `opt` or a tensor of its state (FSDP2's DTensor shards included) are read
+    by the snapshot until it ends, and a step pre-hook makes the next `opt.step()` wait for
+    it; every other tensor is copied, and every other value deep-copied, before
+    dcp.async_save returns. `stage` then returns a Future, so dcp.async_save returns DCP's
+    AsyncSaveResponse: `staging_completion` (the snapshot) and `upload_completion` (the
+    checkpoint). THREAD executor only, as "host".
     """
 
-    _synchronize_after_execute = False  # stage() is complete when it returns
+    _synchronize_after_execute = False  # stage() is complete when it returns (or returns a Future)
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, codec="auto",
                  chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH, io: str = "auto",
-                 io_threads: int | None = None, backend: str | None = None, async_staging: str = "host"):
+                 io_threads: int | None = None, backend: str | None = None, async_staging: str = "host",
+                 optimizer=None):
         super().__init__()
         if async_staging not in ("host", "device", "cpu"):
             raise ValueError(f"async_staging must be 'host', 'device' or 'cpu', not {async_staging!r}")
+        if optimizer is not None and async_staging != "host":
+            raise ValueError(f"optimizer= overlaps the compressed host snapshot with training; async_staging="
+                             f"{async_staging!r} copies the state before dcp.async_save returns")
+        if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
+            raise ValueError(f"optimizer= must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        self.optimizer = optimizer
         self.path = Path(path)
         self.overwrite = overwrite
         self.save_options = dict(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
@@ -369,7 +388,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         return fut
 
     def __getstate__(self):
-        if self._staged[0] is not None:
+        if self._staged[0] is not None or self.optimizer is not None:
             raise DCPPlanError("GdsckptWriter(async_staging='host') keeps the staged checkpoint in this process's "
                                "host pool, which another process cannot reach: use AsyncCheckpointerType.THREAD, or "
                                "async_staging='cpu' with the PROCESS executor")
@@ -378,7 +397,10 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     # -- AsyncStager (dcp.async_save)
     def stage(self, state_dict):
         if self.async_staging == "host":
+            wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
             _drop_staged(self._staged)  # an earlier staging that no write_data took
+            if self.optimizer is not None:
+                return self._stage_overlapped(state_dict)
             state, staged = stage_compressed(state_dict, self.save_options)
             self._staged[0] = staged
             return state
@@ -390,6 +412,23 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             finally:
                 stager.close()
         return snapshot_state_dict(state_dict)
+
+    def _stage_overlapped(self, state_dict) -> ConcurrentFuture:
+        guarded = optimizer_memory(self.optimizer)
+        frozen = snapshot_state_dict(state_dict, keep=lambda t: memory_of(t) in guarded)
+        staging: ConcurrentFuture = ConcurrentFuture()
+        staging.set_running_or_notify_cancel()
+
+        def finish(result, error):
+            if error is not None:
+                staging.set_exception(error)
+            else:
+                state, self._staged[0] = result
+                staging.set_result(state)
+
+        run_overlapped(lambda: stage_compressed(frozen, self.save_options), _cuda_device(_state_tensors(frozen)),
+                       self.optimizer, finish)
+        return staging
 
     def synchronize_staging(self) -> None:
         pass
@@ -657,10 +696,45 @@ def stage_compressed(state_dict, save_options: dict):
     return state, (dest, keys, shapes, snap, elements)
 
 
-def snapshot_state_dict(obj):
+def snapshot_state_dict(obj, keep=lambda t: False):
     """A private copy of a DCP state dict: tensors (plain or DTensor, whose local shards are
-    copied on their own device) through `snapshot_tensors`, containers rebuilt, any other
-    object deep-copied. Used as the AsyncStager of gdsckpt.dcp.GdsckptWriter."""
+    copied on their own device) through `snapshot_tensors`, except those for which keep(local
+    tensor) holds (kept as they are); containers rebuilt, any other object deep-copied. The
+    "device" staging of GdsckptWriter, and the call-time part of its overlapped one."""
+    from torch.distributed.tensor import DTensor
+
+    found = _state_tensors(obj)
+    copied = iter(snapshot_tensors([t for t in found if not keep(t)]))
+
+    def rebuild(o):
+        if isinstance(o, DTensor):
+            t = o.to_local()
+            if keep(t):
+                return o
+            return DTensor.from_local(next(copied), o.device_mesh, o.placements, run_check=False,
+                                      shape=o.shape, stride=o.stride())
+        if isinstance(o, torch.Tensor):
+            if keep(o):
+                return o
+            t = next(copied)
+            return torch.nn.Parameter(t, o.requires_grad) if isinstance(o, torch.nn.Parameter) else t
+        if isinstance(o, dict):
+            items = [(k, rebuild(v)) for k, v in o.items()]
+            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
+        if isinstance(o, list):
+            return [rebuild(v) for v in o]
+        if isinstance(o, tuple):
+            items = [rebuild(v) for v in o]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
+            return o
+        return copy.deepcopy(o)
+
+    return rebuild(obj)
+
+
+def _state_tensors(obj) -> list[torch.Tensor]:
+    """The tensors of a DCP state dict in walk order (a DTensor's local shard), checked."""
     from torch.distributed.tensor import DTensor
 
     found: list[torch.Tensor] = []
@@ -686,25 +760,4 @@ def snapshot_state_dict(obj):
                                "pass async_staging='cpu' to GdsckptWriter")
 
     collect(obj)
-    copies = iter(snapshot_tensors(found))
-
-    def rebuild(o):
-        if isinstance(o, DTensor):
-            return DTensor.from_local(next(copies), o.device_mesh, o.placements, run_check=False,
-                                      shape=o.shape, stride=o.stride())
-        if isinstance(o, torch.Tensor):
-            t = next(copies)
-            return torch.nn.Parameter(t, o.requires_grad) if isinstance(o, torch.nn.Parameter) else t
-        if isinstance(o, dict):
-            items = [(k, rebuild(v)) for k, v in o.items()]
-            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
-        if isinstance(o, list):
-            return [rebuild(v) for v in o]
-        if isinstance(o, tuple):
-            items = [rebuild(v) for v in o]
-            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
-        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
-            return o
-        return copy.deepcopy(o)
-
-    return rebuild(obj)
+    return found

@@ -266,21 +266,25 @@ class Checkpointer:
         self._on_commit(step)
         return stats
 
-    def save_async(self, step: int, state) -> Future:
+    def save_async(self, step: int, state, *, optimizer=None) -> Future:
         """Save `state` as `step` in the background: `state` may be mutated once this returns
-        (gdsckpt.save_async's snapshot; dcp.async_save under torch.distributed). The step counts
-        once the returned future completes; wait() waits for it and raises its error."""
+        (gdsckpt.save_async's snapshot; dcp.async_save under torch.distributed). optimizer=opt:
+        the snapshot runs during the next forward/backward and opt.step() waits for it (the
+        overlap contract of gdsckpt.save_async; GdsckptWriter(optimizer=) under
+        torch.distributed). The step counts once the returned future completes; wait() waits
+        for it and raises its error."""
         self.wait()
         self._check(step)
         path = self._path(step)
         if self.distributed:
             import torch.distributed.checkpoint as dcp
             from .dcp import CachedSavePlanner, GdsckptWriter
-            fut = dcp.async_save(state, storage_writer=GdsckptWriter(path, **self.save_options),
+            fut = dcp.async_save(state, storage_writer=GdsckptWriter(path, optimizer=optimizer, **self.save_options),
                                  planner=CachedSavePlanner())
+            fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
         else:
             from .async_save import save_async
-            fut = save_async(state, path, **self.save_options)
+            fut = save_async(state, path, overlap=optimizer is not None, optimizer=optimizer, **self.save_options)
         self._pending = (step, fut)
 
         def done(f):

@@ -1,5 +1,9 @@
+import threading
+
 import pytest
 import torch
+
+from gdsckpt import host_snapshot as hs
 
 
 def _gpu_ready() -> tuple[bool, str]:
@@ -66,3 +70,20 @@ def all_dtype_tensors(device="cpu", n=1000, seed=0):
             t = raw.view(dt)[:n].clone()
         out[name] = t.to(device)
     return out
+
+
+class SlowSnapshot:
+    """Holds the snapshot's first chunk copy until released: the overlap snapshot is then still
+    running when the test trains."""
+
+    def __init__(self, monkeypatch):
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        real = hs.PoolFile.pwrite
+
+        def pwrite(file, *a):
+            self.started.set()
+            assert self.gate.wait(30)
+            return real(file, *a)
+
+        monkeypatch.setattr(hs.PoolFile, "pwrite", pwrite)

@@ -26,7 +26,7 @@ from gdsckpt import async_save as am
 from gdsckpt import background_writer as bw
 from gdsckpt import host_snapshot as hs
 from gdsckpt import pinned_pool as pp
-from conftest import all_dtype_tensors, assert_same, same
+from conftest import SlowSnapshot, all_dtype_tensors, assert_same, same
 
 
 def _state(seed: int, n: int = 200_000) -> dict:
@@ -245,23 +245,6 @@ def _train_step(model, opt, backward_only: bool = False):
 
 def _ckpt(model, opt, step: int) -> dict:
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-
-
-class SlowSnapshot:
-    """Holds the snapshot's first chunk copy until released: the overlap snapshot is then still
-    running when the test trains."""
-
-    def __init__(self, monkeypatch):
-        self.gate = threading.Event()
-        self.started = threading.Event()
-        real = hs.PoolFile.pwrite
-
-        def pwrite(file, *a):
-            self.started.set()
-            assert self.gate.wait(30)
-            return real(file, *a)
-
-        monkeypatch.setattr(hs.PoolFile, "pwrite", pwrite)
 
 
 def test_overlap_snapshot_runs_during_forward_backward_and_the_step_waits(tmp_path, monkeypatch):

@@ -67,7 +67,8 @@ def test_train_under_torchrun(tmp_path):
     out = tmp_path / "ranks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "gdsckpt.bench", "--train", "--size", "tiny", "--device", "cpu", "--steps", "4", "--interval", "2",
-           "--repeats", "1", "--methods", "none,torch,dcp-thread,dcp-gdsckpt-sync,dcp-gdsckpt", "--directory", str(tmp_path / "d"),
+           "--repeats", "1", "--methods", "none,torch,dcp-thread,dcp-gdsckpt-sync,dcp-gdsckpt,dcp-gdsckpt-overlap",
+           "--directory", str(tmp_path / "d"),
            "--output", str(out), "--cost"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -80,7 +81,8 @@ def test_train_under_torchrun(tmp_path):
     assert [x["rank"] for x in r["ranks"]] == [0, 1]
     for rank in r["ranks"]:
         per = {m["name"]: m for m in rank["methods"]}
-        for name in ("dcp.async_save pinned thread", "dcp.save GdsckptWriter", "dcp.async_save GdsckptWriter"):
+        for name in ("dcp.async_save pinned thread", "dcp.save GdsckptWriter", "dcp.async_save GdsckptWriter",
+                     "dcp.async_save GdsckptWriter overlap"):
             assert per[name]["status"] == "ok", per[name]
             assert len(per[name]["blocked_s"]["each"]) == 1 and len(per[name]["completion_s"]["each"]) == 1
             assert per[name]["stored_bytes"] > 0

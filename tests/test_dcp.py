@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import gdsckpt  # noqa: E402
 from gdsckpt import async_save as async_mod  # noqa: E402
 from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, item_key  # noqa: E402
-from conftest import assert_same, same  # noqa: E402
+from conftest import SlowSnapshot, assert_same, same  # noqa: E402
 
 WORLD = 2
 
@@ -417,3 +417,95 @@ def test_stand_ins_never_share_an_address():
         seen.add(_address(stand_in))
         assert stand_in.requires_grad == (i % 3 == 0)
     assert len(seen) == 2 * _StandInElements.BLOCK + 10
+
+
+# ---------------------------------------------------------------- GdsckptWriter(optimizer=): overlapped staging
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _forward_backward(model)
+    opt.step()
+    return model, opt
+
+
+def _forward_backward(model):
+    model(torch.randn(16, 32)).square().mean().backward()  # forward updates BatchNorm's running statistics
+
+
+def _dcp_state(model, opt) -> dict:
+    moments = {f"{i}": {k: v for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())}
+    return {"model": model.state_dict(), "adam": moments, "meta": {"step": 1, "lrs": [0.01]}}
+
+
+def _dcp_load(d: Path, like: dict) -> dict:
+    target = async_mod.snapshot_state_dict(like)
+    for t in gdsckpt.dcp._state_tensors(target):
+        t.zero_()
+    dcp.load(target, storage_reader=GdsckptReader(d), no_dist=True)
+    return target
+
+
+def test_overlapped_staging_returns_at_once_and_the_step_waits(tmp_path, monkeypatch):
+    """dcp.async_save with GdsckptWriter(optimizer=opt) returns DCP's AsyncSaveResponse while the
+    compressed snapshot still runs; buffers and plain values may change at once, the
+    parameters and AdamW moments until opt.step(), which waits; the checkpoint holds the state
+    of the call, and the step hook is gone afterwards."""
+    model, opt = _trained()
+    state = _dcp_state(model, opt)
+    want = _clone(state)
+    slow = SlowSnapshot(monkeypatch)
+    t = time.perf_counter()
+    resp = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / "c", optimizer=opt), no_dist=True)
+    returned = time.perf_counter() - t
+    assert slow.started.wait(10) and not resp.staging_completion.done()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    _forward_backward(model)  # reads the parameters the snapshot is reading; writes BatchNorm's buffers
+    model[1].running_var.add_(100.0)
+    state["meta"]["step"] = 2
+    state["meta"]["lrs"].append(9.9)
+    threading.Timer(0.4, slow.gate.set).start()
+    t = time.perf_counter()
+    opt.step()  # the pre-hook waits for the snapshot before AdamW changes a parameter or a moment
+    waited = time.perf_counter() - t
+    assert slow.gate.is_set() and waited >= 0.3 and returned < waited
+    assert len(opt._optimizer_step_pre_hooks) == 0
+    resp.staging_completion.result(30)
+    resp.upload_completion.result(30)
+    assert (tmp_path / "c" / ".metadata").exists()
+    assert_same(_dcp_load(tmp_path / "c", want), want)
+
+
+def test_overlapped_staging_failure_fails_the_upload_and_the_step_goes_on(tmp_path, monkeypatch):
+    model, opt = _trained(1)
+
+    def broken(*a, **kw):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(gdsckpt.dcp, "stage_compressed", broken)
+    resp = dcp.async_save(_dcp_state(model, opt), storage_writer=GdsckptWriter(tmp_path / "c", optimizer=opt),
+                          no_dist=True)
+    # upload_completion only: DCP sets staging_completion to success when the staging future
+    # had already failed by the time async_save looked at it (state_dict_saver.async_save)
+    with pytest.raises(OSError, match="injected"):
+        resp.upload_completion.result(30)
+    opt.step()  # not held by a snapshot that failed
+    assert not (tmp_path / "c" / ".metadata").exists()
+    monkeypatch.undo()
+    resp = dcp.async_save(_dcp_state(model, opt), storage_writer=GdsckptWriter(tmp_path / "c", optimizer=opt),
+                          no_dist=True)  # the next one goes ahead
+    resp.upload_completion.result(30)
+    assert (tmp_path / "c" / ".metadata").exists()
+
+
+def test_overlapped_staging_refuses_what_it_cannot_do(tmp_path):
+    import pickle
+    model, opt = _trained(2)
+    with pytest.raises(ValueError, match="async_staging='cpu'"):
+        GdsckptWriter(tmp_path, optimizer=opt, async_staging="cpu")
+    with pytest.raises(ValueError, match="must be a torch.optim.Optimizer, not object"):
+        GdsckptWriter(tmp_path, optimizer=object())
+    with pytest.raises(gdsckpt.errors.DCPPlanError, match="AsyncCheckpointerType.THREAD"):
+        pickle.dumps(GdsckptWriter(tmp_path, optimizer=opt))  # what the PROCESS executor would do

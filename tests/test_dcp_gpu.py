@@ -9,9 +9,10 @@ rendezvous, "cpu:gloo,cuda:nccl" so that dcp.async_save has its CPU backend):
   (each rank compresses its shards on its own GPU) and loaded with GdsckptReader into a fresh
   FSDP2 model and optimizer through get_state_dict / set_state_dict: bit-exact; then
   resharded onto 1 GPU (a plain, unsharded model) and compared with the full tensors;
-* dcp.async_save with GdsckptWriter's device staging (DCP's collectives on a separate gloo
-  group): training steps run while the save is in flight, and the checkpoint holds the state
-  as it was when async_save returned.
+* dcp.async_save with GdsckptWriter's compressed staging (DCP's collectives on a separate gloo
+  group), then with its overlapped staging (optimizer=: the snapshot runs during the next
+  forward/backward, the AdamW step waits for it): training steps run while the save is in
+  flight, and the checkpoint holds the state as it was when async_save was called.
 """
 
 from __future__ import annotations
@@ -241,31 +242,40 @@ def _async(rank: int, world: int, root: str) -> None:
     _init(rank, world, root, "async")
     try:
         mesh = init_device_mesh("cuda", (world,))
+        from gdsckpt.async_save import memory_of, optimizer_memory
         model, opt = build(0, mesh)
         train(model, opt, 2, seed=200 + rank)
-        msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        before = local_copy(state)
-        writer = GdsckptWriter(root / "async")
         # DCP's own collectives on a separate gloo group, as torchtitan does: the background save
         # never shares a communicator with the training steps that run while it is in flight
         ckpt_pg = dist.new_group(backend="gloo")
-        fut = dcp.async_save(state, storage_writer=writer, process_group=ckpt_pg)
-        train(model, opt, 2, seed=300 + rank)  # mutates the parameters and AdamW state in place
-        fut = getattr(fut, "upload_completion", fut)
-        fut.result()
-        assert writer.last_stats is not None and writer.last_stats.backend == "gpu", writer.last_stats
-        changed = local_copy(state)
-        assert any(kind != "value" and not torch.equal(v, before[k][1]) for k, (kind, v) in changed.items())
+        for name, overlap in (("async", False), ("async-overlap", True)):
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            before = local_copy(state)
+            if overlap:  # FSDP2's shards and AdamW moments are read in the background, not copied
+                guarded = optimizer_memory(opt)
+                loose = [k for k, (kind, v) in before.items() if kind != "value" and v.numel() > 1
+                         and memory_of(dict(flat(state))[k]) not in guarded]
+                assert not loose, loose
+            writer = GdsckptWriter(root / name, optimizer=opt if overlap else None)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=ckpt_pg)
+            assert hasattr(fut, "staging_completion") == overlap
+            train(model, opt, 2, seed=300 + rank)  # mutates the parameters and AdamW state in place
+            fut = getattr(fut, "upload_completion", fut)
+            fut.result()
+            assert writer.last_stats is not None and writer.last_stats.backend == "gpu", writer.last_stats
+            assert len(opt._optimizer_step_pre_hooks) == 0
+            changed = local_copy(state)
+            assert any(kind != "value" and not torch.equal(v, before[k][1]) for k, (kind, v) in changed.items())
 
-        model2, opt2 = build(1, mesh)
-        msd2, osd2 = get_state_dict(model2, opt2)
-        target = {"model": msd2, "optim": osd2}
-        dcp.load(target, storage_reader=GdsckptReader(root / "async"))
-        set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
-        msd3, osd3 = get_state_dict(model2, opt2)
-        compare_with_copy({"model": msd3, "optim": osd3}, before)
-        dist.barrier()
+            model2, opt2 = build(1, mesh)
+            msd2, osd2 = get_state_dict(model2, opt2)
+            target = {"model": msd2, "optim": osd2}
+            dcp.load(target, storage_reader=GdsckptReader(root / name))
+            set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+            msd3, osd3 = get_state_dict(model2, opt2)
+            compare_with_copy({"model": msd3, "optim": osd3}, before)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

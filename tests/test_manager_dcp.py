@@ -1,6 +1,6 @@
 """gdsckpt.Checkpointer under torch.distributed (2 CPU ranks over gloo): one DCP directory per step
 (GdsckptWriter), the same calls on every rank, rank 0 uploading to a real S3 server (SeaweedFS),
-restore of a local step, fall-back past a damaged step on every rank alike, and restore of a
+an overlapped save_async (optimizer=, DTensor parameters), restore of a local step, fall-back past a damaged step on every rank alike, and restore of a
 step that only the store still has."""
 
 from __future__ import annotations
@@ -65,9 +65,21 @@ def _scenarios(rank: int, root: Path, url: str) -> None:
         ck.save(s, sharded(full_state(s), mesh))
         ck.wait(uploads=True, timeout=60)  # rank 0 uploads; the others have nothing to wait for
         dist.barrier()
+    # optimizer=: the snapshot overlaps the next forward/backward (GdsckptWriter(optimizer=));
+    # the optimizer's DTensor parameters are read until its step, which waits; the rest is
+    # copied at the call
     state = sharded(full_state(3), mesh)
-    ck.save_async(3, state)
-    state["w"].to_local().fill_(-1)  # safe to mutate once save_async returned
+    params = [torch.nn.Parameter(state[k]) for k in ("w", "emb")]  # FSDP2's way: DTensor parameters
+    opt = torch.optim.SGD(params, lr=1.0)
+    from gdsckpt.async_save import memory_of, optimizer_memory
+    assert {memory_of(state["w"]), memory_of(state["emb"])} <= optimizer_memory(opt)  # read, not copied
+    before = params[0].to_local().clone()
+    ck.save_async(3, state, optimizer=opt)
+    state["step"].fill_(-1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(params[0].to_local(), before)  # no collective here: DCP's run in the background
     ck.wait(uploads=True, timeout=60)
     dist.barrier()
     listing = sorted(os.listdir(d / step_name(3, True)))

@@ -312,9 +312,21 @@ def _dir_bytes(path) -> int:
 
 
 class DcpGdsckpt(Method):
-    name = "dcp.async_save GdsckptWriter"
+    """dcp.async_save through GdsckptWriter's compressed staging; overlap: staged during the
+    next forward/backward (GdsckptWriter(optimizer=)), the optimizer step waiting for it."""
+
     asynchronous = True
     sharded = True
+
+    def __init__(self, overlap: bool = False):
+        self.with_opt = overlap
+        self.name = "dcp.async_save GdsckptWriter" + (" overlap" if overlap else "")
+
+    def available(self):
+        from gdsckpt.dcp import GdsckptWriter
+        if self.with_opt and "optimizer" not in inspect.signature(GdsckptWriter).parameters:
+            return "GdsckptWriter does not accept optimizer"
+        return None
 
     def setup(self, ctx):
         _process_group()
@@ -322,8 +334,9 @@ class DcpGdsckpt(Method):
     def save(self, ctx, state, path):
         import torch.distributed.checkpoint as dcp
         from gdsckpt.dcp import GdsckptWriter
-        w = GdsckptWriter(path)
+        w = GdsckptWriter(path, optimizer=ctx.opt) if self.with_opt else GdsckptWriter(path)
         fut = dcp.async_save(state, storage_writer=w, process_group=ctx.group, planner=ctx.planner(self.name))
+        fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse: staging is a future
 
         def done(f):
             if f.exception() is None and w.last_stats is not None:
@@ -373,6 +386,7 @@ METHODS: list[Callable[[], Method]] = [
     lambda: GdsSaveAsync("gdsckpt.save_async snapshot=device", {"snapshot": "device"}),
     lambda: GdsSaveAsync("gdsckpt.save_async overlap", {"overlap": True}, optimizer=True),
     DcpGdsckpt,
+    lambda: DcpGdsckpt(overlap=True),
     GdsSaveAsyncShards,
 ]
 ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSystemWriter",
@@ -381,7 +395,7 @@ ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSyst
            "async": "gdsckpt.save_async", "async-host": "gdsckpt.save_async snapshot=host",
            "async-device": "gdsckpt.save_async snapshot=device", "async-overlap": "gdsckpt.save_async overlap",
            "async-shards": "gdsckpt.save_async per rank, no DCP",
-           "dcp-gdsckpt": "dcp.async_save GdsckptWriter"}
+           "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap"}
 
 
 def all_methods() -> dict[str, Method]:
