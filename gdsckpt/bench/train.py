@@ -60,13 +60,14 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
    blocked_s: {mean, max, each}, completion_s: {mean, max, each},
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's median step],
+   gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
    overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the median step before its first checkpoint),
    first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
  cost: {...} | null;
  under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
  ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save,
-   steps_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
+   steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
 
 
 # name: layers, heads, d_model, vocab, context, seq, batch
@@ -206,8 +207,9 @@ class GdsSaveAsyncShards(GdsSaveAsync):
 
     sharded = True
 
-    def __init__(self):
-        super().__init__("gdsckpt.save_async per rank, no DCP", {})
+    def __init__(self, overlap: bool = False):
+        super().__init__("gdsckpt.save_async" + (" overlap" if overlap else "") + " per rank, no DCP",
+                         {"overlap": True} if overlap else {}, optimizer=overlap)
 
     def available(self):
         return None if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "a comparison for runs under torchrun"
@@ -388,6 +390,7 @@ METHODS: list[Callable[[], Method]] = [
     DcpGdsckpt,
     lambda: DcpGdsckpt(overlap=True),
     GdsSaveAsyncShards,
+    lambda: GdsSaveAsyncShards(overlap=True),
 ]
 ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSystemWriter",
            "dcp-gdsckpt-sync": "dcp.save GdsckptWriter", "dcp-thread": "dcp.async_save pinned thread",
@@ -395,6 +398,7 @@ ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSyst
            "async": "gdsckpt.save_async", "async-host": "gdsckpt.save_async snapshot=host",
            "async-device": "gdsckpt.save_async snapshot=device", "async-overlap": "gdsckpt.save_async overlap",
            "async-shards": "gdsckpt.save_async per rank, no DCP",
+           "async-shards-overlap": "gdsckpt.save_async overlap per rank, no DCP",
            "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap"}
 
 
@@ -460,7 +464,9 @@ def train_step(model, opt, batches, device, method: Method, hook_t: list):
     waited = time.perf_counter() - t
     hook_t[1] = 0.0
     opt.step()
-    return loss.item(), waited + hook_t[1]  # .item(): the loop logs its loss every step, as many do
+    t = time.perf_counter()
+    value = loss.item()  # the loop logs its loss every step, as many do; here the host waits for the GPU
+    return value, waited + hook_t[1], time.perf_counter() - t
 
 
 def n_checkpoints(steps: int, interval: int) -> int:
@@ -525,6 +531,7 @@ class Loop:
     drain: float = 0.0
     steps: list = field(default_factory=list)  # each training step's seconds (the saves apart)
     ckpt_steps: list = field(default_factory=list)  # the steps a checkpoint followed
+    gpu_waits: list = field(default_factory=list)  # of each step, the seconds loss.item() waited for the GPU
 
 
 def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str) -> Loop:
@@ -555,11 +562,12 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     blocked, done_at, started = [], {}, []
     pending = []
     t0 = time.perf_counter()
-    step_s, ckpt_steps = [], []
+    step_s, ckpt_steps, gpu_waits = [], [], []
     for step in range(1, steps + 1):
         ts = time.perf_counter()
-        _, waited = train_step(ctx.model, ctx.opt, batches, ctx.device, method, hook_t)
+        _, waited, gpu_wait = train_step(ctx.model, ctx.opt, batches, ctx.device, method, hook_t)
         step_s.append(time.perf_counter() - ts)
+        gpu_waits.append(gpu_wait)
         if blocked and waits:
             blocked[-1] += waited  # the wait the last checkpoint imposed on this optimizer step
         if cuda:
@@ -600,7 +608,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     if last is not None:
         last.remove()
     loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain,
-                steps=step_s, ckpt_steps=ckpt_steps)
+                steps=step_s, ckpt_steps=ckpt_steps, gpu_waits=gpu_waits)
     if cuda:
         loop.peak_torch = torch.cuda.max_memory_allocated() - base_alloc
         loop.peak_device = free0 - min_free
@@ -742,6 +750,8 @@ def run_train(args) -> dict:
                 "blocked_s": _summ([b for l in loops for b in l.blocked]),
                 "completion_s": _summ([c for l in loops for c in l.completion]),
                 "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
+                "gpu_wait_after_ckpt_extra_s": (_extra_after_ckpt(loops, none_loops, interval, "gpu_waits")
+                                                if m.name != "none" else None),
                 "overhead_in_loop_per_ckpt_s": _summ([_in_loop_overhead(l, interval, ckpts) for l in loops]
                                                      if m.name != "none" else []),
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
@@ -785,25 +795,29 @@ def _in_loop_overhead(loop: Loop, interval: int, ckpts: int) -> float:
     return (loop.seconds - len(loop.steps) * base) / ckpts
 
 
-def _extra_after_ckpt(loops: list, none_loops: list, interval: int) -> list | None:
+def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = "steps") -> list | None:
     """Where a method's loop time lands: for k = 1..interval, how much longer the k-th training
     step after a checkpoint took than the median step of the same repeat's 'none' loop (mean
     over checkpoints and repeats). A step's time includes any wait the method imposes before
-    opt.step (blocked time, also counted there); the checkpoint call itself is not in it."""
+    opt.step (blocked time, also counted there); the checkpoint call itself is not in it.
+    what="gpu_waits": the same for the part of each step the host waited for the GPU (more:
+    the GPU ran slower; less, with a slower step: the host did)."""
     extra = [[] for _ in range(interval)]
     for i, loop in enumerate(loops):
-        base = statistics.median(none_loops[min(i, len(none_loops) - 1)].steps)
+        base = statistics.median(getattr(none_loops[min(i, len(none_loops) - 1)], what))
+        per_step = getattr(loop, what)
         for c in loop.ckpt_steps:
             for k in range(interval):
-                if c + k < len(loop.steps):
-                    extra[k].append(loop.steps[c + k] - base)
+                if c + k < len(per_step):
+                    extra[k].append(per_step[c + k] - base)
     return [round(statistics.fmean(e), 4) for e in extra] if extra and extra[0] else None
 
 
 def _rank_row(r: dict) -> dict:
     """The figures of one rank's method row that the per-rank table shows."""
     keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save",
-            "steps_after_ckpt_extra_s", "overhead_in_loop_per_ckpt_s", "gpu", "host", "stored_bytes")
+            "steps_after_ckpt_extra_s", "gpu_wait_after_ckpt_extra_s", "overhead_in_loop_per_ckpt_s", "gpu", "host",
+            "stored_bytes")
     return {k: r[k] for k in keep if k in r}
 
 
@@ -816,9 +830,14 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def _after(extra: list) -> str:
-    """steps_after_ckpt_extra_s in a few words: the first three steps, then the rest, summed."""
-    return f"{sum(extra[:3]):+.3f} s (steps 1-3) and {sum(extra[3:]):+.3f} s (steps 4-{len(extra)}) beyond 'none'"
+def _after(r: dict) -> str:
+    """steps_after_ckpt_extra_s in a few words: the first three steps, then the rest, summed; and
+    of it, the GPU wait's part."""
+    extra, gpu = r["steps_after_ckpt_extra_s"], r.get("gpu_wait_after_ckpt_extra_s")
+    text = f"{sum(extra[:3]):+.3f} s (steps 1-3) and {sum(extra[3:]):+.3f} s (steps 4-{len(extra)}) beyond 'none'"
+    if gpu:
+        text += f" (waiting for the GPU {sum(gpu[:3]):+.3f} / {sum(gpu[3:]):+.3f} s)"
+    return text
 
 
 def print_train(result: dict, out=None) -> None:
@@ -850,7 +869,7 @@ def print_train(result: dict, out=None) -> None:
         if r.get("steps_after_ckpt_extra_s"):
             print(f"  {r['name']:<44} overhead/ckpt against its own first interval "
                   f"{_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
-                  f"{_after(r['steps_after_ckpt_extra_s'])}", file=out)
+                  f"{_after(r)}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
             if r.get("overhead_per_ckpt_s") and r["name"] != "none":
@@ -859,7 +878,7 @@ def print_train(result: dict, out=None) -> None:
                       f"(max {_f(b['max'])}), done {_f(r['completion_s']['mean'], '{:.2f}')} s, "
                       f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB"
                       + (f"; in-loop overhead {_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s, steps after "
-                         f"{_after(r['steps_after_ckpt_extra_s'])}" if r.get("steps_after_ckpt_extra_s") else ""),
+                         f"{_after(r)}" if r.get("steps_after_ckpt_extra_s") else ""),
                       file=out)
     print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
           " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
