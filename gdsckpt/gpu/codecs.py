@@ -58,6 +58,7 @@ class NvcompCodecs:
         self._device = device_id
         self._codecs: dict[tuple, nvcomp.Codec] = {}
         self._configs: dict[tuple, object] = {}
+        self._bounds: dict[tuple, int] = {}
         _live.add(self)
 
     def _codec(self, spec: dict, decode: bool = False) -> nvcomp.Codec:
@@ -85,10 +86,14 @@ class NvcompCodecs:
         return max(nbytes, self._bound(spec, min(frame, nbytes)) * len(frame_bounds(nbytes, frame)))
 
     def _bound(self, spec: dict, nbytes: int) -> int:
-        """nvCOMP's worst-case compressed size. It asks for an array, not a size: an untouched
-        host allocation of that size costs only address space."""
-        probe = np.empty(nbytes, dtype=np.uint8)
-        return _round(self._codec(spec).get_max_comp_buffer_size(nvcomp.as_array(probe)))
+        """nvCOMP's worst-case compressed size, once per codec and size (a save asks per chunk).
+        It asks for an array, not a size: an untouched host allocation of that size costs only
+        address space."""
+        key = (spec["name"], spec.get("data_type"), spec.get("uncomp_chunk_size"), nbytes)
+        if key not in self._bounds:
+            probe = np.empty(nbytes, dtype=np.uint8)
+            self._bounds[key] = _round(self._codec(spec).get_max_comp_buffer_size(nvcomp.as_array(probe)))
+        return self._bounds[key]
 
     def encode(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray):
         """(stored length, frames) with the stored bytes in `out`, or (-1, None) if it would not shrink.
@@ -106,13 +111,17 @@ class NvcompCodecs:
             if key not in self._configs:  # chunks share a few sizes: configure once per size
                 self._configs[key] = codec.compression_config([n])
             result = codec.encode(srcs, out=outs, compression_config=self._configs[key])
-            stored = result.buffer_sizes[0]  # waits: the ring needs the size
+            self._stream.synchronize()  # the ring needs the size; this wait lets go of the GIL
+            stored = result.buffer_sizes[0]  # (nvCOMP's own wait holds it: a training thread beside an
+            # overlapped snapshot stood still for the whole compression, bench/probes/gil_hold.py)
             return (stored, None) if stored < n else (-1, None)
         bounds = frame_bounds(n, spec["frame_bytes"])
         stride = self._bound(spec, bounds[0][1])
         srcs = nvcomp.as_arrays(src, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
         outs = nvcomp.as_arrays(out, [i * stride for i in range(len(bounds))], [stride] * len(bounds), cuda_stream=ptr)
-        frames = list(codec.encode(srcs, out=outs).buffer_sizes)
+        result = codec.encode(srcs, out=outs)
+        self._stream.synchronize()  # as above: wait without the GIL
+        frames = list(result.buffer_sizes)
         offsets = frame_offsets(frames)
         stored = offsets[-1]
         if stored >= n:
