@@ -80,6 +80,26 @@ def test_save_async_counts_once_committed(tmp_path):
         assert ck.steps() == [1, 2, 3]
 
 
+def test_save_async_with_optimizer_overlaps_the_snapshot(tmp_path):
+    """optimizer=: save_async's overlap mode; the parameters are read until opt.step(), which
+    waits for the snapshot, and the step counts once committed."""
+    state = state_for(4)
+    w = torch.nn.Parameter(state["model"]["w"])  # shares the state's memory, as model.state_dict() does
+    opt = torch.optim.SGD([w], lr=1.0)
+    want = {k: {kk: (vv.clone() if isinstance(vv, torch.Tensor) else vv) for kk, vv in v.items()}
+            for k, v in state.items()}
+    with Checkpointer(tmp_path, keep=3, save_options=OPTS) as ck:
+        fut = ck.save_async(4, state, optimizer=opt)
+        assert len(opt._optimizer_step_pre_hooks) == 1
+        state["optim"]["m"].fill_(7)  # not a tensor of `opt`: copied at the call
+        w.grad = torch.ones_like(w)
+        opt.step()  # waits for the snapshot, then changes w in place
+        assert len(opt._optimizer_step_pre_hooks) == 0 and fut.result().mode == "overlap"
+        ck.wait()
+        assert ck.steps() == [4]
+        assert_same(ck.restore().state, want)
+
+
 def test_temporaries_and_foreign_files_do_not_count(tmp_path):
     with Checkpointer(tmp_path, save_options=OPTS) as ck:
         ck.save(5, state_for(5))
