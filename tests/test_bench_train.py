@@ -29,6 +29,16 @@ def test_train_and_cost(tmp_path, capsys):
         # a checkpoint completes after (or when) the caller is released (each rounded to 0.1 ms)
         assert all(c >= b - 2e-4 for b, c in zip(m["blocked_s"]["each"], m["completion_s"]["each"]))
     assert rows["gdsckpt.save"]["io_path"] == "cpu"
+    # the stall-free targets, checked: the background method only, against this run's gdsckpt.save
+    (t,) = r["targets"]
+    assert t["method"] == "gdsckpt.save_async" and t["rank"] is None
+    assert set(t["checks"]) == {"idle_s", "blocked_s", "durable_x_sync"}  # no GPU memory target on the CPU
+    a = rows["gdsckpt.save_async"]
+    c = t["checks"]["durable_x_sync"]
+    assert abs(c["measured"] - a["completion_s"]["mean"] / rows["gdsckpt.save"]["blocked_s"]["mean"]) < 1e-3
+    b = t["checks"]["blocked_s"]
+    assert b["target"] == 0.15 and b["met"] == (b["measured"] <= 0.15) and b["short_by"] == round(max(0, b["measured"] - 0.15), 4)
+    assert "targets (met, or short by)" in printed
     cost = {c["name"]: c for c in r["cost"]["methods"]}
     assert r["cost"]["checkpoints_per_month"] == 30 * 24
     c = cost["gdsckpt.save"]
@@ -88,6 +98,12 @@ def test_train_under_torchrun(tmp_path):
             assert per[name]["status"] == "ok", per[name]
             assert len(per[name]["blocked_s"]["each"]) == 1 and len(per[name]["completion_s"]["each"]) == 1
             assert per[name]["stored_bytes"] > 0
+    # targets per rank; the DCP rows' background write against this run's synchronous dcp.save
+    t = {(e["method"], e["rank"]): e["checks"] for e in r["targets"]}
+    assert set(t) == {(m, k) for m in ("dcp.async_save GdsckptWriter", "dcp.async_save GdsckptWriter overlap")
+                      for k in (0, 1)}
+    assert t[("dcp.async_save GdsckptWriter overlap", 1)]["blocked_s"]["target"] == 0.02
+    assert "durable_x_sync" in t[("dcp.async_save GdsckptWriter", 1)]
     c = {m["name"]: m for m in r["cost"]["methods"]}
     assert r["cost"]["inputs"]["measured_state_bytes"] == r["state"]["per_rank_bytes"]
     # storage per GPU: the directory's bytes shared out over the ranks

@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import ranks
+from . import ranks, targets
 from .ranks import Ranks
 
 TRAIN_SCHEMA = 1
@@ -64,7 +64,8 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the median step before its first checkpoint),
    first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
- cost: {...} | null;
+ cost: {...} | null, targets: [{method, rank, checks: {idle_s | blocked_s | extra_gpu_bytes | durable_x_sync:
+   {target, measured, met, short_by}}}] (bench/targets.py);
  under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
  ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save,
    steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
@@ -783,6 +784,7 @@ def run_train(args) -> dict:
         result["ranks"] = [{"rank": i, "methods": rows_i} for i, rows_i in enumerate(per_rank)]
         result["rank"] = rk.rank
         rk.close()
+    result["targets"] = targets.check(result)
     return result
 
 
@@ -884,6 +886,7 @@ def print_train(result: dict, out=None) -> None:
           " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
           " outside the loops; +GPU: torch peak over the 'none' loop; +dev: device-wide (cudaMemGetInfo, per step);"
           " pinned: torch's pinned host allocator", file=out)
+    targets.print_targets(d.get("targets") or [], out)
     if d.get("cost"):
         from .cost import print_cost
         print_cost(d["cost"], out)
