@@ -236,13 +236,13 @@ def _async(rank: int, world: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from gdsckpt.async_save import memory_of, optimizer_memory
     from gdsckpt.dcp import GdsckptReader, GdsckptWriter
 
     root = Path(root)
     _init(rank, world, root, "async")
     try:
         mesh = init_device_mesh("cuda", (world,))
-        from gdsckpt.async_save import memory_of, optimizer_memory
         model, opt = build(0, mesh)
         train(model, opt, 2, seed=200 + rank)
         # DCP's own collectives on a separate gloo group, as torchtitan does: the background save
