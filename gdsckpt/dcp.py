@@ -426,8 +426,9 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 state, self._staged[0] = result
                 staging.set_result(state)
 
-        run_overlapped(lambda: stage_compressed(frozen, self.save_options), _cuda_device(_state_tensors(frozen)),
-                       self.optimizer, finish)
+        # the snapshot reads in place only the optimizer's memory: its GPU is the one to fence
+        gpu = next((device.index for device, _ in guarded if device.type == "cuda"), None)
+        run_overlapped(lambda: stage_compressed(frozen, self.save_options), gpu, self.optimizer, finish)
         return staging
 
     def synchronize_staging(self) -> None:
@@ -704,17 +705,18 @@ def snapshot_state_dict(obj, keep=lambda t: False):
     from torch.distributed.tensor import DTensor
 
     found = _state_tensors(obj)
-    copied = iter(snapshot_tensors([t for t in found if not keep(t)]))
+    kept = [keep(t) for t in found]  # decided once per tensor, in the order rebuild meets them
+    copied = iter(snapshot_tensors([t for t, k in zip(found, kept) if not k]))
+    decisions = iter(kept)
 
     def rebuild(o):
         if isinstance(o, DTensor):
-            t = o.to_local()
-            if keep(t):
+            if next(decisions):
                 return o
             return DTensor.from_local(next(copied), o.device_mesh, o.placements, run_check=False,
                                       shape=o.shape, stride=o.stride())
         if isinstance(o, torch.Tensor):
-            if keep(o):
+            if next(decisions):
                 return o
             t = next(copied)
             return torch.nn.Parameter(t, o.requires_grad) if isinstance(o, torch.nn.Parameter) else t

@@ -12,9 +12,9 @@ S3-compatible object store in the background, restored from the newest intact st
 Layout: one gdsckpt file per step, DIR/step_00001000.gdsckpt, for a single process; under
 torch.distributed, one DCP directory per step, DIR/step_00001000/ (gdsckpt.dcp.GdsckptWriter:
 a file per rank and DCP's .metadata; DCP's plans cached between saves, gdsckpt.dcp.CachedSavePlanner),
-with the same calls on every rank. A step counts once it
-is committed: the file renamed into place (gdsckpt.save is atomic and durable), or the DCP
-directory's .metadata written. Temporaries of killed saves never count.
+with the same calls on every rank. A step counts once it is committed: the file renamed into
+place (gdsckpt.save is atomic and durable), or the DCP directory's .metadata written.
+Temporaries of killed saves never count.
 
 The remote tier (remote="s3://bucket/prefix"; endpoint and credentials from the AWS variables):
 after a step commits, a background thread uploads it (multipart, parts in parallel: see
