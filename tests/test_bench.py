@@ -40,7 +40,8 @@ def test_bench_zeros_are_labelled(tmp_path, capsys):
 def test_workload_sizes_below_and_above_the_base_state():
     """Scale runs need states of the asked size on both sides of the trained base state: a
     shallower or deeper GPT, its AdamW state matching parameter for parameter."""
-    from gdsckpt.bench.workload import make_state, nbytes
+    from gdsckpt.bench.states import nbytes
+    from gdsckpt.bench.workload import make_state
     base = make_state("tiny", device="cpu")
     for size in ("8MB", "40MB"):
         state = make_state(size, device="cpu")
@@ -49,3 +50,19 @@ def test_workload_sizes_below_and_above_the_base_state():
         assert len(state["optimizer"]["state"]) == len(state["master"]) == len(state["model"])
         assert state["optimizer"]["param_groups"][0]["params"] == list(range(len(state["master"])))
     assert len(make_state("8MB", device="cpu")["master"]) < len(base["master"]) < len(make_state("40MB", device="cpu")["master"])
+
+
+def test_state_walks_count_what_a_save_stores_or_every_place():
+    """nbytes and to_device go through gdsckpt.tree.flatten (a tied tensor is one leaf);
+    every_tensor / placed_bytes see every place a tensor sits, as the baselines write it."""
+    import torch
+
+    from gdsckpt.bench import states
+    w = torch.arange(6, dtype=torch.float32)
+    state = {"wte": w, "lm_head": w, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
+    assert states.nbytes(state) == 24 and states.placed_bytes(state) == 48
+    pairs, others = states.every_tensor(state)
+    assert [k for k, _ in pairs] == ["wte", "lm_head"] and others == 3
+    moved = states.to_device(state, "cpu")
+    assert moved["wte"] is moved["lm_head"] and moved["groups"][0]["betas"] == (0.9, 0.99)
+    assert states.local_tensors(state)["lm_head"] is w and states.local_bytes(state) == 48

@@ -66,8 +66,8 @@ def test_cost_from_file_and_unavailable_modes(tmp_path, capsys):
     assert a["checkpoint_bytes"] == 6_000_000_000 * 1000 and c["inputs"]["scaled"]
     assert "error" in c["methods"][1]
 
-    from gdsckpt.bench import train
-    names = {m.name: m.available() for m in train.all_methods().values()}
+    from gdsckpt.bench import train_methods
+    names = {m.name: m.available() for m in train_methods.all_methods().values()}
     assert names["none"] is None and names["gdsckpt.save_async"] is None
 
 

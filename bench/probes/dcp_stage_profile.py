@@ -30,20 +30,17 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
-from torch.distributed.tensor import DTensor
 
 import gdsckpt
-from gdsckpt.bench import ranks, train
-from gdsckpt.bench.workload import _walk
+from gdsckpt.bench import ranks, states, train_loop, train_methods
 from gdsckpt.async_save import memory_of, optimizer_memory
 from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter, _drop_staged, snapshot_state_dict
 
 
 def step(model, opt, batches, device):
-    return train.train_step(model, opt, batches, device, train.NoCheckpoint(), [0.0, 0.0])
+    return train_loop.train_step(model, opt, batches, device, train_methods.NoCheckpoint(), [0.0, 0.0])
 
 
 def main():
@@ -54,11 +51,11 @@ def main():
     ap.add_argument("--layers", type=int, help="override the size's layer count (the tensor count, on the CPU)")
     args = ap.parse_args()
     if args.layers:
-        train.TRAIN_SIZES[args.size] = (args.layers,) + train.TRAIN_SIZES[args.size][1:]
+        train_loop.TRAIN_SIZES[args.size] = (args.layers,) + train_loop.TRAIN_SIZES[args.size][1:]
     rk, device = ranks.from_env(args.device)
-    model, _, windows, _ = train.build(args.size, device)
+    model, _, windows, _ = train_loop.build(args.size, device)
     opt = ranks.shard(model)
-    batches = train.Batches(windows, train.TRAIN_SIZES[args.size][-1], device)
+    batches = train_loop.Batches(windows, train_loop.TRAIN_SIZES[args.size][-1], device)
     for _ in range(3):
         step(model, opt, batches, device)
     directory = rk.shared_directory(os.environ.get("BENCH_DIR"))[0]
@@ -85,7 +82,7 @@ def main():
         fut.result()
         t5 = time.perf_counter()
         step(model, opt, batches, device)
-        local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in _walk(state)}
+        local = states.local_tensors(state)
         t6 = time.perf_counter()
         f2 = gdsckpt.save_async(local, os.path.join(directory, f"plain-{rk.rank}-{i}.gdsckpt"))
         t7 = time.perf_counter()

@@ -12,7 +12,8 @@ import torch
 
 import gdsckpt
 from gdsckpt.bench.disk import disk_probe, drop_page_cache
-from gdsckpt.bench.workload import make_state, nbytes
+from gdsckpt.bench.states import nbytes
+from gdsckpt.bench.workload import make_state
 from pathlib import Path
 
 size = sys.argv[1] if len(sys.argv) > 1 else "4GB"

@@ -2,7 +2,7 @@
 
     OUT=dir python bench/probes/probe_train_profile.py [--size gpt2-medium] [--pyspy PATH]
 
-The model, optimizer and loop are gdsckpt-bench --train's (gdsckpt/bench/train.py). Parts:
+The model, optimizer and loop are gdsckpt-bench --train's (gdsckpt/bench/train_loop.py, train_methods.py). Parts:
 
 1. Isolation: one background save_async (today's: device snapshot, then gdsckpt.save on a
    thread) while the main thread does one of
@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gdsckpt  # noqa: E402
-from gdsckpt.bench import train  # noqa: E402
+from gdsckpt.bench import states, train_loop, train_methods  # noqa: E402
 
 LOG: list[str] = []
 
@@ -127,7 +127,7 @@ def load_fn(kind: str, ctx, batches, cycles):
         return f
     if kind == "train":
         hook = [0.0, 0.0]
-        return lambda: train.train_step(ctx.model, ctx.opt, batches, ctx.device, train.NoCheckpoint(), hook)
+        return lambda: train_loop.train_step(ctx.model, ctx.opt, batches, ctx.device, train_methods.NoCheckpoint(), hook)
     raise ValueError(kind)
 
 
@@ -279,18 +279,17 @@ def main() -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     size = a.size or ("gpt2-medium" if cuda else "small-cpu")
-    model, opt, windows, minfo = train.build(size, device)
-    batches = train.Batches(windows, minfo["batch"], device)
-    ctx = train.Ctx(model, opt, Path(a.dir or tempfile.mkdtemp(prefix="probe-train-")), device)
+    model, opt, windows, minfo = train_loop.build(size, device)
+    batches = train_loop.Batches(windows, minfo["batch"], device)
+    ctx = train_methods.Ctx(model, opt, Path(a.dir or tempfile.mkdtemp(prefix="probe-train-")), device)
     ctx.directory.mkdir(parents=True, exist_ok=True)
     hook = [0.0, 0.0]
     for _ in range(5):
-        train.train_step(model, opt, batches, device, train.NoCheckpoint(), hook)
-    state = train.checkpoint_state(model, opt)
+        train_loop.train_step(model, opt, batches, device, train_methods.NoCheckpoint(), hook)
+    state = train_methods.checkpoint_state(model, opt)
     res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "size": size, "model": minfo,
                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    from gdsckpt.bench.workload import nbytes
-    res["state_bytes"] = nbytes(state)
+    res["state_bytes"] = states.nbytes(state)
     n = [0]
 
     def path():
@@ -327,7 +326,7 @@ def main() -> int:
         fn()
         with Heartbeat() as hb0:
             r0, each0 = rate(fn, a.seconds)
-        r = under_save(fn, train.checkpoint_state(model, opt) if kind == "train" else state, path())
+        r = under_save(fn, train_methods.checkpoint_state(model, opt) if kind == "train" else state, path())
         clear()
         alone_unit = statistics.fmean(each0)
         r.update({"unit_mean_alone_s": alone_unit, "heartbeat_alone": hb0.summary()})
@@ -347,7 +346,7 @@ def main() -> int:
         sys.setswitchinterval(interval)
         try:
             fn = load_fn("train", ctx, batches, cycles)
-            sw[str(interval)] = under_save(fn, train.checkpoint_state(model, opt), path())
+            sw[str(interval)] = under_save(fn, train_methods.checkpoint_state(model, opt), path())
         finally:
             sys.setswitchinterval(old)
         clear()
@@ -365,7 +364,7 @@ def main() -> int:
     with profile(activities=acts) as prof:
         for _ in range(2):
             fn()
-        prof_save = under_save(fn, train.checkpoint_state(model, opt), path())
+        prof_save = under_save(fn, train_methods.checkpoint_state(model, opt), path())
         for _ in range(2):
             fn()
     clear()
@@ -410,7 +409,7 @@ def main() -> int:
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(1.0)
         t = time.perf_counter()
-        spy_save = under_save(fn, train.checkpoint_state(model, opt), path())
+        spy_save = under_save(fn, train_methods.checkpoint_state(model, opt), path())
         while time.perf_counter() - t < dur - 0.5:
             fn()
         msg = p.communicate(timeout=60)[0]

@@ -5,8 +5,10 @@ logical_bytes, io_path, notes}. Saves are timed until the data is durable (fsync
 Loads start cold (the file's pages dropped from the page cache) and end when every tensor is on
 `device` (CUDA synchronized). Files are removed afterwards, also on failure. GPU-only baselines
 raise RuntimeError with the reason where CUDA, KvikIO or nvCOMP is missing; the caller reports
-it. Needs nothing from the library but the bench's own page-cache drop (the KvikIO rows borrow
-gdsckpt's KvikIO settings where gdsckpt is importable, so that the comparison is like for like).
+it. Needs nothing from the library but the bench's own page-cache drop and walk over the state
+(states.every_tensor: every place a tensor sits, as these formats write it; the KvikIO rows
+borrow gdsckpt's KvikIO settings where gdsckpt is importable, so that the comparison is like for
+like).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .disk import drop_page_cache
+from .states import every_tensor, placed_bytes
 
 
 def _fsync(path) -> None:
@@ -33,30 +36,6 @@ def _fsync(path) -> None:
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _tensors(obj, prefix=""):
-    """(key, tensor) for every tensor in nested dicts, lists and tuples; the count of other leaves."""
-    out, skipped = [], 0
-
-    def walk(o, p):
-        nonlocal skipped
-        if isinstance(o, torch.Tensor):
-            out.append((p, o))
-        elif isinstance(o, dict):
-            for k, v in o.items():
-                walk(v, f"{p}/{k}" if p else str(k))
-        elif isinstance(o, (list, tuple)):
-            for k, v in enumerate(o):
-                walk(v, f"{p}/{k}" if p else str(k))
-        else:
-            skipped += 1
-    walk(obj, prefix)
-    return out, skipped
-
-
-def _logical(state) -> int:
-    return sum(t.nbytes for _, t in _tensors(state)[0])
 
 
 def same_tensors(a: list, b: list) -> bool:
@@ -133,7 +112,7 @@ def _need_gpu(device: str, *modules: str):
 
 def torch_save(state, directory, device):
     """torch.save of the whole state to one file; torch.load(map_location=device, weights_only=True)."""
-    originals = [t for _, t in _tensors(state)[0]]
+    originals = [t for _, t in every_tensor(state)[0]]
     with _scratch(directory, "baseline.pt") as path:
         _sync(device)
         t0 = time.perf_counter()
@@ -147,16 +126,16 @@ def torch_save(state, directory, device):
         out = torch.load(path, map_location=device, weights_only=True)
         _sync(device)
         load_s = time.perf_counter() - t0
-        exact = same_tensors([t for _, t in _tensors(out)[0]], originals)
+        exact = same_tensors([t for _, t in every_tensor(out)[0]], originals)
         return {"name": "torch.save + fsync / torch.load", "save_s": save_s, "load_s": load_s,
-                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": "cpu",
+                "stored_bytes": path.stat().st_size, "logical_bytes": placed_bytes(state), "io_path": "cpu",
                 "notes": f"weights_only=True, map_location={device}; bit-exact: {exact}{_fs_note(directory)}"}
 
 
 def safetensors_file(state, directory, device):
     """safetensors save_file of the flattened tensors ("/"-joined keys); load_file(device=device)."""
     from safetensors.torch import load_file, save_file
-    originals, skipped = _tensors(state)
+    originals, skipped = every_tensor(state)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # safetensors wants an explicit index
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -183,7 +162,7 @@ def safetensors_file(state, directory, device):
         notes = f"tensors only: {skipped} non-tensor values (e.g. param_groups) not saved"
         notes += f"; {cloned} shared-storage tensors copied" if cloned else ""
         return {"name": "safetensors save_file / load_file", "save_s": save_s, "load_s": load_s,
-                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": "cpu",
+                "stored_bytes": path.stat().st_size, "logical_bytes": placed_bytes(state), "io_path": "cpu",
                 "notes": f"{notes}; bit-exact: {exact}{_fs_note(directory)}"}
 
 
@@ -207,7 +186,7 @@ def kvikio_raw(state, directory, device):
     memory with KvikIO into one file (back to back, 4 KiB aligned), read back into preallocated
     device tensors."""
     kvikio, cupy = _need_gpu(device, "kvikio", "cupy")
-    originals = [t for _, t in _tensors(state)[0]]
+    originals = [t for _, t in every_tensor(state)[0]]
     with _scratch(directory, "baseline.raw") as path:
         # Staging tensors that are not contiguous on `device` is a copy this baseline would make
         # too; keep it out of the timing so that the row measures I/O alone.
@@ -234,7 +213,7 @@ def kvikio_raw(state, directory, device):
             load_s = time.perf_counter() - t0
         exact = same_tensors(dst, originals)
         return {"name": "KvikIO raw (uncompressed)", "save_s": save_s, "load_s": load_s,
-                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": io_path,
+                "stored_bytes": path.stat().st_size, "logical_bytes": placed_bytes(state), "io_path": io_path,
                 "notes": f"{len(dst)} tensors, one CuFile, 4 KiB aligned, {desc}; no container format "
                          f"(offsets kept in memory); bit-exact: {exact}{_fs_note(directory)}"}
 
@@ -245,7 +224,7 @@ def nvcomp_zstd_blob(state, directory, device):
     reads the blob, decompresses it on the GPU and torch.loads the bytes."""
     kvikio, cupy, nvcomp = _need_gpu(device, "kvikio", "cupy", "nvidia.nvcomp")
     import numpy as np
-    originals = [t for _, t in _tensors(state)[0]]
+    originals = [t for _, t in every_tensor(state)[0]]
     codec = nvcomp.Codec(algorithm="Zstd")  # created once, as a trainer would
     io_path, settings, how = _kvikio_setup(kvikio)
     with _scratch(directory, "baseline.nvcomp-zstd") as path, settings:
@@ -275,9 +254,9 @@ def nvcomp_zstd_blob(state, directory, device):
         out = torch.load(io.BytesIO(raw.get().tobytes()), map_location=device, weights_only=True)
         _sync(device)
         load_s = time.perf_counter() - t0
-        exact = same_tensors([t for _, t in _tensors(out)[0]], originals)
+        exact = same_tensors([t for _, t in every_tensor(out)[0]], originals)
         return {"name": "torch.save -> nvCOMP Zstd blob (NVIDIA blog)", "save_s": save_s, "load_s": load_s,
-                "stored_bytes": path.stat().st_size, "logical_bytes": _logical(state), "io_path": io_path,
+                "stored_bytes": path.stat().st_size, "logical_bytes": placed_bytes(state), "io_path": io_path,
                 "notes": f"pickled on the CPU ({pickle_bytes} B), one nvCOMP Zstd call on the whole blob, "
                          f"one KvikIO write ({desc}); bit-exact: {exact}{_fs_note(directory)}"}
 

@@ -8,13 +8,11 @@ its device, date, data and I/O path. JSON schema: see SCHEMA below (stable; addi
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import itertools
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -28,6 +26,7 @@ from gdsckpt import api, tree
 from gdsckpt.backend import gpu_status, set_direct_io
 from gdsckpt.defaults import RING_DEPTH
 
+from . import provenance, states, train
 from .baselines import same_tensors
 from .disk import disk_probe, drop_page_cache, mean_probe
 from .workload import parse_size
@@ -59,17 +58,6 @@ def _pct(values: list[float], q: float) -> float:
         return 0.0
     v = sorted(values)
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
-
-
-def versions() -> dict:
-    v = {"gdsckpt": gdsckpt.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    for mod in ("nvidia.nvcomp", "kvikio"):
-        try:
-            m = __import__(mod, fromlist=["__version__"])
-            v[mod.split(".")[-1]] = m.__version__
-        except Exception:
-            v[mod.split(".")[-1]] = None
-    return v
 
 
 def make_data(spec: str, size: str, device: str) -> tuple[dict, dict]:
@@ -353,17 +341,15 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.train or args.cost:
-        from . import train
         return train.main(args)
     device = choose_device(args)
     progress = Progress()
     progress("building the workload state")
     state, data = make_data(args.data, args.size, device)
     if args.ioengine == "posix":
-        state = _to(state, "cpu")
+        state = states.to_device(state, "cpu")
     disk, jobs, compare = measure(args, state, data, device, progress)
-    report(args, {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "host": platform.node(), "device": describe_device(device), "versions": versions(), "data": data,
+    report(args, {"schema": SCHEMA, **provenance.stamp(device), "data": data,
                   "disk": disk, "jobs": jobs, "compare": compare, "args": vars(args)})
     return 0
 
@@ -395,8 +381,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compare", action="store_true", help="also run torch.save, safetensors, raw KvikIO, ...")
     ap.add_argument("--plot", help="PNG chart of the compare table and/or the sweep")
     ap.add_argument("--no-disk-probe", action="store_true")
-    from . import train  # --train / --cost: gdsckpt/bench/train.py and cost.py
-    train.add_arguments(ap)
+    train.add_arguments(ap)  # --train and --cost: train.py and cost.py
     return ap.parse_args(argv)
 
 
@@ -445,13 +430,6 @@ def _against_disk(jobs: list[dict], disk: dict) -> None:
             j["of_disk_bound"] = j["logical_gbps"] / j["disk_bound_gbps"]
 
 
-def describe_device(device: str) -> dict:
-    gpu = device.startswith("cuda")
-    return {"kind": "gpu" if gpu else "cpu",
-            "name": torch.cuda.get_device_name() if gpu
-            else (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"}
-
-
 def report(args, result: dict) -> None:
     """The result as --output, --output-format and --plot ask."""
     if args.output:
@@ -465,11 +443,6 @@ def report(args, result: dict) -> None:
         print_normal(result)
     if args.plot:
         plot(result, args.plot)
-
-
-def _to(state, device):
-    skeleton, leaves = tree.flatten(state)
-    return tree.unflatten(skeleton, [l.tensor.to(device) for l in leaves])
 
 
 if __name__ == "__main__":

@@ -82,10 +82,3 @@ def checkpoint_state(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
-
-
-def local_bytes(state) -> int:
-    """Bytes this rank holds of a state (DTensors count their local shard)."""
-    from torch.distributed.tensor import DTensor
-    from .workload import _walk
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for _, t in _walk(state))

@@ -8,7 +8,8 @@ tensors say nothing about checkpoints; these bytes have the exponent and mantiss
 trained weights and optimizer moments.
 
 The trained base state is cached (safetensors + JSON, never pickle), so only the first run
-trains. Self-contained: imports nothing from gdsckpt.
+trains. Nothing in gdsckpt decides these bytes: the state is only walked (counted, moved to
+its device) through gdsckpt.tree.flatten, by states.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .states import nbytes, to_device
 
 # name: layers, heads, d_model, vocab, context, train seq, batch, default steps, peak lr
 SIZES = {
@@ -117,7 +120,7 @@ def token_windows(vocab: int, seq: int) -> torch.Tensor:
     return ((code * 2654435761) % (1 << 32) >> 8) % vocab
 
 
-class _Bf16Matmuls(torch.overrides.TorchFunctionMode):
+class Bf16Matmuls(torch.overrides.TorchFunctionMode):
     """bf16 autocast's numerics at fp32 speed, for CPUs without bf16 units (there, real CPU
     autocast runs bf16 GEMMs ~20x slower than fp32). As autocast does, linear layers and attention
     take bf16-rounded operands, accumulate in fp32 (as bf16 tensor cores and AMX do) and return
@@ -159,7 +162,7 @@ def _train(name: str, device: str, steps: int) -> dict:
                 if len(order) < batch:  # epochs over the corpus in shuffled window order
                     order = torch.cat([order, torch.randperm(len(windows), generator=g)])
                 idx, order = windows[order[:batch]].to(device), order[batch:]
-                with torch.autocast(dev_type, dtype=torch.bfloat16) if dev_type == "cuda" else _Bf16Matmuls():
+                with torch.autocast(dev_type, dtype=torch.bfloat16) if dev_type == "cuda" else Bf16Matmuls():
                     logits = model(idx[:, :-1])
                 loss = F.cross_entropy(logits.float().reshape(-1, vocab), idx[:, 1:].reshape(-1))
                 opt.zero_grad(set_to_none=True)
@@ -215,7 +218,7 @@ def base_state(name: str, device: str, cache_dir: str | None = None, steps: int 
     train_dev = device if torch.device(device).type == "cuda" else "cpu"
     paths = _cache_paths(cache_dir, name, steps, torch.device(train_dev).type)
     if paths and all(p.exists() for p in paths):
-        return _steps_on_cpu(_to(_unflatten(load_file(paths[0]), json.loads(paths[1].read_text())), device))
+        return _steps_on_cpu(to_device(_unflatten(load_file(paths[0]), json.loads(paths[1].read_text())), device))
     state = _train(name, train_dev, steps)
     if paths:
         tensors, meta = _flatten(state)
@@ -225,7 +228,7 @@ def base_state(name: str, device: str, cache_dir: str | None = None, steps: int 
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # atomic: concurrent runs share the dir
             write(tmp)
             os.replace(tmp, path)
-    return _steps_on_cpu(_to(state, device))
+    return _steps_on_cpu(to_device(state, device))
 
 
 def _steps_on_cpu(state: dict) -> dict:
@@ -259,7 +262,7 @@ def make_state(size: str = "auto", device: str | None = None, cache_dir: str | N
     the result is a coherent state of a GPT of that depth: it would load into GPT(n_layer=...)
     and AdamW.
     device: default "cuda" if available, else "cpu". Training runs on `device` if it is a GPU,
-    else on the CPU (where bf16 autocast is emulated: see _Bf16Matmuls). gpt2-small: 300 steps
+    else on the CPU (where bf16 autocast is emulated: see Bf16Matmuls). gpt2-small: 300 steps
     of 4 x 1024 tokens (about one epoch of the corpus); tiny: 60 steps of 4 x 128 tokens.
     cache_dir: default $GDSCKPT_CACHE or ~/.cache/gdsckpt; "off" disables the cache. The cache
     is keyed by size, steps, torch and Python versions and the training device's kind.
@@ -308,33 +311,6 @@ def make_state(size: str = "auto", device: str | None = None, cache_dir: str | N
     return {"model": model, "optimizer": {"state": opt_state, "param_groups": groups}, "master": master}
 
 
-def _walk(obj, prefix=""):
-    """(key, tensor) for every tensor in nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for k, v in enumerate(obj):
-            yield from _walk(v, f"{prefix}/{k}" if prefix else str(k))
-
-
-def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
-
-
-def nbytes(state) -> int:
-    """Total bytes of all tensors in a nested state."""
-    return sum(t.nbytes for _, t in _walk(state))
-
-
 # GPT-2 small's parameter shapes of one block, cycled by the synthetic states.
 _SHAPES = [(768,), (768,), (2304, 768), (2304,), (768, 768), (768,), (768,), (768,), (3072, 768), (3072,),
            (768, 3072), (768,)]
@@ -377,5 +353,5 @@ def file_state(path: str, device: str) -> dict:
     pickles are executed)."""
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file
-        return _to(load_file(path), device)
+        return to_device(load_file(path), device)
     return torch.load(path, map_location=device, weights_only=True)

@@ -1,0 +1,191 @@
+"""gdsckpt-bench --train's result: each method's loops summarised against the 'none' loops,
+the JSON's shape (TRAIN_SCHEMA_DOC), the printed table and the plot."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from . import targets
+from .cost import print_cost
+from .train_loop import Loop
+from .train_methods import Method
+
+TRAIN_SCHEMA = 1
+TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, device: {kind, name}, versions, io_path,
+ model: {size, layers, heads, d_model, vocab, seq, batch, params}, state: {logical_bytes, tensors},
+ steps, interval, checkpoints_per_loop (at interval, 2 x interval, ..., each followed by a full interval),
+ repeats, dcp_planner (cached | default: the DCP methods' save planner), step_s (the 'none' loops' mean),
+ methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
+   {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
+   blocked_s: {mean, max, each}, completion_s: {mean, max, each},
+   steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's median step],
+   gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
+   overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the median step before its first checkpoint),
+   first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
+   host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
+ cost: {...} | null, targets: [{method, rank, checks: {idle_s | blocked_s | extra_gpu_bytes | durable_x_sync:
+   {target, measured, met, short_by}}}] (bench/targets.py);
+ under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
+ ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save,
+   steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
+
+
+def _summ(xs: list) -> dict:
+    if not xs:
+        return {"mean": None, "min": None, "max": None, "each": []}
+    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "each": [round(x, 4) for x in xs]}
+
+
+def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) -> list[dict]:
+    """Each method's row of the result, in the order run: its loops (rows[name]["loops"], taken
+    out of the row) summarised against the 'none' loops of the same repeats."""
+    none_loops: list[Loop] = rows["none"]["loops"]
+    base_torch = max((l.peak_torch for l in none_loops), default=0)
+    base_device = max((l.peak_device for l in none_loops), default=0)
+    out = []
+    for m in methods:
+        row = rows[m.name]
+        row["notes"] = row["notes"] or m.notes
+        loops: list[Loop] = row.pop("loops")
+        if loops and none_loops:
+            # Paired with the 'none' loop of the same repeat (they ran minutes apart at most).
+            over = [(l.seconds - none_loops[min(i, len(none_loops) - 1)].seconds) / ckpts for i, l in enumerate(loops)]
+            row.update({
+                "loops_s": [round(l.seconds, 4) for l in loops],
+                "drain_s": [round(l.drain, 4) for l in loops],
+                "overhead_per_ckpt_s": _summ(over if m.name != "none" else []),
+                "blocked_s": _summ([b for l in loops for b in l.blocked]),
+                "completion_s": _summ([c for l in loops for c in l.completion]),
+                "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
+                "gpu_wait_after_ckpt_extra_s": (_extra_after_ckpt(loops, none_loops, interval, "gpu_waits")
+                                                if m.name != "none" else None),
+                "overhead_in_loop_per_ckpt_s": _summ([_in_loop_overhead(l, interval, ckpts) for l in loops]
+                                                     if m.name != "none" else []),
+                "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
+                        "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
+                "host": {"pinned_torch_bytes": max(l.pinned for l in loops),
+                         "pinned_gdsckpt_bytes": row.pop("_pinned", None),
+                         "rss_peak_extra_bytes": max(l.rss_extra for l in loops)},
+            })
+        out.append(row)
+    return out
+
+
+def _in_loop_overhead(loop: Loop, interval: int, ckpts: int) -> float:
+    """Overhead per checkpoint against the loop's own first interval, before any checkpoint
+    (its median step, the loop's first step left out): loop seconds - steps x that median.
+    Immune to drift between loops (on the 2x H200 host, 'none' loops ran up to 12% slower
+    or faster than the loops beside them), blind to a slowdown that outlasts the interval."""
+    base = statistics.median(loop.steps[1:interval] or loop.steps[:interval])
+    return (loop.seconds - len(loop.steps) * base) / ckpts
+
+
+def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = "steps") -> list | None:
+    """Where a method's loop time lands: for k = 1..interval, how much longer the k-th training
+    step after a checkpoint took than the median step of the same repeat's 'none' loop (mean
+    over checkpoints and repeats). A step's time includes any wait the method imposes before
+    opt.step (blocked time, also counted there); the checkpoint call itself is not in it.
+    what="gpu_waits": the same for the part of each step the host waited for the GPU (more:
+    the GPU ran slower; less, with a slower step: the host did)."""
+    extra = [[] for _ in range(interval)]
+    for i, loop in enumerate(loops):
+        base = statistics.median(getattr(none_loops[min(i, len(none_loops) - 1)], what))
+        per_step = getattr(loop, what)
+        for c in loop.ckpt_steps:
+            for k in range(interval):
+                if c + k < len(per_step):
+                    extra[k].append(per_step[c + k] - base)
+    return [round(statistics.fmean(e), 4) for e in extra] if extra and extra[0] else None
+
+
+def rank_row(r: dict) -> dict:
+    """The figures of one rank's method row that the per-rank table shows."""
+    keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save",
+            "steps_after_ckpt_extra_s", "gpu_wait_after_ckpt_extra_s", "overhead_in_loop_per_ckpt_s", "gpu", "host",
+            "stored_bytes")
+    return {k: r[k] for k in keep if k in r}
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def _after(r: dict) -> str:
+    """steps_after_ckpt_extra_s in a few words: the first three steps, then the rest, summed; and
+    of it, the GPU wait's part."""
+    extra, gpu = r["steps_after_ckpt_extra_s"], r.get("gpu_wait_after_ckpt_extra_s")
+    text = f"{sum(extra[:3]):+.3f} s (steps 1-3) and {sum(extra[3:]):+.3f} s (steps 4-{len(extra)}) beyond 'none'"
+    if gpu:
+        text += f" (waiting for the GPU {sum(gpu[:3]):+.3f} / {sum(gpu[3:]):+.3f} s)"
+    return text
+
+
+def print_train(result: dict, out=None) -> None:
+    out = out or sys.stdout
+    d = result
+    m = d["model"]
+    print(f"gdsckpt-bench --train {d['date']}  device: {d['device']['name']}  io: {d['io_path']}", file=out)
+    print(f"  model: GPT {m['layers']}x{m['d_model']} ({m['params'] / 1e6:.1f}M params), batch {m['batch']}x{m['seq']}; "
+          f"state {d['state']['logical_bytes'] / 1e9:.2f} GB ({d['state']['tensors']} tensors); "
+          f"step {_f(d['step_s'] and d['step_s'] * 1e3, '{:.1f}')} ms; a checkpoint every {d['interval']} steps, "
+          f"{d['checkpoints_per_loop']} per loop of {d['steps']} steps, {d['repeats']} repeat(s)", file=out)
+    if d.get("world_size"):
+        print(f"  {d['model']['sharding']}: {d['state']['per_rank_bytes'] / 1e9:.2f} GB of state per rank; "
+              "the table is rank 0's, each rank's figures follow it", file=out)
+    print(f"\n{'method':<38}{'overhead/ckpt s':>24}{'blocked s':>11}{'blocked max':>12}{'done s':>8}"
+          f"{'first s':>9}{'+GPU GiB':>9}{'+dev GiB':>9}{'pinned GiB':>11}{'stored GB':>10}", file=out)
+    for r in d["methods"]:
+        if r["status"] != "ok" or "overhead_per_ckpt_s" not in r:
+            print(f"{r['name']:<38}  {r['status']}: {r['error']}", file=out)
+            continue
+        o, b, c = r["overhead_per_ckpt_s"], r["blocked_s"], r["completion_s"]
+        spread = f" ({_f(o['min'], '{:.2f}')}..{_f(o['max'], '{:.2f}')})" if o["mean"] is not None and len(o["each"]) > 1 else ""
+        first = r["first_save"]["blocked_s"] if r.get("first_save") else None
+        print(f"{r['name']:<38}{_f(o['mean']) + spread:>24}{_f(b['mean']):>11}{_f(b['max']):>12}{_f(c['mean'], '{:.2f}'):>8}"
+              f"{_f(first, '{:.2f}'):>9}{r['gpu']['peak_extra_torch_bytes'] / 2**30:>9.2f}"
+              f"{r['gpu']['peak_extra_device_bytes'] / 2**30:>9.2f}{r['host']['pinned_torch_bytes'] / 2**30:>11.2f}"
+              f"{_f(r.get('stored_bytes') and r['stored_bytes'] / 1e9):>10}", file=out)
+    for r in d["methods"]:
+        if r.get("steps_after_ckpt_extra_s"):
+            print(f"  {r['name']:<44} overhead/ckpt against its own first interval "
+                  f"{_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
+                  f"{_after(r)}", file=out)
+    for rr in d.get("ranks", []):
+        for r in rr["methods"]:
+            if r.get("overhead_per_ckpt_s") and r["name"] != "none":
+                o, b = r["overhead_per_ckpt_s"], r["blocked_s"]
+                print(f"  rank {rr['rank']} {r['name']:<36}{_f(o['mean']):>8} s overhead, {_f(b['mean'])} s blocked "
+                      f"(max {_f(b['max'])}), done {_f(r['completion_s']['mean'], '{:.2f}')} s, "
+                      f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB"
+                      + (f"; in-loop overhead {_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s, steps after "
+                         f"{_after(r)}" if r.get("steps_after_ckpt_extra_s") else ""),
+                      file=out)
+    print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
+          " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
+          " outside the loops; +GPU: torch peak over the 'none' loop; +dev: device-wide (cudaMemGetInfo, per step);"
+          " pinned: torch's pinned host allocator", file=out)
+    targets.print_targets(d.get("targets") or [], out)
+    if d.get("cost"):
+        print_cost(d["cost"], out)
+
+
+def plot_train(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["methods"] if r.get("overhead_per_ckpt_s") and r["name"] != "none"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["overhead_per_ckpt_s"]["mean"] for r in rows], 0.4, label="loop overhead per checkpoint",
+           yerr=[[r["overhead_per_ckpt_s"]["mean"] - r["overhead_per_ckpt_s"]["min"] for r in rows],
+                 [r["overhead_per_ckpt_s"]["max"] - r["overhead_per_ckpt_s"]["mean"] for r in rows]], capsize=3)
+    ax.bar([i + 0.2 for i in x], [r["blocked_s"]["mean"] for r in rows], 0.4, label="caller blocked per checkpoint")
+    ax.set_xticks(list(x), [r["name"] for r in rows], rotation=25, ha="right", fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.legend()
+    d = result
+    ax.set_title(f"--train {d['date'][:10]} {d['device']['name']}: {d['state']['logical_bytes'] / 1e9:.2f} GB state, "
+                 f"checkpoint every {d['interval']} steps", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
