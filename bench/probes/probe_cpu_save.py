@@ -3,7 +3,7 @@ variants, in one process, round after round, so that load from other processes o
 2-core machine hits every method alike. Each save writes a fresh file (the previous one deleted
 and synced first, untimed); loads are cold (fsync + POSIX_FADV_DONTNEED first).
 
-    .venv/bin/python bench/results/2026-11-23-cpu-compare/probe_cpu_save.py --rounds 5 --out X.json \
+    .venv/bin/python bench/probes/probe_cpu_save.py --rounds 5 --out X.json \
         [--variants auto,noshuffle-l1,...] [--size 350MB]
 """
 

@@ -1,4 +1,4 @@
-"""zstd parameters on byte-shuffled frames of the 350 MB CPU state (fp32 and bf16 planes, 1 MiB frames): CPU-time throughput, ratio, decode speed; README item 3. Run: .venv/bin/python bench/results/2026-11-23-cpu-compare/sweep_zstd_params.py"""
+"""zstd parameters on byte-shuffled frames of the 350 MB CPU state (fp32 and bf16 planes, 1 MiB frames): CPU-time throughput, ratio, decode speed; item 3 of bench/results/2026-11-23-cpu-compare/README.md. Run: .venv/bin/python bench/probes/sweep_zstd_params.py"""
 import time, torch, numpy as np, zstandard as Z, itertools
 from gdsckpt.bench import workload
 from gdsckpt import tree
