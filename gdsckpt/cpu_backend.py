@@ -19,6 +19,7 @@ import torch
 
 from . import codecs
 from .checksum import ALGORITHMS
+from .codecs.base import CpuCoder
 from .defaults import CPU_CODEC_THREADS, CPU_DIRECT_IO, CPU_IO_THREADS, CPU_WRITEBACK
 from .errors import CodecUnavailableError
 from .ring import Completion
@@ -61,9 +62,9 @@ class CpuCodecs:
 
     def __init__(self, threads: int = CPU_CODEC_THREADS):
         self.threads = CodecThreads(threads)
-        self._coders: dict[str, object] = {}
+        self._coders: dict[str, CpuCoder | None] = {}
 
-    def coder(self, spec: dict):
+    def coder(self, spec: dict) -> CpuCoder | None:
         """The CPU coder of spec's codec, or None where the codec has none."""
         name = spec["name"]
         if name not in self._coders:
