@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import checksum as _ck
 from . import dtypes
-from .codecs import ALL_CODECS, NVCOMP_CODECS, SHUFFLE_WIDTHS, frame_offsets
+from . import codecs
 from .errors import CheckpointFormatError, UnsupportedStateError, VersionError
 from .plan import Chunk, Plan, Stream, TensorEntry, segments
 from .storage import pwrite_all
@@ -46,10 +46,10 @@ MAX_CHUNK_BYTES = 1 << 31
 MAX_NDIM = 64
 MAX_DEPTH = 256
 MAX_TENSORS = 10_000_000
-# Logical bytes one stored byte can expand to, at most: zstd's densest block (RLE) is 4 bytes
-# for 128 KiB; nvCOMP's native bitstreams spend at least a size-table entry per 64 KiB piece.
-# A chunk claiming more is lying, and would make the reader allocate tensors it cannot fill.
-MAX_EXPANSION = {"zstd": 1 << 15, "ans": 1 << 16, "bitcomp": 1 << 16}
+# Logical bytes one stored byte can expand to, at most, by codec name (each codec declares its
+# own: codecs.base.Codec.max_expansion). A chunk claiming more is lying, and would make the
+# reader allocate tensors it cannot fill.
+MAX_EXPANSION = codecs.MAX_EXPANSION
 
 
 def align_up(n: int) -> int:
@@ -277,7 +277,8 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path, che
         if off != next_offset[s] or not 0 < length <= MAX_CHUNK_BYTES or off + length > streams[s].nbytes:
             raise bad(f"logical range {off}+{length} does not continue stream {s}", chunk=i)
         next_offset[s] = off + length
-        codec = streams[s].codec
+        spec = streams[s].codec
+        codec = codecs.of(spec)
         fo, stored = _uint(c.get("file_offset"), "file_offset", bad), _uint(c.get("stored"), "stored", bad)
         if fo % ALIGN or fo < file_end or fo + stored > index_offset or stored == 0:
             raise bad(f"record {fo}+{stored} overlaps another or lies outside the data area", chunk=i)
@@ -287,21 +288,20 @@ def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path, che
             raise bad("raw flag is not a bool", chunk=i)
         if raw_flag and stored != length:
             raise bad(f"raw chunk stores {stored} bytes for {length} logical", chunk=i)
-        if not raw_flag and codec["name"] == "raw":
-            raise bad("chunk of a raw stream is not marked raw", chunk=i)
-        if not raw_flag and stored > length + (length >> 3) + (1 << 20):
+        if not raw_flag and codec.always_raw:
+            raise bad(f"chunk of a {codec.name} stream is not marked raw", chunk=i)
+        if not raw_flag and stored > codec.max_stored(length):
             raise bad(f"stores {stored} bytes for {length} logical, more than any codec emits", chunk=i)
-        if not raw_flag and length > stored * MAX_EXPANSION[codec["name"]]:
-            raise bad(f"stores {stored} bytes for {length} logical, more than {codec['name']} can expand to", chunk=i)
+        if not raw_flag and length > stored * codec.max_expansion:
+            raise bad(f"stores {stored} bytes for {length} logical, more than {codec.name} can expand to", chunk=i)
         ck = c.get("checksum")
         if not (isinstance(ck, str) and len(ck) == 16 and all(ch in "0123456789abcdef" for ch in ck)):
             raise bad("checksum is not 16 hex digits", chunk=i)
         frames = c.get("frames")
-        if codec["name"] == "zstd" and not raw_flag:
-            n_frames = -(-length // codec["frame_bytes"])
-            if not (isinstance(frames, list) and len(frames) == n_frames
-                    and all(_is_int(f) and f > 0 for f in frames) and frame_offsets(frames)[-1] == stored):
-                raise bad("zstd frame lengths do not match the chunk", chunk=i)
+        if codec.framed and not raw_flag:
+            problem = codec.frames_problem(spec, length, stored, frames)
+            if problem:
+                raise bad(problem, chunk=i)
         elif frames is not None:
             raise bad("frame lengths on a chunk that has no frames", chunk=i)
         segs, cursor[s] = segments(tensors, members[s], cursor[s], off, length)
@@ -437,19 +437,13 @@ def _join(chain) -> str:
 
 
 def _codec(spec, stream: int, bad) -> dict:
-    if not isinstance(spec, dict) or spec.get("name") not in ALL_CODECS:
+    """A stream's codec spec, as its codec validates it (codecs.base.Codec.spec_problem)."""
+    codec = codecs.lookup(spec.get("name")) if isinstance(spec, dict) else None
+    if codec is None:
         raise bad(f"stream {stream}: unknown codec {spec!r}")
-    if spec["name"] == "zstd" and not (_is_int(spec.get("frame_bytes")) and ALIGN <= spec["frame_bytes"] <= MAX_CHUNK_BYTES):
-        raise bad(f"stream {stream}: zstd codec without a valid frame size")
-    if spec["name"] in NVCOMP_CODECS and not (isinstance(spec.get("nvcomp"), str)
-                                             and isinstance(spec.get("data_type"), str)):
-        raise bad(f"stream {stream}: {spec['name']} codec without nvCOMP version or data type")
-    ucs = spec.get("uncomp_chunk_size")
-    if ucs is not None and not (_is_int(ucs) and ALIGN <= ucs <= 16 << 20 and ucs & (ucs - 1) == 0):
-        raise bad(f"stream {stream}: nvCOMP chunk size {ucs!r} is not a power of two in [4 KiB, 16 MiB]")
-    shuffle = spec.get("shuffle")  # 1.1, optional: byte planes before zstd (FORMAT.md, "Codecs")
-    if "shuffle" in spec and not (spec["name"] == "zstd" and _is_int(shuffle) and shuffle in SHUFFLE_WIDTHS):
-        raise bad(f"stream {stream}: byte shuffle {shuffle!r} is not 2, 4 or 8 on a zstd stream")
+    problem = codec.spec_problem(spec)
+    if problem:
+        raise bad(f"stream {stream}: {problem}")
     return spec
 
 

@@ -14,7 +14,8 @@ import zstandard
 
 import gdsckpt
 from gdsckpt import codecs
-from gdsckpt.cpu_backend import CpuCodecs, raw_frame_size, shuffle_bytes, unshuffle_bytes, write_raw_frame
+from gdsckpt.codecs.zstd_cpu import raw_frame_size, shuffle_bytes, unshuffle_bytes, write_raw_frame
+from gdsckpt.cpu_backend import CpuCodecs
 from gdsckpt.dtypes import BY_NAME, ITEMSIZE
 from ckpt_tools import rebuild, split
 from conftest import all_dtype_tensors, assert_same
@@ -109,7 +110,7 @@ def test_codec_round_trip_odd_lengths(w, n, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_frames_on_zstd_workers_round_trip(threads):
-    """Frames from CpuCodecs.MT_FRAME_BYTES up compress on zstd's own workers: still one standard
+    """Frames from ZstdCpu.MT_FRAME_BYTES up compress on zstd's own workers: still one standard
     frame each, with its content size."""
     n = 5 * (1 << 20) + 3
     spec = {"name": "zstd", "level": 1, "frame_bytes": 2 << 20, "shuffle": 4}
@@ -180,7 +181,7 @@ def test_plane_path_writes_the_same_bytes(threads, w, frames_per_plane):
     cc = CpuCodecs(threads=threads)
     try:
         s1, f1 = cc.encode(spec, src, got)
-        cc.PLANES = False
+        cc.coder(spec).PLANES = False
         s2, f2 = cc.encode(spec, src, want)
         assert (s1, f1) == (s2, f2) and s1 > 0
         assert np.array_equal(got[:s1], want[:s2])

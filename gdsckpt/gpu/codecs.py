@@ -17,8 +17,8 @@ import numpy as np
 from nvidia import nvcomp
 
 from ..codecs import ZSTD_HEADER_MAX, check_zstd_header, frame_bounds, frame_offsets
+from ..codecs import of as codec_of
 
-_ALGORITHM = {"ans": "ANS", "bitcomp": "Bitcomp", "zstd": "Zstd"}
 _ALIGN = 16  # nvCOMP's most restrictive buffer alignment
 
 
@@ -67,8 +67,9 @@ class NvcompCodecs:
             key = next((k for k in self._codecs if k[:2] == key[:2]), key)
         codec = self._codecs.get(key)
         if codec is None:
-            opts = {"algorithm": _ALGORITHM[spec["name"]], "device_id": self._device, "cuda_stream": self._stream.ptr}
-            if spec["name"] == "zstd":
+            kind = codec_of(spec)
+            opts = {"algorithm": kind.nvcomp_algorithm, "device_id": self._device, "cuda_stream": self._stream.ptr}
+            if kind.framed:  # frames: nvCOMP's RAW bitstream, one standard zstd frame each
                 opts["bitstream_kind"] = nvcomp.BitstreamKind.RAW
             else:
                 opts["data_type"] = spec["data_type"]
@@ -78,9 +79,9 @@ class NvcompCodecs:
         return codec
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
-        if spec["name"] == "raw":
+        if codec_of(spec).nvcomp_algorithm is None:  # raw: stored as it is
             return nbytes
-        if spec["name"] != "zstd":  # nvCOMP refuses an output buffer below its worst-case bound
+        if not codec_of(spec).framed:  # nvCOMP refuses an output buffer below its worst-case bound
             return max(nbytes, self._bound(spec, nbytes))
         frame = spec["frame_bytes"]  # zstd frames land at a fixed stride of nvCOMP's bound each
         return max(nbytes, self._bound(spec, min(frame, nbytes)) * len(frame_bounds(nbytes, frame)))
@@ -101,10 +102,10 @@ class NvcompCodecs:
 
         Always the batched call: with caller-owned output buffers only a BatchArray reports the
         compressed sizes. ans/bitcomp: one entry (nvCOMP splits it internally); zstd: one per frame."""
-        if spec["name"] == "raw":
+        if codec_of(spec).nvcomp_algorithm is None:  # raw: stored as it is
             return -1, None
         codec, n, ptr = self._codec(spec), src.nbytes, self._stream.ptr
-        if spec["name"] != "zstd":
+        if not codec_of(spec).framed:
             srcs = nvcomp.as_arrays(_typed(src, spec), [0], [n], cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
             key = (spec["name"], spec.get("data_type"), n)
@@ -137,7 +138,8 @@ class NvcompCodecs:
 
     def decode(self, spec: dict, stored: cupy.ndarray, out: cupy.ndarray, frames) -> None:
         codec, ptr = self._codec(spec, decode=True), self._stream.ptr
-        if spec["name"] != "zstd":
+        framed = codec_of(spec).framed
+        if not framed:
             srcs = nvcomp.as_arrays(stored, [0], [stored.nbytes], cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
         else:
@@ -147,7 +149,7 @@ class NvcompCodecs:
             srcs = nvcomp.as_arrays(stored, offsets, list(frames), cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
         result = codec.decode(srcs, out=outs)
-        expected = [out.nbytes] if spec["name"] != "zstd" else [k for _, k in bounds]
+        expected = [out.nbytes] if not framed else [k for _, k in bounds]
         if list(result.buffer_sizes) != expected:
             raise ValueError(f"decoded sizes {list(result.buffer_sizes)} differ from the expected {expected}")
 
