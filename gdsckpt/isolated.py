@@ -14,15 +14,16 @@ trusted=False the parent never runs nvCOMP on the file's chunks at all.
 
 How: `run` starts `python -m gdsckpt.isolated` (a fresh interpreter: never fork, which CUDA does not
 survive, and not multiprocessing's spawn, which re-runs the caller's unguarded `__main__` code in
-the child), hands it the file (its open descriptor: the very inode the parent opened; the child
-reads the index from it again, and checks it is the same file) and the chunk ids on stdin, and reads one line per event from a private pipe. The child reads each chunk,
-checks its checksum, decodes it with the same backend code the parent would use, synchronizes
-the device, and (mode "decode") copies the logical bytes into one of two slots of a shared host
-buffer (a memfd), "done i slot"; the parent copies them from there into its tensors and hands the
-slot back ("free slot" on the child's stdin). Mode "vet" decodes into scratch memory only
-(`gdsckpt verify --isolated`, and load_into(atomic=True, trusted=False) before any target is
-written). A Python error, a CUDA fault, a signal or a hang in the child is a CheckpointFormatError
-naming the chunk under way (a ChecksumError for a checksum mismatch); the parent keeps running.
+the child), hands it the file (its open descriptor: the very inode the parent opened, from which
+the child reads the index again, after checking it is the same file) and the chunk ids on stdin,
+and reads one line per event from a private pipe. The child reads each chunk, checks its checksum,
+decodes it with the same backend code the parent would use, synchronizes the device, and (mode
+"decode") copies the logical bytes into one of two slots of a shared host buffer (a memfd), "done
+i slot"; the parent copies them from there into its tensors and hands the slot back ("free slot"
+on the child's stdin). Mode "vet" decodes into scratch memory only (`gdsckpt verify --isolated`,
+and load_into(atomic=True, trusted=False) before any target is written). A Python error, a CUDA
+fault, a signal or a hang in the child is a CheckpointFormatError naming the chunk under way (a
+ChecksumError for a checksum mismatch); the parent keeps running.
 
 What it costs: a Python + torch start in the child (CUDA and nvCOMP initialisation on top on a
 GPU), and the decoded bytes cross host memory once (device-to-host in the child, host-to-device
@@ -47,8 +48,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .backend import make_backend
 from .errors import BackendUnavailableError, CheckpointFormatError, ChecksumError
-from .format import Index
+from .format import Index, read_index
+from .ring import verify_chunk
 from .sources import ChunkSource, LocalFile
 
 # Seconds: for the child to import torch and gdsckpt and open the file (CUDA and nvCOMP start
@@ -102,8 +105,8 @@ def run(source: IndexedFile, chunk_ids, kind: str, device_index: int | None, io:
         shm_fd = os.memfd_create("gdsckpt-isolated", 0)
         os.ftruncate(shm_fd, SLOTS * slot_bytes)
     request = {"path": child_file.path, "label": str(label), "identity": list(child_file.identity),
-               "chunks": chunk_ids, "backend": kind,
-               "device": device_index, "io": io, "fd": write_fd, "shm": shm_fd, "slot_bytes": slot_bytes}
+               "chunks": chunk_ids, "backend": kind, "device": device_index, "io": io, "fd": write_fd,
+               "shm": shm_fd, "slot_bytes": slot_bytes}
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)  # the gdsckpt the parent runs, not another one
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -213,10 +216,6 @@ def main() -> int:
     current = None
     try:
         import torch
-
-        from .backend import make_backend
-        from .format import read_index
-        from .ring import verify_chunk
 
         label = req["label"]
         source = LocalFile(Path(req["path"]))  # trusted: this process is the sandbox
