@@ -50,7 +50,8 @@ class Checkpoint:
     """A checkpoint opened for reading: the validated index, and tensors read on demand.
 
     Only the footer and index are read on open; `get_tensor` reads just the chunks
-    that hold that tensor.
+    that hold that tensor. `source` is where the bytes come from (gdsckpt/sources.py: a local
+    file, held open until close(), or an object in a store); `path` names it in errors and stats.
     """
 
     def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,
