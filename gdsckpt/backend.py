@@ -9,9 +9,12 @@ import functools
 import torch
 
 from .cpu_backend import CpuBackend
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, GDSUnavailableError
 
-__all__ = ["CpuBackend", "choose", "gpu_status", "kvikio_settings", "make_backend", "nvcomp_version", "set_direct_io"]
+__all__ = ["CpuBackend", "IO_CHOICES", "check_gds", "check_io", "choose", "gpu_status", "kvikio_settings",
+           "make_backend", "nvcomp_version", "set_direct_io"]
+
+IO_CHOICES = ("auto", "gds", "compat")
 
 
 @functools.cache
@@ -33,6 +36,24 @@ def choose(wants_gpu: bool, backend: str | None) -> str:
     if backend not in (None, "auto"):
         raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', not {backend!r}")
     return "gpu" if wants_gpu and gpu_status()[0] else "cpu"
+
+
+def check_io(io, io_threads) -> None:
+    """A save's or a read's io= and io_threads= checked before anything runs; else a ValueError."""
+    if io not in IO_CHOICES:
+        raise ValueError(f"io must be one of {', '.join(map(repr, IO_CHOICES))}, not {io!r}")
+    if io_threads is not None and (not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1):
+        raise ValueError(f"io_threads must be a positive int or None, not {io_threads!r}")
+
+
+def check_gds(io: str, kind: str, op: str) -> None:
+    """io="gds" is a demand: where GPUDirect Storage cannot run, an error on every backend. The CPU
+    backend moves host memory with POSIX I/O, so it never can (the GPU backend checks cuFile)."""
+    if io == "gds" and kind == "cpu":
+        raise GDSUnavailableError(
+            f"io='gds' asked for GPUDirect Storage, but this {op} runs on the CPU backend (host tensors, "
+            "backend='cpu', or no usable GPU), which reads and writes with POSIX I/O. Use io='auto', or "
+            "backend='gpu' on a host whose cuFile has GDS")
 
 
 def make_backend(kind: str, *, io: str = "auto", io_threads: int | None = None):

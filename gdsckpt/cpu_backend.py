@@ -272,10 +272,6 @@ class CpuBackend:
     def open(self, path: Path, mode: str) -> HostFile:
         return HostFile(path, mode, self.io_threads, self._owned)
 
-    def open_url(self, url: str, nbytes: int):
-        from .remote import RemoteHostFile  # the object-store client only where a URL is read
-        return RemoteHostFile(url)
-
     def synchronize(self) -> None:
         pass
 

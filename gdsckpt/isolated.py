@@ -14,15 +14,16 @@ trusted=False the parent never runs nvCOMP on the file's chunks at all.
 
 How: `run` starts `python -m gdsckpt.isolated` (a fresh interpreter: never fork, which CUDA does not
 survive, and not multiprocessing's spawn, which re-runs the caller's unguarded `__main__` code in
-the child), hands it the file (its open descriptor: the very inode the parent opened) and the
-chunk ids on stdin, and reads one line per event from a private pipe. The child reads each chunk,
-checks its checksum, decodes it with the same backend code the parent would use, synchronizes
-the device, and (mode "decode") copies the logical bytes into one of two slots of a shared host
-buffer (a memfd), "done i slot"; the parent copies them from there into its tensors and hands the
-slot back ("free slot" on the child's stdin). Mode "vet" decodes into scratch memory only
-(`gdsckpt verify --isolated`, and load_into(atomic=True, trusted=False) before any target is
-written). A Python error, a CUDA fault, a signal or a hang in the child is a CheckpointFormatError
-naming the chunk under way (a ChecksumError for a checksum mismatch); the parent keeps running.
+the child), hands it the file (its open descriptor: the very inode the parent opened, from which
+the child reads the index again, after checking it is the same file) and the chunk ids on stdin,
+and reads one line per event from a private pipe. The child reads each chunk, checks its checksum,
+decodes it with the same backend code the parent would use, synchronizes the device, and (mode
+"decode") copies the logical bytes into one of two slots of a shared host buffer (a memfd), "done
+i slot"; the parent copies them from there into its tensors and hands the slot back ("free slot"
+on the child's stdin). Mode "vet" decodes into scratch memory only (`gdsckpt verify --isolated`,
+and load_into(atomic=True, trusted=False) before any target is written). A Python error, a CUDA
+fault, a signal or a hang in the child is a CheckpointFormatError naming the chunk under way (a
+ChecksumError for a checksum mismatch); the parent keeps running.
 
 What it costs: a Python + torch start in the child (CUDA and nvCOMP initialisation on top on a
 GPU), and the decoded bytes cross host memory once (device-to-host in the child, host-to-device
@@ -44,9 +45,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from .backend import make_backend
 from .errors import BackendUnavailableError, CheckpointFormatError, ChecksumError
+from .format import Index, read_index
+from .ring import verify_chunk
+from .sources import ChunkSource, LocalFile
 
 # Seconds: for the child to import torch and gdsckpt and open the file (CUDA and nvCOMP start
 # inside the first chunk), and without any progress on one chunk (read + verify + decode + copy
@@ -63,33 +69,44 @@ def needs_child(kind: str, spec: dict, raw: bool) -> bool:
     return kind == "gpu" and not raw
 
 
+@dataclass(frozen=True)
+class IndexedFile:
+    """What `run` decodes from: a checkpoint the parent opened (a local file: the child opens it
+    again through `file.child_file()`) and its validated index (which chunks, where, which key)."""
+
+    file: ChunkSource
+    index: Index
+
+
 def _child_argv() -> list[str]:
     """The child's command line (tests replace it to make a child that crashes)."""
     return [sys.executable, "-m", "gdsckpt.isolated"]
 
 
-def run(ck, chunk_ids, kind: str, device_index: int | None, io: str = "auto", deliver=None) -> int:
-    """Decode `chunk_ids` of Checkpoint `ck` in a child process, in file order. deliver(chunk id,
+def run(source: IndexedFile, chunk_ids, kind: str, device_index: int | None, io: str = "auto", deliver=None) -> int:
+    """Decode `chunk_ids` of `source` in a child process, in file order. deliver(chunk id,
     logical bytes as a uint8 CPU tensor valid during the call) receives each decoded chunk (mode
     "decode"); deliver=None only decodes into scratch (mode "vet"). Returns the chunks done.
     Raises a ChecksumError / CheckpointFormatError naming the first chunk the child could not
-    decode (or died or hung on), or a BackendUnavailableError if it failed before any chunk."""
-    plan = ck.index.plan
+    decode (or died or hung on), or a BackendUnavailableError if it failed before any chunk; a
+    ValueError for a source a child cannot open (an object in a store)."""
+    plan, label = source.index.plan, source.file.label
     chunk_ids = sorted(chunk_ids)
     if not chunk_ids:
         return 0
+    # The child reads the file the parent opened, through its own copy of the descriptor (a rename
+    # over the path since cannot redirect it); by the path once the parent has closed it.
+    child_file = source.file.child_file()
     slot_bytes = max(plan.chunks[c].length for c in chunk_ids)
     read_fd, write_fd = os.pipe()
-    # The child reads the file this Checkpoint opened, through its own copy of the descriptor (a
-    # rename over the path since cannot redirect it); by the path once the Checkpoint is closed.
-    file_fd = ck._fd if ck._closer.alive else None
+    file_fd = child_file.fd
     shm_fd = None
     if deliver is not None:
         shm_fd = os.memfd_create("gdsckpt-isolated", 0)
         os.ftruncate(shm_fd, SLOTS * slot_bytes)
-    request = {"path": f"/proc/self/fd/{file_fd}" if file_fd is not None else str(ck.path),
-               "label": str(ck.path), "identity": list(ck._identity), "chunks": chunk_ids, "backend": kind,
-               "device": device_index, "io": io, "fd": write_fd, "shm": shm_fd, "slot_bytes": slot_bytes}
+    request = {"path": child_file.path, "label": str(label), "identity": list(child_file.identity),
+               "chunks": chunk_ids, "backend": kind, "device": device_index, "io": io, "fd": write_fd,
+               "shm": shm_fd, "slot_bytes": slot_bytes}
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)  # the gdsckpt the parent runs, not another one
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -167,13 +184,13 @@ def run(ck, chunk_ids, kind: str, device_index: int | None, io: str = "auto", de
         current = chunk_ids[done]  # it failed reading the next chunk, before its decode began
     if current is None:
         raise BackendUnavailableError(f"trusted=False: the child process that decodes chunks failed before decoding "
-                                      f"any ({failure['error']}); {str(ck.path)!r} was not read")
+                                      f"any ({failure['error']}); {str(label)!r} was not read")
     key = plan.tensors[plan.chunks[current].segments[0].tensor].key
     if failure.get("checksum"):
         raise ChecksumError("stored bytes do not match their checksum: the chunk is corrupt (found by the isolated "
-                            "child process)", path=ck.path, key=key, chunk=current)
+                            "child process)", path=label, key=key, chunk=current)
     raise CheckpointFormatError(f"chunk failed to decode in an isolated child process ({failure['error']}); it was "
-                                "not decoded in this process", path=ck.path, key=key, chunk=current)
+                                "not decoded in this process", path=label, key=key, chunk=current)
 
 
 def _deliver(deliver, chunk: int, shared: mmap.mmap, offset: int, length: int) -> None:
@@ -200,14 +217,12 @@ def main() -> int:
     try:
         import torch
 
-        from .api import Checkpoint
-        from .backend import make_backend
-        from .ring import verify_chunk
-
-        ck = Checkpoint(req["path"])  # trusted: this process is the sandbox
-        if list(ck._identity) != req["identity"]:
+        label = req["label"]
+        source = LocalFile(Path(req["path"]))  # trusted: this process is the sandbox
+        if list(source.identity) != req["identity"]:
             raise RuntimeError("the child opened another file than the parent's")
-        plan, records, label = ck.index.plan, ck.index.records, req["label"]
+        index = read_index(source.pread, source.size, label)
+        plan, records = index.plan, index.records
         chunks = req["chunks"]
         gpu = req["backend"] == "gpu"
         if gpu:
@@ -218,7 +233,7 @@ def main() -> int:
             host = torch.frombuffer(shared, dtype=torch.uint8)
         free = list(range(SLOTS))
         with make_backend(req["backend"], io=req["io"]) as be:
-            file = be.open(ck._reopen_path(), "r")
+            file = source.open_chunks(be)
             _emit(fd, {"ready": True})
             try:
                 be.begin()
@@ -235,7 +250,7 @@ def main() -> int:
                     if j + 1 < len(chunks):  # read ahead while this chunk is verified and decoded
                         nxt = records[chunks[j + 1]]
                         pending = file.pread(stored_bufs[(j + 1) % 2], nxt.stored, nxt.file_offset)
-                    verify_chunk(got, be.checksum(stored, ck.index.checksum) if got == rec.stored else 0, rec, label,
+                    verify_chunk(got, be.checksum(stored, index.checksum) if got == rec.stored else 0, rec, label,
                                  key, c)
                     current = c
                     _emit(fd, {"start": c})

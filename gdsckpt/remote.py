@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (
-    GdsckptError,
     BucketNotFoundError, CheckpointFormatError, RemoteAccessError, RemoteNotFoundError,
     RemoteStoreError, RemoteUnavailableError,
 )
@@ -325,29 +324,3 @@ class S3Source:
 
     def pread(self, n: int, offset: int) -> bytes:
         return self.store.read(self.name, offset, n)
-
-
-class RemoteHostFile:
-    """The ring's ChunkFile over an S3 object for the CPU backend: each chunk record is one ranged
-    GET into the ring's host buffer, on a small thread pool so that reads overlap decoding."""
-
-    fd = None
-
-    def __init__(self, url: str, threads: int = 4):
-        self._src = S3Source(url)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-s3-read")
-
-    def pread(self, buf, nbytes: int, offset: int):
-        from .ring import Completion
-
-        def read() -> int:
-            data = self._src.pread(nbytes, offset)
-            buf.numpy()[:len(data)] = memoryview(data)
-            return len(data)
-        return Completion(self._pool.submit(read).result)
-
-    def pwrite(self, buf, nbytes: int, offset: int):
-        raise GdsckptError(f"{self._src.url} is opened for reading")
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

@@ -95,9 +95,6 @@ class Backend(Protocol):
 
     def open(self, path: Path, mode: str) -> ChunkFile: ...
 
-    def open_url(self, url: str, nbytes: int) -> ChunkFile:
-        """An object-store checkpoint ("s3://bucket/key", `nbytes` long) for reading chunk records."""
-
 
 class Completion:
     """The one IOFuture type: `wait()` runs once, on the first get(); later gets return its result."""

@@ -169,9 +169,5 @@ class GpuBackend:
     def open(self, path: Path, mode: str) -> DeviceFile:
         return DeviceFile(path, mode, as_cupy)
 
-    def open_url(self, url: str, nbytes: int):
-        from .remote import RemoteDeviceFile  # KvikIO's RemoteFile: ranged GETs into device memory
-        return RemoteDeviceFile(url, nbytes)
-
     def synchronize(self) -> None:
         self._torch_stream.synchronize()

@@ -1,0 +1,412 @@
+"""Reading a checkpoint: `Checkpoint` (open, load, load_into, read, verify).
+
+open:  source (gdsckpt/sources.py: a local file or a store object) -> footer -> index (validated)
+read:  ring (read, verify, decode into the tensors) -> tree; under trusted=False the chunks bound
+       for an nvCOMP decoder are decoded by a child process instead (gdsckpt/isolated.py)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import codecs
+from . import format as fmt
+from . import isolated as _isolated  # as a module: tests swap its run and needs_child
+from . import sources
+from .backend import check_gds, check_io, choose, make_backend, nvcomp_version
+from .checksum import ALGORITHMS
+from .defaults import RING_DEPTH
+from .dtypes import BY_NAME, name_of
+from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
+from .ring import Timings, read_chunks, verify_chunk
+from .stats import Stats, stream_stats
+from .tree import flatten, placements, unflatten
+
+
+def _device(device) -> torch.device | None:
+    """A load's device= checked: None, "cpu", "cuda" or "cuda:N" that exists here; else ValueError."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device {device!r} is not a device ({e})") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r}: gdsckpt loads onto 'cpu', 'cuda' or 'cuda:N' only")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this process has no CUDA device (torch.cuda.is_available() is "
+                         "False); load with device='cpu', or device=None (each tensor where it was saved from, "
+                         "the CPU where there is no GPU)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+class Checkpoint:
+    """A checkpoint opened for reading: the validated index, and tensors read on demand.
+
+    Only the footer and index are read on open; `get_tensor` reads just the chunks
+    that hold that tensor. `source` is where the bytes come from (gdsckpt/sources.py: a local
+    file, held open until close(), or an object in a store); `path` names it in errors and stats.
+    """
+
+    def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,
+                 io_threads: int | None = None, trusted: bool = True):
+        where = sources.locate(path)
+        check_io(io, io_threads)
+        if not isinstance(ring_depth, int) or isinstance(ring_depth, bool) or ring_depth < 1:
+            raise ValueError(f"ring_depth must be a positive int, not {ring_depth!r}")
+        choose(False, backend)  # a ValueError now for an unknown backend, not at the first read
+        self.ring_depth = ring_depth
+        # trusted=False: a file from elsewhere. No chunk reaches a GPU decoder in this process: a
+        # child process decodes them (gdsckpt/isolated.py).
+        self.trusted = bool(trusted)
+        # Where the bytes come from: a local file (held open until close) or a store object (ranged
+        # GETs only); the footer and index are read now, each chunk record when a tensor needs it.
+        self.source = sources.open_source(where, trusted=self.trusted)
+        self.path = self.source.label
+        try:
+            self.index = fmt.read_index(self.source.pread, self.source.size, self.path)
+        except BaseException:
+            self.source.close()
+            raise
+        self._check_nvcomp()
+        self._backend_choice, self._io, self._io_threads = backend, io, io_threads
+        # Every key path -> tensor: each stored tensor's key, then the keys of its aliases (tensors
+        # saved as one because they shared memory, e.g. tied embeddings), which read and load_into
+        # accept like any key.
+        self._by_key = {t.key: i for i, t in enumerate(self.index.plan.tensors)}
+        for key, i in self.index.paths.items():
+            self._by_key.setdefault(key, i)
+        self.last_stats: Stats | None = None
+
+    # -- metadata
+    def keys(self) -> list[str]:
+        return list(self._by_key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._by_key
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def info(self, key: str) -> dict:
+        i = self._entry(key)
+        t = self.index.plan.tensors[i]
+        s = self.index.plan.streams[t.stream]
+        return {"dtype": t.dtype, "shape": t.shape, "nbytes": t.nbytes, "codec": s.codec["name"],
+                "device": self.index.devices[i]}
+
+    @property
+    def metadata(self) -> dict:
+        return self.index.meta
+
+    def streams(self) -> list[dict]:
+        return stream_stats(self.index.plan, self.index.records)
+
+    # -- data
+    def get_tensor(self, key: str, device=None) -> torch.Tensor:
+        return self.read([key], device)[key]
+
+    def read(self, keys, device=None) -> dict[str, torch.Tensor]:
+        """New tensors for `keys`, on `device` (None: where each was saved from), reading only
+        the chunks that hold them. Keys of one stored tensor (aliases) get the same tensor."""
+        dev = _device(device)
+        keys = list(keys)
+        wanted = [self._entry(k) for k in keys]
+        out = {i: self._new_tensor(i, dev) for i in wanted}
+        self._read(out)
+        return {k: out[i] for k, i in zip(keys, wanted)}
+
+    def read_into(self, targets: dict, *, atomic: bool = False) -> Stats:
+        """Decode `targets[key]` in place for each key (shape and dtype as in the checkpoint).
+
+        Each stored tensor is decoded once: into its first target; a second target of it that is
+        other memory gets a copy afterwards, and the same memory named twice (tied weights) is
+        filled once. A target memory named by keys of two different stored tensors (tied here,
+        stored apart, as a format 1.0 file of tied weights is) is filled from the first of them.
+
+        If the read fails part-way, the error says which targets were already overwritten (wholly
+        or in part) and carries their keys as `.overwritten`; every other target is untouched.
+        atomic=True first reads and checks every chunk's checksum (and zstd frame headers) on the
+        CPU, so that damage is found before the first byte reaches a target: one more read of the
+        stored bytes (see the README for its cost)."""
+        plan = self.index.plan
+        primary: dict[int, torch.Tensor] = {}
+        extra: dict[int, list[torch.Tensor]] = {}
+        owner: dict[tuple, int] = {}  # target memory -> the stored tensor that fills it
+        for key, tgt in targets.items():
+            i = self._entry(key)
+            t = plan.tensors[i]
+            if not isinstance(tgt, torch.Tensor):
+                raise StateMismatchError(f"{self.path}: the target of {key!r} is a {type(tgt).__name__}, not a tensor")
+            if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
+                raise StateMismatchError(f"{self.path}: tensor {key!r} is {t.dtype}{list(t.shape)} in the "
+                                         f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
+            if not (tgt.is_cpu or tgt.is_cuda) or tgt.layout != torch.strided:
+                raise StateMismatchError(f"{self.path}: the target of {key!r} is not a dense cpu or cuda tensor")
+            mem = _memory(tgt)
+            if mem in owner:
+                continue  # filled already, by this stored tensor or (tied here, apart there) by another
+            owner[mem] = i
+            if i not in primary:
+                primary[i] = tgt
+            else:
+                extra.setdefault(i, []).append(tgt)
+        try:
+            self._read(primary, atomic=atomic)
+        except BaseException as e:
+            touched = {_memory(primary[i]) for i in getattr(e, "_gdsckpt_touched", ())}
+            _note_overwritten(e, [k for k, tgt in targets.items() if _memory(tgt) in touched])
+            raise
+        for i, more in extra.items():
+            for tgt in more:
+                tgt.copy_(primary[i])
+        return self.last_stats
+
+    def load(self, device=None):
+        keys = [t.key for t in self.index.plan.tensors]
+        tensors = self.read(keys, device)
+        return unflatten(self.index.skeleton, [tensors[k] for k in keys])
+
+    def load_into(self, state, *, strict: bool = True, atomic: bool = False) -> Stats:
+        """Fill the tensors of `state` in place (see `read_into` for aliases, failures and atomic)."""
+        skeleton, leaves = flatten(state)
+        targets = {key: leaves[i].tensor for key, i in placements(skeleton)}
+        missing = [k for k in self._by_key if k not in targets]
+        extra = [k for k in targets if k not in self._by_key]
+        if strict and (missing or extra):
+            raise StateMismatchError(f"{self.path}: keys differ from the checkpoint's: missing from the target "
+                                     f"{missing[:5]}, not in the checkpoint {extra[:5]}")
+        return self.read_into({k: targets[k] for k in self._by_key if k in targets}, atomic=atomic)
+
+    def _entry(self, key: str) -> int:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise KeyError(f"{key!r} is not in {str(self.path)!r}") from None
+
+    def _check_nvcomp(self):
+        for s in self.index.plan.streams:
+            if s.codec["name"] in codecs.NVCOMP_CODECS:
+                mine = nvcomp_version()
+                theirs = s.codec["nvcomp"]
+                if mine and mine.split(".")[0] != theirs.split(".")[0]:
+                    raise VersionError(f"{s.codec['name']} chunks were written by nvCOMP {theirs}, whose bitstream "
+                                       f"nvCOMP {mine} cannot read; read it with nvCOMP {theirs.split('.')[0]}.x "
+                                       "and `gdsckpt convert --codec zstd`", path=self.path)
+
+    def _new_tensor(self, i: int, dev: torch.device | None) -> torch.Tensor:
+        t = self.index.plan.tensors[i]
+        if dev is None:
+            dev = torch.device(self.index.devices[i])
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                dev = torch.device("cpu")  # saved on a GPU, read where there is none (device=None only)
+        return torch.empty(t.shape, dtype=BY_NAME[t.dtype], device=dev)
+
+    def _read(self, out: dict[int, torch.Tensor], *, atomic: bool = False) -> None:
+        """Fill `out[i]` (tensor i's destination) from the chunks that hold them.
+
+        On failure the exception carries `_gdsckpt_touched`: the i whose destination the read had
+        written to, wholly or in part, when it stopped (read_into reports them by key)."""
+        t_start = time.perf_counter()
+        plan, records = self.index.plan, self.index.records
+        # Decode into contiguous memory; a non-contiguous target gets a temporary, copied back at the end.
+        work = {i: (v if v.is_contiguous() else torch.empty_like(v, memory_format=torch.contiguous_format))
+                for i, v in out.items()}
+        views = [None] * len(plan.tensors)
+        for i, v in work.items():
+            views[i] = v.reshape(-1).view(torch.uint8)
+        chunk_ids = [c.index for c in plan.chunks if any(views[s.tensor] is not None for s in c.segments)]
+        kind = self._backend_kind(out)
+        check_gds(self._io, kind, "load")
+        # trusted=False: the chunks bound for a decoder that can fault this process's CUDA context
+        # are decoded by a child process, which hands back their bytes (gdsckpt/isolated.py).
+        child_ids = [] if self.trusted else [
+            c for c in chunk_ids
+            if _isolated.needs_child(kind, plan.streams[plan.chunks[c].stream].codec, records[c].raw)]
+        in_child = set(child_ids)
+        own_ids = [c for c in chunk_ids if c not in in_child]
+        timings = _Tracked(own_ids)
+        delivered: list[int] = []
+        device_index = _cuda_index() if kind == "gpu" else None
+        with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
+            self._check_decoders(be, chunk_ids)
+            if atomic:  # every chunk checked before the first byte reaches a target
+                self._verify_chunks(chunk_ids, headers=True)
+                if child_ids:  # and decoded once, into scratch, by a child
+                    _isolated.run(self._indexed_file(), child_ids, kind, device_index, self._io)
+                timings.add("atomic_verify", t_start)
+
+            def scatter(c: int, data: torch.Tensor) -> None:  # a chunk the child decoded
+                delivered.append(c)
+                for s in plan.chunks[c].segments:
+                    if views[s.tensor] is not None:
+                        be.copy(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
+                                data[s.chunk_offset:s.chunk_offset + s.length])
+                be.synchronize()  # the host slot goes back to the child after this
+
+            file = self.source.open_chunks(be)
+            try:
+                be.begin()
+                read_chunks(self.index, own_ids, views, be, file, self.ring_depth, timings, self.path)
+                if child_ids:
+                    t = time.perf_counter()
+                    _isolated.run(self._indexed_file(), child_ids, kind, device_index, self._io, deliver=scatter)
+                    timings.add("isolated_decode", t)
+                be.finish()
+            except BaseException as e:
+                # A chunk's bytes reach its tensors only after its checksum passed ("verify" stage)
+                # or once the child handed them over: those chunks' tensors are overwritten, the
+                # others untouched. Non-contiguous targets are written only by the copy-back below.
+                e._gdsckpt_touched = {s.tensor for c in timings.verified + delivered for s in plan.chunks[c].segments
+                                      if s.tensor in out and work[s.tensor] is out[s.tensor]}
+                raise
+            finally:
+                file.close()
+            for i, v in work.items():
+                if v is not out[i]:
+                    out[i].copy_(v)
+            stored = sum(records[c].stored for c in chunk_ids)
+            self.last_stats = Stats("load", str(self.path), be.name, be.io_path,
+                                    sum(plan.chunks[c].length for c in chunk_ids), stored, stored, len(chunk_ids),
+                                    max((plan.chunks[c].length for c in chunk_ids), default=0), self.ring_depth,
+                                    time.perf_counter() - t_start, dict(timings.stages), timings.latencies, [],
+                                    be.memory())
+
+    def _backend_kind(self, out: dict) -> str:
+        """The GPU where a chunk needs nvCOMP or a destination is on a GPU (unless told otherwise);
+        the CPU where a chunk has only a CPU decoder (byte-shuffled zstd: it copies to the GPU)."""
+        plan = self.index.plan
+        needs_nvcomp = any(not rec.raw and plan.streams[c.stream].codec["name"] in codecs.NVCOMP_CODECS
+                           for c, rec in zip(plan.chunks, self.index.records))
+        cpu_only = any(not rec.raw and not codecs.gpu_can_decode(plan.streams[c.stream].codec)
+                       for c, rec in zip(plan.chunks, self.index.records))
+        wants_gpu = needs_nvcomp or (any(v.is_cuda for v in out.values()) and not cpu_only)
+        return choose(wants_gpu, self._backend_choice)
+
+    def _check_decoders(self, be, chunk_ids) -> None:
+        """Before reading a byte: every chunk asked for has a decoder here."""
+        plan = self.index.plan
+        for ci in chunk_ids:
+            spec = plan.streams[plan.chunks[ci].stream].codec
+            if not self.index.records[ci].raw and not be.can_decode(spec):
+                raise codecs.no_cpu_decoder(spec, self.path)
+
+    def verify(self, deep: bool = False, isolated: bool = False) -> dict:
+        """Check every chunk's checksum on the CPU, reading chunk by chunk (no GPU needed).
+        deep=True also decodes every chunk (on the GPU where a codec needs one) into fresh
+        tensors. isolated=True decodes every compressed chunk in a child process instead, and
+        none in this one (`gdsckpt verify --isolated`: for files from elsewhere; implies deep).
+        Raises ChecksumError / CheckpointFormatError naming the file, key and chunk."""
+        self._verify_chunks(range(len(self.index.records)))
+        if isolated:
+            kind = self._backend_kind({})
+            with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
+                self._check_decoders(be, range(len(self.index.records)))
+            todo = [c for c, r in enumerate(self.index.records) if not r.raw]
+            _isolated.run(self._indexed_file(), todo, kind, _cuda_index() if kind == "gpu" else None, self._io)
+        elif deep:
+            self.load(device="cpu" if all(self._cpu_decodable()) else None)
+        return {"chunks": len(self.index.records), "tensors": len(self.index.plan.tensors),
+                "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep or isolated,
+                "isolated": isolated}
+
+    def _verify_chunks(self, chunk_ids, headers: bool = False) -> None:
+        """Read `chunk_ids` on the CPU and check their checksums (headers=True: and their zstd frame
+        headers, the decoder's own first check), one chunk in memory at a time."""
+        plan, records = self.index.plan, self.index.records
+        for ci in chunk_ids:
+            c, rec = plan.chunks[ci], records[ci]
+            key = plan.tensors[c.segments[0].tensor].key
+            data = self.source.pread(rec.stored, rec.file_offset)
+            verify_chunk(len(data), ALGORITHMS[self.index.checksum](data), rec, self.path, key, c.index)
+            spec = plan.streams[c.stream].codec
+            if headers and spec["name"] == "zstd" and not rec.raw:
+                _check_frames(data, spec, c, rec, self.path, key)
+
+    def _indexed_file(self) -> _isolated.IndexedFile:
+        return _isolated.IndexedFile(self.source, self.index)
+
+    def _cpu_decodable(self):
+        return (r.raw or codecs.cpu_can_decode(self.index.plan.streams[c.stream].codec)
+                for c, r in zip(self.index.plan.chunks, self.index.records))
+
+    def close(self):
+        self.source.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class _Tracked(Timings):
+    """Timings that also record which chunks passed their checksum: read_chunks adds the
+    "verify" stage for a chunk just before its bytes go to a decoder and its tensors."""
+
+    def __init__(self, chunk_ids):
+        super().__init__()
+        self._ids, self.verified = chunk_ids, []
+
+    def add(self, stage: str, t0: float) -> float:
+        if stage == "verify":
+            self.verified.append(self._ids[len(self.verified)])
+        return super().add(stage, t0)
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """Identifies a tensor's memory as a view: equal for the same memory seen the same way
+    (model.state_dict() gives tied parameters as two detach()es of one), by object if empty."""
+    if not t.numel():
+        return ("object", id(t))
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _note_overwritten(e: BaseException, keys: list[str]) -> None:
+    """Say on a failed load_into / read_into which targets it had overwritten (wholly or in part)."""
+    e.overwritten = keys
+    shown = ", ".join(map(repr, keys[:10])) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+    note = (f"load_into had already overwritten {len(keys)} target tensor(s) when it failed: {shown} "
+            "(all listed in the exception's .overwritten); the other targets are untouched"
+            if keys else "load_into had not overwritten any target tensor when it failed")
+    if isinstance(e, GdsckptError) and len(e.args) == 1 and isinstance(e.args[0], str):
+        e.args = (f"{e.args[0]}; {note}",)
+    else:
+        e.add_note(note)
+
+
+def _check_frames(data: bytes, spec: dict, chunk, rec, path, key: str) -> None:
+    """The zstd frame headers of one chunk's stored bytes, checked as the decoders check them."""
+    view = memoryview(data)
+    bounds = codecs.frame_bounds(chunk.length, spec["frame_bytes"])
+    for (_, n), pos, clen in zip(bounds, codecs.frame_offsets(rec.frames), rec.frames):
+        try:
+            codecs.check_zstd_header(view[pos:pos + min(clen, codecs.ZSTD_HEADER_MAX)], n)
+        except ValueError as e:
+            raise CheckpointFormatError(f"chunk failed to decode ({e})", path=path, key=key, chunk=chunk.index) from None
+
+
+def _cuda_index() -> int:
+    return torch.cuda.current_device()
+
+
+# gdsckpt.open, load and load_into (gdsckpt/api.py) call these; their documentation is there.
+
+
+def open(path, **options) -> Checkpoint:  # noqa: A001 - mirrors safetensors.safe_open / builtins.open
+    return Checkpoint(path, **options)
+
+
+def load(path, *, device=None, **options):
+    return Checkpoint(path, **options).load(device)
+
+
+def load_into(path, state, *, strict: bool = True, atomic: bool = False, **options) -> Stats:
+    return Checkpoint(path, **options).load_into(state, strict=strict, atomic=atomic)

@@ -1,0 +1,192 @@
+"""Where a checkpoint's bytes come from when it is read: a `ChunkSource`.
+
+The reader (gdsckpt/reader.py) reads the footer and index, and checks chunks on the CPU, through
+`pread`; the ring reads chunk records through the ChunkFile that `open_chunks` makes for its
+backend. `open_source` picks the source for what the user named:
+
+* `LocalFile`: a file, held open from open to close, so that every read goes to the file that
+  was opened even after a save renames a new checkpoint over its path;
+* `StoreObject`: an object in a store ("s3://bucket/key"), read by ranged GETs only, nothing
+  downloaded whole: into host memory, or on the GPU straight into device memory through
+  KvikIO's RemoteFile (gdsckpt/gpu/remote.py).
+
+A child process that decodes for an untrusted read (gdsckpt/isolated.py) opens the parent's
+file again through `ChildFile`: local files only.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from .errors import CheckpointFormatError, GdsckptError
+# The object-store client: the one place the reader depends on it.
+from .remote import S3Source, is_remote, parse_url
+from .ring import Backend, ChunkFile, Completion
+from .storage import pread_exact, user_path
+
+# Ranged GETs a store object's host ChunkFile keeps in flight, so that reads overlap decoding.
+STORE_READ_THREADS = 4
+
+
+@dataclass(frozen=True)
+class ChildFile:
+    """A local checkpoint as a child process opens it: `path` names the descriptor `fd` that the
+    child inherits (/proc/self/fd/N: the very file the parent opened, which a rename over its
+    path cannot redirect), or the file's path once the parent has closed it (`fd` None).
+    `identity` (st_dev, st_ino) lets the child check that it opened the parent's file."""
+
+    path: str
+    fd: int | None
+    identity: tuple[int, int]
+
+
+class ChunkSource(Protocol):
+    """A checkpoint opened for reading, as the reader sees it."""
+
+    label: Path | str  # names the checkpoint in errors and stats: the user's path, or the URL
+    size: int  # bytes
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """`n` bytes at `offset` of the checkpoint that was opened (fewer only past its end)."""
+
+    def open_chunks(self, backend: Backend) -> ChunkFile:
+        """A ChunkFile on the same bytes, reading into `backend`'s buffers (the ring's)."""
+
+    def child_file(self) -> ChildFile:
+        """The checkpoint as a child process can open it; a ValueError where it cannot."""
+
+    def close(self) -> None: ...
+
+
+def locate(path) -> Path | str:
+    """What `path` names: an object in a store (its URL, a str), else a local file (a Path);
+    a TypeError for what names neither (None, a number, a file object)."""
+    return path if is_remote(path) else user_path(path, "open")
+
+
+def open_source(where: Path | str, *, trusted: bool = True) -> ChunkSource:
+    """The source of the checkpoint `where` (from `locate`). trusted=False: a local file only
+    (its chunks go to a child process, which must open the same file); refused before the store
+    is asked anything."""
+    if is_remote(where):
+        if not trusted:
+            raise ValueError("trusted=False reads local files only: download the object first")
+        return StoreObject(where)
+    return LocalFile(Path(where))
+
+
+class LocalFile:
+    """A checkpoint file. The descriptor stays open until close() (or until this object is
+    collected): every read goes to this file even if a save replaces the path. Reads after close()
+    go by the path, and refuse a file that is not the one opened."""
+
+    def __init__(self, path: Path):
+        self.label = path
+        # O_NONBLOCK: a FIFO given by mistake must not hang the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        self._fd, self._closer = fd, weakref.finalize(self, os.close, fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointFormatError("not a regular file, so not a checkpoint", path=path)
+        except BaseException:
+            self._closer()
+            raise
+        self.identity = (st.st_dev, st.st_ino)
+        self.size = st.st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if self._closer.alive:
+            return pread_exact(self._fd, n, offset)
+        fd = os.open(self.label, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self._check_same(fd)
+            return pread_exact(fd, n, offset)
+        finally:
+            os.close(fd)
+
+    def open_chunks(self, backend: Backend) -> ChunkFile:
+        file = backend.open(self._reopen_path(), "r")
+        try:
+            self._check_same(file.fd)
+        except BaseException:
+            file.close()
+            raise
+        return file
+
+    def child_file(self) -> ChildFile:
+        fd = self._fd if self._closer.alive else None
+        return ChildFile(f"/proc/self/fd/{fd}" if fd is not None else str(self.label), fd, self.identity)
+
+    def close(self) -> None:
+        self._closer()
+
+    def _reopen_path(self) -> Path:
+        """The file opened, by a path a concurrent save's rename cannot redirect (/proc/self/fd on
+        Linux); the path itself once closed, or where there is no /proc."""
+        if self._closer.alive:
+            p = Path(f"/proc/self/fd/{self._fd}")
+            if p.exists():
+                return p
+        return self.label
+
+    def _check_same(self, fd: int) -> None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            raise CheckpointFormatError("the file was replaced since it was opened: open it again", path=self.label)
+
+
+class StoreObject:
+    """A checkpoint object in a store, read by ranged GETs: the footer and index on open, then
+    only the chunk records a caller asks for. Endpoint and credentials: the AWS variables."""
+
+    def __init__(self, url: str):
+        self.label = url
+        self._object = S3Source(url)
+        self.size = self._object.size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self._object.pread(n, offset)
+
+    def open_chunks(self, backend: Backend) -> ChunkFile:
+        if backend.name == "gpu":  # into device memory: KvikIO's RemoteFile, which speaks S3 itself
+            from .gpu.remote import RemoteDeviceFile
+            bucket, key = parse_url(self.label)
+            return RemoteDeviceFile(self.label, bucket, key, self.size)
+        return RangedHostFile(self.pread, self.label)
+
+    def child_file(self) -> ChildFile:
+        raise ValueError(f"{self.label}: a child process decodes local files only: download the object first")
+
+    def close(self) -> None:
+        pass  # no connection is held between requests
+
+
+class RangedHostFile:
+    """The ring's ChunkFile over ranged reads into host memory (the CPU backend's buffers): each
+    chunk record is one `pread` on a small thread pool, so that reads overlap decoding."""
+
+    fd = None
+
+    def __init__(self, pread, label: str, threads: int = STORE_READ_THREADS):
+        self._pread, self._label = pread, label
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-s3-read")
+
+    def pread(self, buf, nbytes: int, offset: int) -> Completion:
+        def read() -> int:
+            data = self._pread(nbytes, offset)
+            buf.numpy()[:len(data)] = memoryview(data)
+            return len(data)
+        return Completion(self._pool.submit(read).result)
+
+    def pwrite(self, buf, nbytes: int, offset: int):
+        raise GdsckptError(f"{self._label} is opened for reading")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
