@@ -192,7 +192,7 @@ class Checkpoint:
 
     def _check_nvcomp(self):
         for s in self.index.plan.streams:
-            if s.codec["name"] in codecs.NVCOMP_CODECS:
+            if codecs.of(s.codec).nvcomp_native:
                 mine = nvcomp_version()
                 theirs = s.codec["nvcomp"]
                 if mine and mine.split(".")[0] != theirs.split(".")[0]:
@@ -282,7 +282,7 @@ class Checkpoint:
         """The GPU where a chunk needs nvCOMP or a destination is on a GPU (unless told otherwise);
         the CPU where a chunk has only a CPU decoder (byte-shuffled zstd: it copies to the GPU)."""
         plan = self.index.plan
-        needs_nvcomp = any(not rec.raw and plan.streams[c.stream].codec["name"] in codecs.NVCOMP_CODECS
+        needs_nvcomp = any(not rec.raw and not codecs.cpu_can_decode(plan.streams[c.stream].codec)
                            for c, rec in zip(plan.chunks, self.index.records))
         cpu_only = any(not rec.raw and not codecs.gpu_can_decode(plan.streams[c.stream].codec)
                        for c, rec in zip(plan.chunks, self.index.records))
@@ -295,7 +295,7 @@ class Checkpoint:
         for ci in chunk_ids:
             spec = plan.streams[plan.chunks[ci].stream].codec
             if not self.index.records[ci].raw and not be.can_decode(spec):
-                raise codecs.no_cpu_decoder(spec, self.path)
+                raise codecs.of(spec).no_decoder(spec, self.path)
 
     def verify(self, deep: bool = False, isolated: bool = False) -> dict:
         """Check every chunk's checksum on the CPU, reading chunk by chunk (no GPU needed).
@@ -326,8 +326,8 @@ class Checkpoint:
             data = self.source.pread(rec.stored, rec.file_offset)
             verify_chunk(len(data), ALGORITHMS[self.index.checksum](data), rec, self.path, key, c.index)
             spec = plan.streams[c.stream].codec
-            if headers and spec["name"] == "zstd" and not rec.raw:
-                _check_frames(data, spec, c, rec, self.path, key)
+            if headers and not rec.raw:
+                _check_stored(data, spec, c, rec, self.path, key)
 
     def _indexed_file(self) -> _isolated.IndexedFile:
         return _isolated.IndexedFile(self.source, self.index)
@@ -382,15 +382,12 @@ def _note_overwritten(e: BaseException, keys: list[str]) -> None:
         e.add_note(note)
 
 
-def _check_frames(data: bytes, spec: dict, chunk, rec, path, key: str) -> None:
-    """The zstd frame headers of one chunk's stored bytes, checked as the decoders check them."""
-    view = memoryview(data)
-    bounds = codecs.frame_bounds(chunk.length, spec["frame_bytes"])
-    for (_, n), pos, clen in zip(bounds, codecs.frame_offsets(rec.frames), rec.frames):
-        try:
-            codecs.check_zstd_header(view[pos:pos + min(clen, codecs.ZSTD_HEADER_MAX)], n)
-        except ValueError as e:
-            raise CheckpointFormatError(f"chunk failed to decode ({e})", path=path, key=key, chunk=chunk.index) from None
+def _check_stored(data: bytes, spec: dict, chunk, rec, path, key: str) -> None:
+    """One chunk's stored bytes, checked as the decoders check them first (Codec.check_stored)."""
+    try:
+        codecs.of(spec).check_stored(memoryview(data), spec, chunk.length, rec.frames)
+    except ValueError as e:
+        raise CheckpointFormatError(f"chunk failed to decode ({e})", path=path, key=key, chunk=chunk.index) from None
 
 
 def _cuda_index() -> int:
