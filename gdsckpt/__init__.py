@@ -11,6 +11,7 @@ from ._version import __version__
 from .api import Checkpoint, Stats, load, load_into, open, save
 from .async_save import save_async
 from .manager import Checkpointer, Restored
+from .stateful import RNG
 from .errors import (
     BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,
     CodecUnavailableError, DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError,
@@ -28,4 +29,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
+    "RNG",
 ]
