@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .dirlock import DirectoryLock
 from .errors import GdsckptError, NoCheckpointError, RemoteStoreError, VersionError
-from .policy import Policy
+from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
 
@@ -130,21 +130,21 @@ class Checkpointer:
         return s[-1] if s else None
 
     # ------------------------------------------------------------ saving
-    def _check(self, step: int) -> None:
+    def _check(self, step: int) -> int:
         if self._closed:
             raise GdsckptError(f"this Checkpointer of {str(self.directory)!r} is closed")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = whole_number("step", step, 0)
         local = self.layout.local_steps()
         if local and step <= local[-1]:
             raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
                              f"{str(self.directory)!r} (delete the newer steps, or use a new directory)")
+        return step
 
     def save(self, step: int, state) -> object:
         """Save `state` as `step`; durable and committed on return. Returns gdsckpt's Stats
         (None under torch.distributed, where DCP returns its metadata)."""
         self.wait()
-        self._check(step)
+        step = self._check(step)
         stats = self.layout.save(step, state)
         self._on_commit(step)
         return stats
@@ -157,7 +157,7 @@ class Checkpointer:
         torch.distributed). The step counts once the returned future completes; wait() waits
         for it and raises its error."""
         self.wait()
-        self._check(step)
+        step = self._check(step)
         fut = self.layout.save_async(step, state, optimizer)
         self._pending = (step, fut)
 
@@ -237,6 +237,8 @@ class Checkpointer:
         torch.distributed); None: a new state on `device` (None: where it was saved from).
         A damaged or incomplete step is skipped for the one before it, with a warning, and listed
         in the result's `skipped`. NoCheckpointError if no step can be restored."""
+        if step is not None:
+            step = whole_number("step", step, 0)
         self.wait()
         local = set(self.layout.local_steps())
         remote = self._remote_or_nothing()
@@ -263,7 +265,7 @@ class Checkpointer:
                     warnings.warn(f"gdsckpt: restored step {s} ({where}), not the newer " +
                                   "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped), stacklevel=2)
                 return Restored(out, s, where, path, skipped, stats)
-        what = f"step {step}" if step is not None else "a committed, intact step"
+        what = f"step {step}" if step is not None else "committed, intact step"
         raise NoCheckpointError(f"no {what} in {str(self.directory)!r}"
                                 + (f" or {self.remote.url()}" if self.remote is not None else "")
                                 + (": " + "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped) if skipped else ""))

@@ -3,7 +3,18 @@ and the pure decisions it makes (which saves go to the store, which steps may go
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+
+def whole_number(name: str, value, minimum: int, why: str = "") -> int:
+    """`value` as an int, or ValueError: an integer (int, or NumPy's) of at least `minimum`; a
+    float, a bool or a string is refused, never rounded or parsed."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}" + (f" ({why})" if why else "") + f", got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -16,12 +27,10 @@ class Policy:
     every_remote: int = 1
 
     def __post_init__(self):
-        if self.keep < 1:
-            raise ValueError(f"keep must be at least 1 (the newest step is never deleted), got {self.keep}")
-        if self.keep_remote is not None and self.keep_remote < 1:
-            raise ValueError(f"keep_remote must be at least 1 or None, got {self.keep_remote}")
-        if self.every_remote < 1:
-            raise ValueError(f"every_remote must be at least 1, got {self.every_remote}")
+        object.__setattr__(self, "keep", whole_number("keep", self.keep, 1, "the newest step is never deleted"))
+        if self.keep_remote is not None:
+            object.__setattr__(self, "keep_remote", whole_number("keep_remote", self.keep_remote, 1, "or None: all"))
+        object.__setattr__(self, "every_remote", whole_number("every_remote", self.every_remote, 1))
 
     def uploads(self, nth_save: int) -> bool:
         """Whether the manager's `nth_save` (1-based) goes to the store."""
