@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -226,6 +227,8 @@ def cmd_restore_test(args) -> int:
 
 def cmd_prune(args) -> int:
     from .manager import Checkpointer
+    if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
+        raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
     ck = Checkpointer(args.directory, keep=args.keep, remote=args.remote, keep_remote=args.keep_remote,
                       upload=False)
     try:
