@@ -95,3 +95,124 @@ def _numpy():
     except ImportError:
         return None
     return numpy
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+
+
+def dcp_view(state: dict, *, strict: bool = True) -> dict:
+    """`state` as torch.distributed.checkpoint takes it, for dcp.save, dcp.async_save and dcp.load.
+
+    DCP calls state_dict() and load_state_dict() of the top-level values only, and loads into the
+    tensors that state_dict() gives: a fresh optimizer gives none, so it would stay fresh. Here
+    each top-level value that is, or holds, a stateful object becomes one Stateful (`_DcpTree`):
+    modules through get_model_state_dict / set_model_state_dict, optimizers through
+    get_optimizer_state_dict / set_optimizer_state_dict with the module in `state` whose
+    parameters they optimize (they initialise a fresh optimizer's state, which is then loaded
+    into, as torchtitan does), every other stateful object through its own state_dict() and
+    load_state_dict(), and plain values written back into the dicts and lists that hold them.
+    Other top-level values are passed as they are; DCP writes their plain values back into the
+    view, and `dcp_write_back` copies them into `state`. strict reaches set_model_state_dict.
+
+    torch's initialisation is a zero-gradient step at learning rate 0, taken only when the
+    optimizer has no state and no parameter has a gradient: restore before the first backward.
+    An optimizer saved before its first step is saved so initialised (its step counts 1)."""
+    modules = _modules(state)
+    return {k: _DcpTree(v, modules, strict, k) if _holds_stateful(v) else v for k, v in state.items()}
+
+
+def dcp_write_back(state: dict, view: dict) -> None:
+    """After dcp.load(view): the top-level values DCP replaced in the view, into `state`."""
+    for k, v in view.items():
+        if not isinstance(v, _DcpTree) and state.get(k) is not v:
+            state[k] = v
+
+
+class _DcpTree:
+    """One top-level value of the state that is, or holds, stateful objects, as a Stateful for DCP."""
+
+    def __init__(self, value, modules: list, strict: bool, key: str):
+        self.value, self._modules, self._strict, self._key = value, modules, strict, key
+
+    def state_dict(self):
+        return self._state(self.value, self._key)
+
+    def load_state_dict(self, loaded) -> None:
+        self._restore(self.value, loaded, self._key)
+
+    def _state(self, v, key: str):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        if isinstance(v, torch.nn.Module):
+            return get_model_state_dict(v)
+        if isinstance(v, torch.optim.Optimizer):
+            return get_optimizer_state_dict(_module_of(v, self._modules, key), v)
+        if is_stateful(v):
+            return self._state(state_of(v), key)
+        if isinstance(v, dict):
+            return {k: self._state(x, f"{key}.{k}") for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._state(x, f"{key}.{i}") for i, x in enumerate(v))
+        return v
+
+    _KEEP = object()
+
+    def _restore(self, target, loaded, key: str):
+        """Restore `loaded` (what DCP read into `_state(target)`) into `target`; the value to put
+        in its place, or _KEEP where `target` itself was restored (tensors DCP filled in place)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+        if isinstance(target, torch.nn.Module):
+            set_model_state_dict(target, loaded, options=StateDictOptions(strict=self._strict))
+        elif isinstance(target, torch.optim.Optimizer):
+            set_optimizer_state_dict(_module_of(target, self._modules, key), target, loaded)
+        elif is_stateful(target):
+            load_state(target, loaded, strict=self._strict)
+        elif isinstance(target, dict):
+            for k, x in target.items():
+                if k in loaded:
+                    new = self._restore(x, loaded[k], f"{key}.{k}")
+                    if new is not self._KEEP:
+                        target[k] = new
+        elif isinstance(target, list):
+            for i, x in enumerate(target[:len(loaded)]):
+                new = self._restore(x, loaded[i], f"{key}.{i}")
+                if new is not self._KEEP:
+                    target[i] = new
+        elif isinstance(target, tuple):
+            return tuple(x if new is self._KEEP else new
+                         for x, new in ((x, self._restore(x, y, f"{key}.{i}"))
+                                        for i, (x, y) in enumerate(zip(target, loaded))))
+        elif not isinstance(target, torch.Tensor):
+            return loaded
+        return self._KEEP
+
+
+def _holds_stateful(v, depth: int = 0) -> bool:
+    if is_stateful(v):
+        return True
+    if depth < 64 and isinstance(v, (dict, list, tuple)):
+        return any(_holds_stateful(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _modules(v, depth: int = 0) -> list:
+    """Every nn.Module in the state's containers (where an optimizer's module is looked for)."""
+    if isinstance(v, torch.nn.Module):
+        return [v]
+    if depth < 64 and isinstance(v, (dict, list, tuple)):
+        return [m for x in (v.values() if isinstance(v, dict) else v) for m in _modules(x, depth + 1)]
+    return []
+
+
+def _module_of(opt, modules: list, key: str):
+    """The first module of the state whose parameters include all of `opt`'s: DCP's optimizer
+    state dicts name each parameter's state by its name in that module."""
+    from .errors import UnsupportedStateError
+    wanted = {id(p) for g in opt.param_groups for p in g["params"]}
+    for m in modules:
+        if wanted <= {id(p) for p in m.parameters()}:
+            return m
+    raise UnsupportedStateError(
+        f"the optimizer at {key!r}: under torch.distributed the state must also hold the nn.Module whose "
+        "parameters it optimizes (DCP names optimizer state by parameter name), e.g. "
+        "{'model': model, 'optim': opt}")

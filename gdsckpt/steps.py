@@ -20,6 +20,7 @@ from typing import ContextManager, Iterator, Protocol
 
 from . import api
 from .errors import CheckpointFormatError, GdsckptError, VersionError
+from .stateful import dcp_view, dcp_write_back
 from .storage import fsync_dir
 
 SUFFIX = ".gdsckpt"
@@ -135,10 +136,9 @@ class FileSteps(_Steps):
                           **self.save_options)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
+        if state is not None:  # objects restored through load_state_dict; atomic: nothing changes unless all is intact
+            return state, api.load_into(path, state, strict=strict, atomic=True)
         with api.open(path) as ck:
-            if state is not None:
-                stats = ck.load_into(state, strict=strict)
-                return state, stats
             out = ck.load(device)
             return out, ck.last_stats
 
@@ -177,16 +177,15 @@ class DcpSteps(_Steps):
     def save(self, step: int, state) -> object:
         import torch.distributed.checkpoint as dcp
         from .dcp import CachedSavePlanner, GdsckptWriter
-        dcp.save(state, storage_writer=GdsckptWriter(self.path(step), **self.save_options),
+        dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **self.save_options),
                  planner=CachedSavePlanner())
         return None
 
     def save_async(self, step: int, state, optimizer) -> Future:
         import torch.distributed.checkpoint as dcp
         from .dcp import CachedSavePlanner, GdsckptWriter
-        fut = dcp.async_save(state, storage_writer=GdsckptWriter(self.path(step), optimizer=optimizer,
-                                                                 **self.save_options),
-                             planner=CachedSavePlanner())
+        writer = GdsckptWriter(self.path(step), optimizer=optimizer, **self.save_options)
+        fut = dcp.async_save(dcp_view(state), storage_writer=writer, planner=CachedSavePlanner())
         return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
@@ -194,7 +193,9 @@ class DcpSteps(_Steps):
         from torch.distributed.checkpoint.api import CheckpointException
         from .dcp import GdsckptReader
         try:
-            dcp.load(state, storage_reader=GdsckptReader(path))
+            view = dcp_view(state, strict=strict)  # stateful objects at any depth; a fresh optimizer too
+            dcp.load(view, storage_reader=GdsckptReader(path))
+            dcp_write_back(state, view)
         except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
             errs = [exc for exc, _ in e.failures.values()]
             if errs and all(isinstance(x, DAMAGE) and not isinstance(x, VersionError) for x in errs):
