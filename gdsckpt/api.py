@@ -703,8 +703,9 @@ def load_into(path, state, *, strict: bool = True, atomic: bool = False, **optio
     written back.
 
     If it fails part-way (a corrupt chunk, an I/O error), the error lists the keys it had already
-    overwritten, wholly or in part (also as the exception's `.overwritten`); all other targets are
-    untouched and no load_state_dict() was called. atomic=True checks every chunk's checksum in
+    overwritten, wholly or in part (also as the exception's `.overwritten`; for an object, new
+    tensors of its state may be among them); all other targets are untouched, no
+    load_state_dict() was called and no value written back. atomic=True checks every chunk's checksum in
     one more read pass before the first byte reaches a target. A target tensor that several keys
     share (tied weights) is filled once. trusted=False: see `open`."""
     from .restore import restore_into

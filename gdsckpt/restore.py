@@ -207,8 +207,10 @@ class _Plan:
         groups = saved.get("param_groups")
         sizes = None
         if _kind(groups) == "list":
-            sizes = [len(_items(p)) if _kind(p := dict(_items(g)).get("params")) == "list" else None
-                     for g in _items(groups) if _kind(g) in ("dict", "odict")]
+            sizes = []
+            for g in _items(groups):
+                params = dict(_items(g)).get("params") if _kind(g) in ("dict", "odict") else None
+                sizes.append(len(_items(params)) if _kind(params) == "list" else None)
         here = [len(g["params"]) for g in opt.param_groups]
         if sizes != here:
             raise StateMismatchError(f"{self.ck.path}: the optimizer at {key or '<root>'!r} has parameter groups "
@@ -232,6 +234,8 @@ class _Plan:
         in place), else a new one (on `home` where it was saved from a GPU; NumPy and bytes
         placements on the CPU)."""
         (kind, body), = node.items()
+        if is_stateful(like) and not isinstance(like, torch.Generator):
+            like = like.state_dict()  # an object inside the object's state: its own tensors, read in place
         if kind == "tensor":
             self.targets[key] = like if isinstance(like, torch.Tensor) else self._fresh(body, key, home)
         elif kind in TYPED:

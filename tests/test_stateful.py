@@ -169,6 +169,33 @@ def test_users_own_stateful_at_depth(tmp_path):
     assert d.hist.dtype == np.int32 and d.hist.tolist() == [1, 2, 3]
 
 
+class Trainer:
+    """A Stateful whose state holds another object: flatten saves the module's state in its place."""
+
+    def __init__(self, seed):
+        self.model, self.n = make(seed)[0], 0
+
+    def state_dict(self):
+        return {"model": self.model, "n": self.n}
+
+    def load_state_dict(self, sd):
+        self.model.load_state_dict(sd["model"])
+        self.n = sd["n"]
+
+
+def test_object_inside_an_objects_state_is_read_in_place(tmp_path):
+    t = Trainer(0)
+    t.n = 12
+    p = tmp_path / "t.gdsckpt"
+    gdsckpt.save({"trainer": t}, p)
+    assert "trainer/model/0.weight" in gdsckpt.open(p).keys()
+    u = Trainer(1)
+    ptrs = [x.data_ptr() for x in u.model.state_dict().values()]
+    gdsckpt.load_into(p, {"trainer": u})
+    assert u.n == 12 and [x.data_ptr() for x in u.model.state_dict().values()] == ptrs
+    assert_same(u.model.state_dict(), t.model.state_dict())
+
+
 # ---------------------------------------------------------------- generators
 
 
@@ -479,3 +506,46 @@ def test_checkpointer_under_dcp_restores_objects(tmp_path, one_rank):
         assert ck.restore(state).step == 3
     assert state["step"] == 3
     assert [train_step(model2, opt2, sched2) for _ in range(3)] == want
+
+
+# ---------------------------------------------------------------- on the GPU
+
+
+def cuda_step(model, opt, sched) -> float:
+    x = torch.randn(64, 8, device="cuda")  # the CUDA generator, which RNG() saves once CUDA is initialised
+    loss = ((model(x) - 1) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item() + random.random()
+
+
+@pytest.mark.gpu
+def test_objects_on_the_gpu_through_the_checkpointer(tmp_path):
+    """Module, AdamW and scheduler on the GPU, saved by Checkpointer.save_async: restored into
+    fresh objects, the module in place, the moments read straight onto the GPU (the step counts
+    stay on the CPU, as AdamW keeps them), the CUDA generator restored; the losses are the same."""
+    model, opt, sched = make()
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    with gdsckpt.Checkpointer(tmp_path / "ck", keep=2) as ck:
+        for step in range(1, 4):
+            cuda_step(model, opt, sched)
+            ck.save_async(step, objects_state(model, opt, sched, step))
+    want = [cuda_step(model, opt, sched) for _ in range(4)]
+
+    model2 = make(seed=1)[0].cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=3, gamma=0.5)
+    scramble_generators()
+    torch.cuda.manual_seed_all(999)
+    ptrs = [p.data_ptr() for p in model2.parameters()]
+    state = objects_state(model2, opt2, sched2)
+    with gdsckpt.Checkpointer(tmp_path / "ck", keep=2) as ck:
+        assert ck.restore(state).step == 3
+    assert state["step"] == 3 and [p.data_ptr() for p in model2.parameters()] == ptrs
+    st = opt2.state[next(iter(model2.parameters()))]
+    assert st["exp_avg"].is_cuda and st["exp_avg_sq"].is_cuda and st["step"].device.type == "cpu"
+    assert [cuda_step(model2, opt2, sched2) for _ in range(4)] == want
