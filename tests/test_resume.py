@@ -4,7 +4,7 @@ in the same directory. The killed run printed the same losses as the uninterrupt
 resumed run goes on from the newest committed step with exactly the uninterrupted run's losses,
 bit for bit: model, AdamW moments, scheduler, step and every generator restored from objects.
 
-Each fsync is slowed (a wrapper installed before the example runs) so that a save stays in
+In the killed run each fsync is slowed (a wrapper installed before the example runs) so that a save stays in
 progress long enough to be killed in the middle of; nothing else is changed."""
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ TEMPORARY = re.compile(r"^\.step_(\d+)\.gdsckpt\.gdsckpt-tmp\.")
 LOSS = re.compile(r"^step (\d+) loss (\S+)$")
 
 
-def _start(tmp: Path, workdir: Path) -> subprocess.Popen:
-    workdir.mkdir()
+def _start(tmp: Path, workdir: Path, slow_fsync_s: float = 0.0) -> subprocess.Popen:
+    workdir.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               SLOW_FSYNC_S="0.3", PYTHONWARNINGS="ignore")
+               SLOW_FSYNC_S=str(slow_fsync_s), PYTHONWARNINGS="ignore")
     return subprocess.Popen([sys.executable, str(tmp / "runner.py"), str(tmp / "example.py")], cwd=workdir,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -64,7 +64,7 @@ def test_readme_example_killed_during_a_save_resumes_bit_exact(tmp_path):
     assert sorted(want) == list(range(1, 61))
 
     run = tmp_path / "killed"
-    victim = _start(tmp_path, run)
+    victim = _start(tmp_path, run, slow_fsync_s=1.0)  # a save takes 2 s: ample time to be killed in
     killed_at = None
     deadline = time.monotonic() + 300
     while killed_at is None and victim.poll() is None and time.monotonic() < deadline:
@@ -83,10 +83,7 @@ def test_readme_example_killed_during_a_save_resumes_bit_exact(tmp_path):
     assert killed_at not in committed and max(committed) < killed_at  # its save was cut short
     assert any(TEMPORARY.match(p) for p in os.listdir(run / "run7"))  # the torn temporary is still there
 
-    again = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "example.py")], cwd=run,
-                             env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
-                                      OMP_NUM_THREADS="1", SLOW_FSYNC_S="0", PYTHONWARNINGS="ignore"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    again = _start(tmp_path, run)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     resumed = _losses(out)
