@@ -162,7 +162,7 @@ class Checkpointer:
         self._pending = (step, fut)
 
         def done(f):
-            if f.exception() is None:
+            if Future.exception(f) is None:  # SaveFuture.exception() would count as the caller's look
                 try:
                     self._on_commit(step)
                 except Exception as e:  # retention must not turn a good save into a failed future
@@ -171,15 +171,18 @@ class Checkpointer:
         return fut
 
     def wait(self, *, uploads: bool = False, timeout: float | None = None) -> None:
-        """Wait for the pending save_async (raising its error). uploads=True: then also until the
+        """Wait for the pending save_async (raising its error, unless the caller has seen it through
+        the future's result() or exception()). uploads=True: then also until the
         upload queue is empty and nothing is in flight, or an upload attempt fails (it stays
         queued and is retried; the error is in status()), or `timeout` seconds pass."""
         if self._pending is not None:
             step, fut = self._pending
             try:
-                fut.result()
+                err = Future.exception(fut)  # waits; not a look at the outcome: SaveFuture.observed stays
             finally:
                 self._pending = None
+            if err is not None and not getattr(fut, "observed", False):
+                fut.result()  # raises it, once: a failure the caller has seen is not raised again
         if uploads and self.remote is not None:
             self.remote.wait(timeout)
 

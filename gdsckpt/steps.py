@@ -14,7 +14,7 @@ import contextlib
 import os
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
@@ -54,6 +54,25 @@ def check_step(path: Path, deep: bool) -> str:
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return "ok"
+
+
+def relayed(fut: Future) -> Future:
+    """A SaveFuture (which knows whether its outcome was looked at) with `fut`'s outcome."""
+    from .async_save import SaveFuture
+    out = SaveFuture()
+    out.set_running_or_notify_cancel()
+
+    def relay(f):
+        if f.cancelled():
+            out.set_exception(CancelledError())
+            return
+        err = f.exception()
+        if err is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(err)
+    fut.add_done_callback(relay)
+    return out
 
 
 class StepLayout(Protocol):
@@ -187,7 +206,8 @@ class DcpSteps(_Steps):
         fut = dcp.async_save(state, storage_writer=GdsckptWriter(self.path(step), optimizer=optimizer,
                                                                  **self.save_options),
                              planner=CachedSavePlanner())
-        return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+        fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+        return relayed(fut)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         import torch.distributed.checkpoint as dcp
