@@ -285,7 +285,8 @@ class Checkpointer:
     # ------------------------------------------------------------ lifetime
     def close(self, *, wait_uploads: bool = True, timeout: float | None = None) -> None:
         """Wait for the pending save; with the remote tier, for the upload queue to drain
-        (wait_uploads, at most `timeout` seconds); then stop the uploader and release the lock."""
+        (wait_uploads) and the upload in flight to end, at most `timeout` seconds in all; then
+        release the lock. An upload still running then keeps the lock until it ends."""
         if self._closed:
             return
         saved = False
@@ -294,12 +295,11 @@ class Checkpointer:
             saved = True
         finally:
             self._closed = True
-            try:
-                if self.remote is not None:
-                    self.remote.close(wait=wait_uploads and saved, timeout=timeout)
-            finally:
-                if self._lock is not None:
-                    self._lock.release()
+            release = self._lock.release if self._lock is not None else None
+            if self.remote is not None:  # the lock goes only once the uploader has ended
+                self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
+            elif release is not None:
+                release()
 
     def __enter__(self):
         return self
