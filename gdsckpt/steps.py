@@ -137,10 +137,15 @@ class _Steps:
 
 
 class FileSteps(_Steps):
-    """One gdsckpt file per step."""
+    """One gdsckpt file per step. scratch: where a step from the store is downloaded (None: the
+    directory)."""
 
     distributed = False
     loads_in_place = False
+
+    def __init__(self, directory: Path, save_options: dict, scratch: Path | None = None):
+        super().__init__(directory, save_options)
+        self.scratch = scratch if scratch is not None else directory
 
     def committed(self, path: Path) -> bool:
         return path.is_file()
@@ -172,7 +177,7 @@ class FileSteps(_Steps):
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
         # downloaded into a temporary copy, removed after
         name = self.name(step)
-        tmp = self.directory / f".{name}.download.{os.getpid()}"
+        tmp = self.scratch / f".{name}.download.{os.getpid()}"
         try:
             store.download(name, tmp)
             yield tmp, store.url(name)
