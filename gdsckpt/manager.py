@@ -255,7 +255,9 @@ class Checkpointer:
     def restore(self, state=None, step: int | None = None, *, device=None, strict: bool = True) -> Restored:
         """Restore the newest committed, intact step (or `step`), from the local directory, else
         from the remote tier. state given: filled in place (load_into; required under
-        torch.distributed); None: a new state on `device` (None: where it was saved from).
+        torch.distributed), atomically: every chunk is verified before a byte reaches `state`, so
+        after a fall-back it holds exactly the step restored; None: a new state on `device`
+        (None: where it was saved from).
         A damaged or incomplete step is skipped for the one before it, with a warning, and listed
         in the result's `skipped`. NoCheckpointError if no step can be restored."""
         if step is not None:

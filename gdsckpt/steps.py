@@ -159,10 +159,9 @@ class FileSteps(_Steps):
                           **self.save_options)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
+        if state is not None:  # atomic: a damaged step leaves `state` as it was, for the fall-back
+            return state, api.load_into(path, state, strict=strict, atomic=True)
         with api.open(path) as ck:
-            if state is not None:
-                stats = ck.load_into(state, strict=strict)
-                return state, stats
             out = ck.load(device)
             return out, ck.last_stats
 
