@@ -217,6 +217,7 @@ class DcpSteps(_Steps):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from .dcp import GdsckptReader
+        self._check_metadata(path)
         try:
             dcp.load(state, storage_reader=GdsckptReader(path))
         except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
@@ -227,6 +228,32 @@ class DcpSteps(_Steps):
                                             f"{type(first).__name__}: {first}", path=path) from None
             raise
         return state, None
+
+    @staticmethod
+    def _check_metadata(path: Path) -> None:
+        """Every rank reads the step's .metadata first, and all agree: DCP itself turns a damaged
+        one (a flipped byte, truncated, empty) into an AssertionError that names no file, after
+        logging a traceback per rank. CheckpointFormatError on every rank if one could not read
+        it (VersionError if one found a newer format), so every rank falls back alike."""
+        import torch.distributed as dist
+        from .dcp import GdsckptReader
+        try:
+            GdsckptReader(path).read_metadata()
+            mine = None
+        except VersionError as e:
+            mine = ("version", str(e))
+        except Exception as e:  # any failure to read it makes the step unusable
+            mine = ("damage", f"{type(e).__name__}: {e}")
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        failed = {rank: err for rank, err in enumerate(seen) if err is not None}
+        if not failed:
+            return
+        kind, first = next(iter(failed.values()))
+        what = f"rank(s) {sorted(failed)} could not read the step's {DCP_METADATA}: {first}"
+        if any(k == "version" for k, _ in failed.values()):
+            raise VersionError(what, path=path / DCP_METADATA)
+        raise CheckpointFormatError(what, path=path / DCP_METADATA)
 
     def delete(self, step: int) -> None:
         p = self.path(step)
