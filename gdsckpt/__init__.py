@@ -21,6 +21,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     BucketNotFoundError, CheckpointLockedError, NoCheckpointError, RemoteAccessError, RemoteNotFoundError,
     RemoteStoreError, RemoteUnavailableError,
 )
+from .errors import ReadOnlyCheckpointerError
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -29,5 +30,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
-    "RNG",
+    "ReadOnlyCheckpointerError", "RNG",
 ]

@@ -30,6 +30,9 @@ log = logging.getLogger("gdsckpt.manager")
 
 MARKER = ".uploaded.json"
 MAX_BACKOFF = 60.0
+# How long close() waits, with no timeout given, for the upload in flight before leaving it to
+# end on its own (the uploader then runs close's `then`, e.g. the lock's release, as it ends).
+CLOSE_JOIN_SECONDS = 30.0
 
 
 def marker_step(name: str) -> tuple[int, bool] | None:
@@ -74,6 +77,8 @@ class RemoteTier:
         self._stats = {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0,
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
+        self._ended = False  # the uploader has returned (or never ran)
+        self._at_end: list[Callable[[], None]] = []
         self._thread = None
         if upload:
             self._thread = threading.Thread(target=self._uploader, name="gdsckpt-uploader", daemon=True)
@@ -147,6 +152,16 @@ class RemoteTier:
 
     # ------------------------------------------------------------ uploads
     def _uploader(self) -> None:
+        try:
+            self._upload_queue()
+        finally:
+            with self._mutex:
+                self._ended = True
+                at_end, self._at_end = self._at_end, []
+            for fn in at_end:
+                fn()
+
+    def _upload_queue(self) -> None:
         backoff = 0.0
         failed_at = 0.0
         while True:
@@ -254,9 +269,15 @@ class RemoteTier:
                     break
                 self._wake.wait(min(left, 1.0) if left is not None else 1.0)
 
-    def close(self, *, wait: bool, timeout: float | None = None) -> list[int]:
-        """wait: first wait() for the queue (at most `timeout` seconds). Then stop the uploader and
-        join it. Returns the steps queued or in flight that were never uploaded."""
+    def close(self, *, wait: bool, timeout: float | None = None,
+              then: Callable[[], None] | None = None) -> list[int]:
+        """wait: first wait() for the queue. Then stop the uploader: it ends once the upload in
+        flight, if any, ends; close waits for that too. All within `timeout` seconds (None: no
+        bound on the queue, CLOSE_JOIN_SECONDS on the upload in flight). `then` runs once the
+        uploader has ended: before close returns, or else on the uploader's thread as it ends,
+        so that what `then` releases (the directory's lock) is never released while an upload
+        runs. Returns the steps queued or in flight that were never uploaded."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if wait:
                 self.wait(timeout)
@@ -265,7 +286,14 @@ class RemoteTier:
                 self._stopping = True
                 self._wake.notify_all()
             if self._thread is not None:
-                self._thread.join(timeout=30)
+                self._thread.join(CLOSE_JOIN_SECONDS if deadline is None else max(0.0, deadline - time.monotonic()))
+            if then is not None:
+                with self._mutex:
+                    now = self._thread is None or self._ended
+                    if not now:
+                        self._at_end.append(then)
+                if now:
+                    then()
         with self._mutex:
             left = set(self._queue) | ({self._in_flight} if self._in_flight is not None else set())
             return sorted(left - (self._uploaded or set()))

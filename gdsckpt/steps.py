@@ -14,7 +14,7 @@ import contextlib
 import os
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
@@ -55,6 +55,25 @@ def check_step(path: Path, deep: bool) -> str:
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return "ok"
+
+
+def relayed(fut: Future) -> Future:
+    """A SaveFuture (which knows whether its outcome was looked at) with `fut`'s outcome."""
+    from .async_save import SaveFuture
+    out = SaveFuture()
+    out.set_running_or_notify_cancel()
+
+    def relay(f):
+        if f.cancelled():
+            out.set_exception(CancelledError())
+            return
+        err = f.exception()
+        if err is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(err)
+    fut.add_done_callback(relay)
+    return out
 
 
 class StepLayout(Protocol):
@@ -119,10 +138,15 @@ class _Steps:
 
 
 class FileSteps(_Steps):
-    """One gdsckpt file per step."""
+    """One gdsckpt file per step. scratch: where a step from the store is downloaded (None: the
+    directory)."""
 
     distributed = False
     loads_in_place = False
+
+    def __init__(self, directory: Path, save_options: dict, scratch: Path | None = None):
+        super().__init__(directory, save_options)
+        self.scratch = scratch if scratch is not None else directory
 
     def committed(self, path: Path) -> bool:
         return path.is_file()
@@ -136,7 +160,7 @@ class FileSteps(_Steps):
                           **self.save_options)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
-        if state is not None:  # objects restored through load_state_dict; atomic: nothing changes unless all is intact
+        if state is not None:  # atomic: a damaged step leaves `state` as it was, for the fall-back
             return state, api.load_into(path, state, strict=strict, atomic=True)
         with api.open(path) as ck:
             out = ck.load(device)
@@ -153,7 +177,7 @@ class FileSteps(_Steps):
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
         # downloaded into a temporary copy, removed after
         name = self.name(step)
-        tmp = self.directory / f".{name}.download.{os.getpid()}"
+        tmp = self.scratch / f".{name}.download.{os.getpid()}"
         try:
             store.download(name, tmp)
             yield tmp, store.url(name)
@@ -186,12 +210,14 @@ class DcpSteps(_Steps):
         from .dcp import CachedSavePlanner, GdsckptWriter
         writer = GdsckptWriter(self.path(step), optimizer=optimizer, **self.save_options)
         fut = dcp.async_save(dcp_view(state), storage_writer=writer, planner=CachedSavePlanner())
-        return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+        fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+        return relayed(fut)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from .dcp import GdsckptReader
+        self._check_metadata(path)
         try:
             view = dcp_view(state, strict=strict)  # stateful objects at any depth; a fresh optimizer too
             dcp.load(view, storage_reader=GdsckptReader(path))
@@ -204,6 +230,32 @@ class DcpSteps(_Steps):
                                             f"{type(first).__name__}: {first}", path=path) from None
             raise
         return state, None
+
+    @staticmethod
+    def _check_metadata(path: Path) -> None:
+        """Every rank reads the step's .metadata first, and all agree: DCP itself turns a damaged
+        one (a flipped byte, truncated, empty) into an AssertionError that names no file, after
+        logging a traceback per rank. CheckpointFormatError on every rank if one could not read
+        it (VersionError if one found a newer format), so every rank falls back alike."""
+        import torch.distributed as dist
+        from .dcp import GdsckptReader
+        try:
+            GdsckptReader(path).read_metadata()
+            mine = None
+        except VersionError as e:
+            mine = ("version", str(e))
+        except Exception as e:  # any failure to read it makes the step unusable
+            mine = ("damage", f"{type(e).__name__}: {e}")
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        failed = {rank: err for rank, err in enumerate(seen) if err is not None}
+        if not failed:
+            return
+        kind, first = next(iter(failed.values()))
+        what = f"rank(s) {sorted(failed)} could not read the step's {DCP_METADATA}: {first}"
+        if any(k == "version" for k, _ in failed.values()):
+            raise VersionError(what, path=path / DCP_METADATA)
+        raise CheckpointFormatError(what, path=path / DCP_METADATA)
 
     def delete(self, step: int) -> None:
         p = self.path(step)
