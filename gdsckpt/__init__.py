@@ -11,6 +11,7 @@ from ._version import __version__
 from .api import Checkpoint, Stats, load, load_into, open, save
 from .async_save import save_async
 from .manager import Checkpointer, Restored
+from .stateful import RNG
 from .errors import (
     BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,
     CodecUnavailableError, DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError,
@@ -20,6 +21,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     BucketNotFoundError, CheckpointLockedError, NoCheckpointError, RemoteAccessError, RemoteNotFoundError,
     RemoteStoreError, RemoteUnavailableError,
 )
+from .errors import ReadOnlyCheckpointerError
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -28,4 +30,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
+    "ReadOnlyCheckpointerError", "RNG",
 ]

@@ -195,13 +195,20 @@ def load(path, *, device=None, **options):
 
 
 def load_into(path, state, *, strict: bool = True, atomic: bool = False, **options) -> Stats:
-    """Fill the tensors of `state` (e.g. model.state_dict()) in place from `path`: no second
-    full-size allocation. A missing key, or a shape or dtype mismatch, is a StateMismatchError
-    naming the key, raised before anything is read.
+    """Restore `path` into `state` (e.g. {"model": model, "optim": opt, "step": step}): tensors
+    in place (no second full-size allocation), every stateful object (anything with state_dict()
+    and load_state_dict(): module, optimizer, scheduler, torch.Generator, gdsckpt.RNG()) through
+    its load_state_dict() with its saved state (a fresh optimizer included), and plain values
+    written back into the dicts and lists that hold them. A missing key, or a shape or dtype
+    mismatch, is a StateMismatchError naming the key, raised before anything is read
+    (strict=False: what is missing on either side is left alone). Nothing changes in `state`
+    until every tensor was read; then the objects' load_state_dict() are called and the values
+    written back.
 
     If it fails part-way (a corrupt chunk, an I/O error), the error lists the keys it had already
-    overwritten, wholly or in part (also as the exception's `.overwritten`); all other targets are
-    untouched. atomic=True checks every chunk's checksum in one more read pass before the first
-    byte reaches a target. A target tensor that several keys share (tied weights) is filled once.
-    trusted=False: see `open`."""
+    overwritten, wholly or in part (also as the exception's `.overwritten`; for an object, new
+    tensors of its state may be among them); all other targets are untouched, no
+    load_state_dict() was called and no value written back. atomic=True checks every chunk's checksum in
+    one more read pass before the first byte reaches a target. A target tensor that several keys
+    share (tied weights) is filled once. trusted=False: see `open`."""
     return reader.load_into(path, state, strict=strict, atomic=atomic, **options)

@@ -26,3 +26,9 @@ def ans_data_type(dtype_name: str) -> str:
     if dtype_name == "float32":
         return "<f4"
     return "|u1"
+
+
+# The dtypes NumPy has as well, by the same names: what a NumPy array or scalar in the state may
+# hold (tree.flatten stores it as a tensor of that dtype; format.py refuses other dtypes there).
+NUMPY_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+               "float16", "float32", "float64", "complex64", "complex128")

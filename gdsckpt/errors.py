@@ -103,3 +103,7 @@ class CheckpointLockedError(GdsckptError, RuntimeError):
 
 class NoCheckpointError(GdsckptError, FileNotFoundError):
     """restore() found no committed, intact step (locally or on the remote tier)."""
+
+
+class ReadOnlyCheckpointerError(GdsckptError, PermissionError):
+    """A Checkpointer of a directory it cannot write (read-only): it restores, but does not save or prune."""

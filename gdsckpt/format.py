@@ -348,6 +348,13 @@ def metadata_problem(meta) -> str | None:
 
 _INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
 SHARED_TENSORS = ODICT = (1, 1)  # the first format version with aliases and {"odict": ...} nodes
+# Tensor placements that load as a NumPy array, a NumPy scalar or bytes (1.1, FORMAT.md): what the
+# placed tensor must be for that to come back exactly.
+TYPED_PLACEMENTS = {
+    "ndarray": lambda t: t.dtype in dtypes.NUMPY_NAMES,
+    "npscalar": lambda t: t.dtype in dtypes.NUMPY_NAMES and t.shape == (),
+    "bytes": lambda t: t.dtype == "uint8" and len(t.shape) == 1,
+}
 
 
 def _check_skeleton(node, tensors: list, version: tuple[int, int], bad) -> dict[str, int]:
@@ -372,9 +379,15 @@ def _check_skeleton(node, tensors: list, version: tuple[int, int], bad) -> dict[
         if not (isinstance(node, dict) and len(node) == 1):
             raise bad("skeleton node is not a one-key object")
         (kind, body), = node.items()
-        if kind == "tensor":
+        if kind == "tensor" or kind in TYPED_PLACEMENTS:
             if not (_is_int(body) and 0 <= body < n_tensors) or (seen[body] and not shared):
                 raise bad(f"skeleton refers to tensor {body!r} twice or out of range")
+            if kind != "tensor":
+                if not shared:
+                    raise bad(f"unknown skeleton node kind {kind!r} (format 1.1 and later)")
+                if not TYPED_PLACEMENTS[kind](tensors[body]):
+                    raise bad(f"skeleton places tensor {body} as {kind}, which a "
+                              f"{tensors[body].dtype}{list(tensors[body].shape)} tensor cannot be")
             if not shared:
                 seen[body] = True
                 continue

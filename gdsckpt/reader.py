@@ -20,6 +20,7 @@ from .checksum import ALGORITHMS
 from .defaults import RING_DEPTH
 from .dtypes import BY_NAME, name_of
 from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
+from .restore import restore_into
 from .ring import Timings, read_chunks, verify_chunk
 from .stats import Stats, stream_stats
 from .tree import flatten, placements, unflatten
@@ -174,15 +175,10 @@ class Checkpoint:
         return unflatten(self.index.skeleton, [tensors[k] for k in keys])
 
     def load_into(self, state, *, strict: bool = True, atomic: bool = False) -> Stats:
-        """Fill the tensors of `state` in place (see `read_into` for aliases, failures and atomic)."""
-        skeleton, leaves = flatten(state)
-        targets = {key: leaves[i].tensor for key, i in placements(skeleton)}
-        missing = [k for k in self._by_key if k not in targets]
-        extra = [k for k in targets if k not in self._by_key]
-        if strict and (missing or extra):
-            raise StateMismatchError(f"{self.path}: keys differ from the checkpoint's: missing from the target "
-                                     f"{missing[:5]}, not in the checkpoint {extra[:5]}")
-        return self.read_into({k: targets[k] for k in self._by_key if k in targets}, atomic=atomic)
+        """Restore `state` from this checkpoint: tensors filled in place, objects' load_state_dict()
+        called, plain values written back (restore.restore_into; `read_into` for aliases, failures
+        and atomic)."""
+        return restore_into(self, state, strict=strict, atomic=atomic)
 
     def _entry(self, key: str) -> int:
         try:
@@ -406,4 +402,5 @@ def load(path, *, device=None, **options):
 
 
 def load_into(path, state, *, strict: bool = True, atomic: bool = False, **options) -> Stats:
-    return Checkpoint(path, **options).load_into(state, strict=strict, atomic=atomic)
+    with Checkpoint(path, **options) as ck:
+        return ck.load_into(state, strict=strict, atomic=atomic)

@@ -6,21 +6,32 @@ The skeleton is plain JSON so that loading never unpickles: containers are
 From format 1.1: an OrderedDict is {"odict": {"items": [[key, node], ...], "metadata": {...}}}
 ("metadata": its `_metadata`, which Module.load_state_dict reads for versioned modules), and
 tensors that share memory as identical views (tied weights) are one leaf placed more than once.
+Also in 1.1 (FORMAT.md): a NumPy array, a NumPy scalar and a `bytes` are stored as a tensor (a
+copy; uint8 for bytes) placed as {"ndarray": i}, {"npscalar": i} or {"bytes": i}, and load as
+what they were. A stateful object (stateful.py: a module, an optimizer, a torch.Generator, ...)
+is saved as its state_dict(), in its place; it loads as that state.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import sys
 
 import torch
 
 from . import dtypes
 from .errors import UnsupportedStateError
+from .stateful import is_stateful, state_of
 from .format import _INT_LIMIT, MAX_DEPTH, MAX_NDIM, MAX_TENSORS, metadata_problem, shape_problem
 
 
 _PLAIN = (bool, int, float, str, type(None))
+# Types that are never stateful, NumPy or bytes: the walk skips those checks for them.
+_COMMON = {dict, OrderedDict, list, tuple, bool, int, float, str, type(None)}
+# Tensor placements that load as something else than a tensor (format 1.1; `typed_value`).
+TYPED = ("ndarray", "npscalar", "bytes")
 
 
 class Leaf(NamedTuple):
@@ -56,6 +67,15 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             raise UnsupportedStateError(
                 f"state is nested deeper than {MAX_DEPTH} levels (or cyclic) at {key or '<root>'!r}")
         sep = "/" if depth else ""
+        if type(obj) not in _COMMON:
+            if is_stateful(obj):
+                return walk(_state_of(obj, key), key, depth)
+            np = sys.modules.get("numpy")  # not imported: no NumPy value can be in the state
+            if np is not None and isinstance(obj, (np.ndarray, np.generic)):
+                kind, t = _numpy_tensor(obj, np, key or "<root>")
+                return {kind: add_leaf(t, key)}
+            if isinstance(obj, bytes):
+                return {"bytes": add_leaf(_bytes_tensor(obj), key)}
         if isinstance(obj, dict):
             items = []
             for k, v in obj.items():
@@ -87,7 +107,8 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             return {"value": obj}
         raise UnsupportedStateError(
             f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {key or '<root>'!r}: "
-            "gdsckpt saves tensors and int, float, bool, str, None in dicts, lists and tuples")
+            "gdsckpt saves tensors, NumPy arrays and scalars, int, float, bool, str, bytes and None in dicts, "
+            "lists and tuples, and objects with state_dict() and load_state_dict()")
 
     def add_leaf(t: torch.Tensor, key: str) -> int:
         # Per tensor: a few attribute reads (~2 us); the full view is compared only when two
@@ -130,6 +151,53 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
         if len(starts) > 1:
             _refuse_overlaps(starts, ends, owners, leaves)
     return skeleton, leaves
+
+
+def _state_of(obj, key: str):
+    """A stateful object's state_dict() (a generator's get_state()), called at save time; a failure
+    says whose."""
+    where = key or "<root>"
+    try:
+        inner = state_of(obj)
+    except Exception as e:
+        e.add_note(f"gdsckpt: raised by state_dict() of the {type(obj).__qualname__} at {where!r}")
+        raise
+    if is_stateful(inner):  # would be walked again, and again
+        raise UnsupportedStateError(f"state_dict() of the {type(obj).__qualname__} at {where!r} returned a "
+                                    f"{type(inner).__qualname__}, itself an object with state_dict(); it must "
+                                    "return the state (a dict)")
+    return inner
+
+
+def _numpy_tensor(obj, np, where: str) -> tuple[str, torch.Tensor]:
+    """A NumPy array or scalar as ("ndarray" or "npscalar", a tensor over a C-ordered copy of it).
+    Only what comes back exactly is accepted: a plain ndarray or a scalar, of a dtype torch has
+    too (dtypes.NUMPY_NAMES), in native byte order."""
+    kind = "ndarray" if isinstance(obj, np.ndarray) else "npscalar"
+    what = f"NumPy {'array' if kind == 'ndarray' else 'scalar'} at {where!r}"
+    if kind == "ndarray" and type(obj) is not np.ndarray:
+        raise UnsupportedStateError(f"{what} is a {type(obj).__module__}.{type(obj).__qualname__}, an ndarray "
+                                    "subclass that would load as a plain ndarray; save np.asarray(x)")
+    dt = obj.dtype
+    if dt.name not in dtypes.NUMPY_NAMES or not dt.isnative:
+        raise UnsupportedStateError(f"{what} has dtype {dt.str} ({dt.name}); gdsckpt stores NumPy values of "
+                                    f"native byte order and the dtypes {', '.join(dtypes.NUMPY_NAMES)}")
+    return kind, torch.from_numpy(np.array(obj, order="C"))  # a copy: later changes to obj are not saved
+
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+
+
+def typed_value(kind: str, t: torch.Tensor):
+    """What a placement of `kind` loads as, from its tensor: the tensor itself, or the NumPy array
+    (sharing the tensor's memory when on the CPU), NumPy scalar or bytes it was saved from."""
+    if kind == "tensor":
+        return t
+    arr = t.cpu().numpy()
+    if kind == "ndarray":
+        return arr
+    return arr[()] if kind == "npscalar" else arr.tobytes()
 
 
 def _check_tensor(t: torch.Tensor, where: str) -> None:
@@ -180,15 +248,16 @@ def _refuse_overlaps(starts: list, ends: list, owners: list, leaves: list[Leaf])
             end, owner = ends[j], owners[j]
 
 
-def placements(skeleton: dict) -> list[tuple[str, int]]:
-    """(key path, tensor index) of every tensor placement, in tree order, keys as flatten builds
-    them: what load_into matches a target against. `skeleton` is one flatten made (or validated)."""
+def placements(skeleton: dict, key: str = "", depth: int = 0, kinds=("tensor",)) -> list[tuple[str, int]]:
+    """(key path, tensor index) of every placement of `kinds` in tree order, keys as flatten builds
+    them: what load_into matches a target against. `skeleton` is one flatten made (or validated),
+    or a node of one at key path `key`, `depth` levels below the root."""
     out = []
-    stack = [(skeleton, "", 0)]
+    stack = [(skeleton, key, depth)]
     while stack:
         node, key, depth = stack.pop()
         (kind, body), = node.items()
-        if kind == "tensor":
+        if kind in kinds:
             out.append((key, body))
             continue
         if kind == "odict":
@@ -204,21 +273,35 @@ def placements(skeleton: dict) -> list[tuple[str, int]]:
 def unflatten(skeleton: dict, tensors: list):
     """Rebuild the state; `tensors[i]` replaces {"tensor": i} (the same object wherever i is placed
     more than once). The skeleton was validated by format.py."""
+    return rebuild(skeleton, lambda i, key: tensors[i])
 
-    def build(node):
+
+def rebuild(node: dict, leaf: Callable[[int, str | None], torch.Tensor], key: str | None = None, depth: int = 0):
+    """The value skeleton `node` stands for; `leaf(i, key)` gives the tensor of each placement
+    {"tensor": i} (and of the typed ones, which `typed_value` then converts). With `key`, the
+    node's key path (`depth` levels below the root), leaf gets each placement's key path, built as
+    flatten builds them; without, None (no strings built)."""
+
+    def build(node, key, depth):
         (kind, body), = node.items()
         if kind == "tensor":
-            return tensors[body]
+            return leaf(body, key)
+        if kind in TYPED:
+            return typed_value(kind, leaf(body, key))
         if kind == "value":
             return body
+
+        def child(k):
+            return None if key is None else f"{key}/{k}" if depth else str(k)
+
         if kind == "dict":
-            return {k: build(v) for k, v in body}
+            return {k: build(v, child(k), depth + 1) for k, v in body}
         if kind == "odict":
-            out = OrderedDict((k, build(v)) for k, v in body["items"])
+            out = OrderedDict((k, build(v, child(k), depth + 1)) for k, v in body["items"])
             if "metadata" in body:
                 out._metadata = OrderedDict((p, dict(e)) for p, e in body["metadata"].items())
             return out
-        items = [build(v) for v in body]
+        items = [build(v, child(i), depth + 1) for i, v in enumerate(body)]
         return items if kind == "list" else tuple(items)
 
-    return build(skeleton)
+    return build(node, key, depth)
