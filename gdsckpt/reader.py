@@ -23,7 +23,7 @@ from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, Ver
 from .restore import restore_into
 from .ring import Timings, read_chunks, verify_chunk
 from .stats import Stats, stream_stats
-from .tree import flatten, placements, unflatten
+from .tree import unflatten
 
 
 def _device(device) -> torch.device | None:
