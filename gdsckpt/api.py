@@ -1,18 +1,16 @@
 """Public API: save, load, load_into, open.
 
-save:   state -> tree -> plan -> ring (gather, compress, write; format.FileWriter places records,
-        then writes index and footer) -> fsync, rename
+save:   state -> tree -> save.save_flat (plan -> ring: gather, compress, write; format.FileWriter
+        places records, then writes index and footer) -> fsync, rename
 load:   footer -> index (validated) -> ring (read, verify, decode into the tensors) -> tree
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import stat
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,55 +19,22 @@ from . import codecs
 from . import format as fmt
 from . import isolated as _isolated
 from . import remote as _remote
-from ._version import __version__
 from .backend import choose, make_backend, nvcomp_version
 from .checksum import ALGORITHMS
-from .defaults import CHUNK_BYTES, RING_DEPTH
+from .defaults import RING_DEPTH
 from .dtypes import BY_NAME, name_of
-from .errors import CheckpointFormatError, GDSUnavailableError, GdsckptError, StateMismatchError, VersionError
-from .plan import make_plan
-from .ring import ChunkFile, Timings, read_chunks, verify_chunk, write_chunks
-from .storage import adopt_mode, commit, pread_exact, save_target, temp_path_for, user_path
+from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
+from .ring import ChunkFile, Timings, read_chunks, verify_chunk
+from .save import IO_CHOICES, NewFile, SaveOptions, Sink, save_flat
+from .save import check_gds as _check_gds  # the reader below shares the save's option checks
+from .save import check_io as _check_io
+from .save import is_int as _is_int
+from .stats import Stats
+from .stats import stream_stats as _stream_stats
+from .storage import pread_exact, user_path
 from .tree import flatten, placements, unflatten
 
-IO_CHOICES = ("auto", "gds", "compat")
-
-
-@dataclass
-class Stats:
-    """What one save or restore did. `io_path` is the path the bytes really took: gds, compat or cpu."""
-
-    op: str
-    path: str
-    backend: str
-    io_path: str
-    logical_bytes: int
-    stored_bytes: int
-    file_bytes: int
-    chunks: int
-    chunk_bytes: int
-    ring_depth: int
-    seconds: float
-    stages: dict = field(default_factory=dict)
-    latencies: list = field(default_factory=list, repr=False)
-    streams: list = field(default_factory=list)
-    memory: dict = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        """stored / logical: 0.85 means 15% of the bytes saved."""
-        return self.stored_bytes / self.logical_bytes if self.logical_bytes else 1.0
-
-    @property
-    def gbps(self) -> float:
-        return self.logical_bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("latencies")
-        d["ratio"] = self.ratio
-        d["gbps"] = self.gbps
-        return d
+__all__ = ["save", "save_through", "load", "load_into", "open", "Checkpoint", "Stats", "IO_CHOICES"]
 
 
 def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH,
@@ -81,149 +46,21 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw",
     or {dtype name: codec}. io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
     """
-    return _save(state, _NewFile(user_path(path, "save")), codec=codec, chunk_bytes=chunk_bytes,
-                 ring_depth=ring_depth, io=io, io_threads=io_threads, backend=backend)
+    started = time.perf_counter()
+    destination = NewFile(user_path(path, "save"))  # a bad path: refused before anything else
+    options = SaveOptions(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
+                          io_threads=io_threads, backend=backend)
+    skeleton, leaves = flatten(state)
+    return save_flat(skeleton, leaves, destination, options, started=started)
 
 
 def save_through(state, sink: ChunkFile, **options) -> Stats:
     """The save pipeline into any ChunkFile, with `save`'s options: gdsckpt-bench's targets with
     storage removed (`sink.fd` None: records are placed but no header, index or footer written)."""
-    return _save(state, _Sink(sink), **options)
-
-
-class _NewFile:
-    """A save's destination: a fresh temporary beside the file `path` names (through a symlink:
-    beside its target), renamed over that file once durable. Every error names `path`, the
-    user's path, not the hidden temporary; a directory, a missing parent or a symlink loop is
-    refused here, before the state is even walked."""
-
-    def __init__(self, path: Path):
-        self.label = str(path)
-        self.path = save_target(path)
-
-    def open(self, be) -> ChunkFile:
-        self._tmp = temp_path_for(self.path)
-        try:
-            file = be.open(self._tmp, "w")
-        except OSError as e:  # an unwritable or full directory: before a byte of the checkpoint is written
-            self._tmp.unlink(missing_ok=True)
-            raise OSError(e.errno, f"{e.strerror}: cannot create a file in {str(self.path.parent)!r} to save into",
-                          self.label) from None
-        try:
-            adopt_mode(file.fd, self.path)
-        except OSError as e:
-            file.close()
-            self._tmp.unlink(missing_ok=True)
-            raise OSError(e.errno, f"{e.strerror}: cannot give the new file the mode of the one it replaces",
-                          self.label) from None
-        return file
-
-    def commit(self, file: ChunkFile) -> None:
-        os.fsync(file.fd)
-        file.close()
-        commit(self._tmp, self.path)
-
-    def abort(self, file: ChunkFile, error: BaseException) -> None:
-        file.close()
-        self._tmp.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno is not None:  # a full disk, an I/O error: say which save
-            raise OSError(error.errno, f"{error.strerror} while saving (the temporary file was removed)",
-                          self.label) from error
-
-
-class _Sink:
-    label = "<null>"
-
-    def __init__(self, sink: ChunkFile):
-        self._sink = sink
-
-    def open(self, be) -> ChunkFile:
-        return self._sink
-
-    def commit(self, file: ChunkFile) -> None:
-        pass
-
-    def abort(self, file: ChunkFile, error: BaseException) -> None:
-        pass
-
-
-def _save(state, dest, *, codec="auto", chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH,
-          io: str = "auto", io_threads: int | None = None, backend: str | None = None) -> Stats:
-    t_start = time.perf_counter()
-    _check_codec(codec)
-    _check_io(io, io_threads)
+    started = time.perf_counter()
+    options = SaveOptions(**options)
     skeleton, leaves = flatten(state)
-    kind = choose(any(l.tensor.is_cuda for l in leaves), backend)
-    _check_gds(io, kind, "save")
-    chunk_bytes = chunk_bytes or CHUNK_BYTES[kind]
-    if not _is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN or chunk_bytes > fmt.MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN} of at most {fmt.MAX_CHUNK_BYTES} "
-                         f"(a reader refuses larger chunks), got {chunk_bytes!r}")
-    if not _is_int(ring_depth) or ring_depth < 2:
-        raise ValueError(f"ring_depth must be at least 2 so that compression overlaps I/O, got {ring_depth!r}")
-    with make_backend(kind, io=io, io_threads=io_threads) as be:
-        specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
-        plan = make_plan(specs, lambda dtype: codecs.resolve(codec, dtype, gpu=kind == "gpu",
-                                                             nvcomp_version=be.nvcomp_version), chunk_bytes)
-        tensors = [l.tensor for l in leaves]
-        timings = Timings()
-        file = dest.open(be)
-        try:
-            be.begin()
-            # A destination may lay the file out itself (save_async's pool: host_snapshot.PoolDestination)
-            layout = getattr(dest, "make_layout", fmt.FileWriter)(
-                file.fd, _writer_meta(be, chunk_bytes), skeleton, ["cuda" if x.is_cuda else "cpu" for x in tensors],
-                plan)
-            records = write_chunks(plan, tensors, be, file, layout, ring_depth, timings)
-            be.finish()
-            t = time.perf_counter()
-            dest.commit(file)
-            timings.add("commit", t)
-        except BaseException as e:
-            dest.abort(file, e)
-            raise
-        return Stats("save", dest.label, be.name, be.io_path, plan.logical_bytes, sum(r.stored for r in records),
-                     layout.file_bytes if layout.fd is not None else 0, len(plan.chunks), chunk_bytes, ring_depth,
-                     time.perf_counter() - t_start, dict(timings.stages), timings.latencies,
-                     _stream_stats(plan, records), be.memory())
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_codec(codec) -> None:
-    """codec: "auto", a codec name, or {dtype name: "auto" or a codec name}; else a ValueError,
-    before anything is written (a typo must not fall back to a default silently)."""
-    names = ("auto",) + codecs.ALL_CODECS
-    if isinstance(codec, str):
-        if codec not in names:
-            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(names)}, or a dict of dtype name to one")
-        return
-    if not isinstance(codec, dict):
-        raise ValueError(f"codec must be one of {', '.join(names)} or a dict of dtype name to one, not {codec!r}")
-    for dtype, name in codec.items():
-        if dtype not in BY_NAME:
-            raise ValueError(f"codec: {dtype!r} is not a dtype name gdsckpt stores ({', '.join(BY_NAME)})")
-        if name not in names:
-            raise ValueError(f"codec for {dtype}: unknown codec {name!r}; choose one of {', '.join(names)}")
-
-
-def _check_io(io, io_threads) -> None:
-    if io not in IO_CHOICES:
-        raise ValueError(f"io must be one of {', '.join(map(repr, IO_CHOICES))}, not {io!r}")
-    if io_threads is not None and (not _is_int(io_threads) or io_threads < 1):
-        raise ValueError(f"io_threads must be a positive int or None, not {io_threads!r}")
-
-
-def _check_gds(io: str, kind: str, op: str) -> None:
-    """io="gds" is a demand: where GPUDirect Storage cannot run, an error on every backend. The CPU
-    backend moves host memory with POSIX I/O, so it never can (the GPU backend checks cuFile)."""
-    if io == "gds" and kind == "cpu":
-        raise GDSUnavailableError(
-            f"io='gds' asked for GPUDirect Storage, but this {op} runs on the CPU backend (host tensors, "
-            "backend='cpu', or no usable GPU), which reads and writes with POSIX I/O. Use io='auto', or "
-            "backend='gpu' on a host whose cuFile has GDS")
+    return save_flat(skeleton, leaves, Sink(sink), options, started=started)
 
 
 def _device(device) -> torch.device | None:
@@ -245,24 +82,6 @@ def _device(device) -> torch.device | None:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
     return dev
-
-
-def _writer_meta(be, chunk_bytes: int) -> dict:
-    return {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
-                       "torch": torch.__version__}}
-
-
-def _stream_stats(plan, records) -> list[dict]:
-    out = [{"dtype": s.dtype, "codec": s.codec["name"], "logical_bytes": s.nbytes, "stored_bytes": 0,
-            "raw_chunks": 0, "tensors": len(s.tensors)} for s in plan.streams]
-    for c, r in zip(plan.chunks, records):
-        out[c.stream]["stored_bytes"] += r.stored
-        out[c.stream]["raw_chunks"] += r.raw
-    for s in out:
-        s["ratio"] = s["stored_bytes"] / s["logical_bytes"] if s["logical_bytes"] else 1.0
-    return out
 
 
 # ---------------------------------------------------------------- reading

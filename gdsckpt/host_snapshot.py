@@ -1,4 +1,4 @@
-"""The compressed snapshot behind save_async (and GdsckptWriter's DCP staging): the save ring
+"""The compressed snapshot behind save_async (and GdsckptWriter's DCP staging): save_flat's ring
 (gather, compress, checksum) runs on the live tensors and hands each chunk record to
 `PoolFile.pwrite`, which copies the stored bytes into the host pool; the background writer
 (gdsckpt/background_writer.py) then writes them to the file. Extra GPU memory: the ring's,
@@ -13,7 +13,6 @@ soon as its copy is known complete, in file order.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from . import format as fmt
 from .background_writer import Job, submit
 from .defaults import CHUNK_BYTES
+from .device_copy import side_stream
 from .pinned_pool import align_up, pool_for
 from .ring import Completion
 
@@ -29,31 +29,15 @@ UNBOUNDED = 1 << 62
 
 class DeferredLayout(fmt.FileWriter):
     """format.FileWriter for a file written later: it places records as FileWriter does and
-    writes nothing; the background writer writes the header (format.header_bytes) and `tail`,
-    the index and footer, once the ring has placed every record."""
+    writes nothing; the background writer writes the header (format.header_bytes) and `sealed`,
+    the index and footer (offset, bytes), once the ring has placed every record."""
 
     def __init__(self, meta: dict, skeleton: dict, devices: list[str], plan):
         super().__init__(None, meta, skeleton, devices, plan)
-        self.tail: tuple[int, bytes] | None = None
+        self.sealed: tuple[int, bytes] | None = None
 
     def finish(self, records) -> None:
-        index = fmt.encode_index(self._meta, self._skeleton, self._devices, self._plan, records)
-        self.tail = (self._next, index + fmt.footer_bytes(self._next, index))
-        self.file_bytes = self._next + len(index) + fmt.FOOTER_SIZE
-
-
-_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
-
-
-def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
-    """One CUDA stream per purpose ("copy": device-to-host copies; "snapshot": save_async's
-    device copies and fences) and GPU, made once: creating streams per save would leak them."""
-    with _streams_lock:
-        s = _streams.get((purpose, device.index))
-        if s is None:
-            s = _streams[(purpose, device.index)] = torch.cuda.Stream(device=device)
-        return s
+        self.sealed = self.tail(records)
 
 
 class PoolFile:
@@ -80,6 +64,17 @@ class PoolFile:
         self.alloc_s += allocated
         self.peak = max(self.peak, self.pool.in_use)
         extent.zero_tail(nbytes)
+        event = self._copy(buf, extent, nbytes)
+        entry = [event, extent, offset]
+        self._pending.append(entry)
+        if event is None:
+            self._handoff(block=False)
+        return Completion(lambda: self._wait(entry, nbytes))
+
+    @staticmethod
+    def _copy(buf: torch.Tensor, extent, nbytes: int):
+        """Queue the copy of the record's bytes into `extent`: device-to-host on the copy stream
+        (returns its event), or a memcpy, complete on return (returns None)."""
         event = None
         if buf.is_cuda:
             stream = side_stream("copy", buf.device)
@@ -98,11 +93,7 @@ class PoolFile:
                 n = dst.numel()
                 dst.copy_(buf[pos:pos + n])
                 pos += n
-        entry = [event, extent, offset]
-        self._pending.append(entry)
-        if event is None:
-            self._handoff(block=False)
-        return Completion(lambda: self._wait(entry, nbytes))
+        return event
 
     def _wait(self, entry, nbytes: int) -> int:
         if entry[0] is not None:
@@ -134,7 +125,7 @@ class PoolFile:
 
 
 class PoolDestination:
-    """api._save's destination for a compressed snapshot (api._NewFile is the file one).
+    """save.save_flat's destination for a compressed snapshot (save.NewFile is the file one).
 
     path: where the background writer commits the file; given here, the file is written while
     the snapshot runs (streaming, and back-pressure can make progress). None: the records stay
@@ -147,7 +138,7 @@ class PoolDestination:
         self.path = path
         self.label = str(path) if path is not None else "<staged>"
         self._limit, self._chunk_bytes = limit, chunk_bytes
-        self.pool = self.job = self.file = self.layout = None
+        self.pool = self.job = self.file = self.deferred = None  # deferred: the file's DeferredLayout
         self.limit = 0
 
     def open(self, be) -> PoolFile:
@@ -163,18 +154,18 @@ class PoolDestination:
         self.file = PoolFile(self.pool, self.job, self.limit)
         return self.file
 
-    def make_layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
+    def layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
         if callable(self._limit):  # before the first chunk: the ring reserves only after the layout exists
             self.file.limit = self.limit = max(self._limit(plan), self._one_chunk)
             if self.pool.capacity > self.limit:
                 self.pool.trim(self.limit)
         meta = dict(meta, writer=dict(meta.get("writer") or {}, io_path="pool"))
-        self.layout = DeferredLayout(meta, skeleton, devices, plan)
-        return self.layout
+        self.deferred = DeferredLayout(meta, skeleton, devices, plan)
+        return self.deferred
 
     def commit(self, file: PoolFile) -> None:
         file.flush()
-        self.job.seal(*self.layout.tail)
+        self.job.seal(*self.deferred.sealed)
 
     def abort(self, file: PoolFile, error: BaseException) -> None:
         try:

@@ -25,7 +25,9 @@ import gdsckpt
 from gdsckpt import async_save as am
 from gdsckpt import background_writer as bw
 from gdsckpt import host_snapshot as hs
+from gdsckpt import overlap
 from gdsckpt import pinned_pool as pp
+from gdsckpt import storage
 from conftest import SlowSnapshot, all_dtype_tensors, assert_same, same
 
 
@@ -69,7 +71,7 @@ def fresh(monkeypatch):
         wait_futures([fut], timeout=30)
         fut.observed = True
     am._tracked.clear()
-    am._snapshot_done.wait(30)
+    overlap.wait_for_snapshot(30)
     pp.release_pools()
 
 
@@ -84,24 +86,21 @@ class HeldWriter:
         self.delay = delay
         self.commits: list[str] = []
         self.spans: list[tuple[str, float, float]] = []
-        real_write, real_commit, real_job = bw._write_extent, bw.commit, bw.write_job
+        real_write, real_job = bw._write_extent, bw.write_job
 
         def write_extent(*a, **kw):
             assert self.gate.wait(30), "the test never released the writer"
             time.sleep(self.delay)
             return real_write(*a, **kw)
 
-        def commit(tmp, path):
-            real_commit(tmp, path)
-            self.commits.append(str(path))
-
         def write_job(job):
             t = time.perf_counter()
             real_job(job)
             self.spans.append((str(job.path), t, time.perf_counter()))
+            if job.done.exception() is None:  # committed: write_job commits before it returns
+                self.commits.append(str(job.path))
 
         monkeypatch.setattr(bw, "_write_extent", write_extent)
-        monkeypatch.setattr(bw, "commit", commit)
         monkeypatch.setattr(bw, "write_job", write_job)
 
     def release(self):
@@ -151,11 +150,11 @@ def test_the_pool_is_reused(tmp_path):
 def test_direct_io_and_its_fallbacks_write_the_same_file(tmp_path, monkeypatch):
     state = _state(4)
     a = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", **SMALL).result(30)
-    monkeypatch.setattr(bw, "_open_direct", lambda tmp: -1)  # a file system that refuses O_DIRECT at open
+    monkeypatch.setattr(bw, "open_direct", lambda tmp: -1)  # a file system that refuses O_DIRECT at open
     b = gdsckpt.save_async(state, tmp_path / "b.gdsckpt", **SMALL).result(30)
     assert b.io_path == "pool-buffered" and not b.direct_io
     monkeypatch.undo()
-    real = bw._pwritev_all
+    real = storage.pwritev_all
     refused = []
 
     def refuse_direct(fd, views, offset):  # accepted at open, refused at the first write
@@ -164,7 +163,7 @@ def test_direct_io_and_its_fallbacks_write_the_same_file(tmp_path, monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, views, offset)
 
-    monkeypatch.setattr(bw, "_pwritev_all", refuse_direct)
+    monkeypatch.setattr(storage, "pwritev_all", refuse_direct)  # what pwrite_direct writes through
     c = gdsckpt.save_async(state, tmp_path / "c.gdsckpt", **SMALL).result(30)
     for name in ("a", "b", "c"):
         assert_same(gdsckpt.load(tmp_path / f"{name}.gdsckpt"), state)
