@@ -59,14 +59,18 @@ class PoolFile:
         self._handoff(block=False)
         self._want += align_up(nbytes)
         extent, waited, allocated = self.pool.reserve(nbytes, self.limit, self.flush, grow_to=self._want)
-        self.waits += waited > 0
-        self.wait_s += waited
-        self.alloc_s += allocated
-        self.peak = max(self.peak, self.pool.in_use)
-        extent.zero_tail(nbytes)
-        event = self._copy(buf, extent, nbytes)
-        entry = [event, extent, offset]
-        self._pending.append(entry)
+        try:
+            self.waits += waited > 0
+            self.wait_s += waited
+            self.alloc_s += allocated
+            self.peak = max(self.peak, self.pool.in_use)
+            extent.zero_tail(nbytes)
+            event = self._copy(buf, extent, nbytes)
+            entry = [event, extent, offset]
+            self._pending.append(entry)
+        except BaseException:  # KeyboardInterrupt included: the room is not the writer's to free
+            self._give_back(extent, buf)
+            raise
         if event is None:
             self._handoff(block=False)
         return Completion(lambda: self._wait(entry, nbytes))
@@ -95,6 +99,16 @@ class PoolFile:
                 pos += n
         return event
 
+    def _give_back(self, extent, buf: torch.Tensor) -> None:
+        """Release an extent whose copy failed part-way, once no copy into it can still land."""
+        try:
+            if buf.is_cuda:
+                side_stream("copy", buf.device).synchronize()
+        except Exception:  # noqa: BLE001 - a CUDA error: no copy lands any more
+            pass
+        finally:
+            self.pool.release(extent)
+
     def _wait(self, entry, nbytes: int) -> int:
         if entry[0] is not None:
             entry[0].synchronize()
@@ -117,6 +131,19 @@ class PoolFile:
         """Wait for every queued copy and hand its record to the writer."""
         self._handoff(block=True)
 
+    def discard(self) -> None:
+        """Release the room of every record not handed to the writer (a flush that failed on a
+        failed snapshot), each once its copy has ended, as far as CUDA can still tell."""
+        while self._pending:
+            event, extent, _ = self._pending.popleft()
+            try:
+                if event is not None:
+                    event.synchronize()
+            except Exception:  # noqa: BLE001 - a CUDA error: no copy lands any more
+                pass
+            finally:
+                self.pool.release(extent)
+
     def pread(self, buf, nbytes: int, offset: int):
         raise NotImplementedError("the pool is written, never read back")
 
@@ -132,7 +159,10 @@ class PoolDestination:
     in the pool until `submit(path)` (DCP staging, whose file name is known only later).
     limit: the most the pool may hold while this snapshot reserves (at least one chunk): bytes,
     None (no bound: DCP staging, which must hold its whole save), or a function of the plan,
-    called once the plan is known (save_async's default bound)."""
+    called once the plan is known (save_async's default bound).
+
+    Every record's room in the pool goes back on any failure, KeyboardInterrupt included: the
+    writer releases what it was handed (the job is aborted), the rest is released here."""
 
     def __init__(self, path, limit, chunk_bytes: int | None = None):
         self.path = path
@@ -149,9 +179,13 @@ class PoolDestination:
         if self.pool.capacity > self.limit:
             self.pool.trim(self.limit)  # a smaller bound than an earlier save's: give idle memory back
         self.job = Job(self.pool, self.label)
-        if self.path is not None:
-            submit(self.job, self.path)
         self.file = PoolFile(self.pool, self.job, self.limit)
+        if self.path is not None:
+            try:
+                submit(self.job, self.path)
+            except BaseException as e:  # a job queued but never sealed would stop the writer for good
+                self.job.abort(e)
+                raise
         return self.file
 
     def layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
@@ -171,9 +205,12 @@ class PoolDestination:
         try:
             file.flush()  # no copy may still land in memory the pool hands out again
         finally:
-            self.job.abort(error)
-            if self.path is None:
-                self.job.drop()
+            try:
+                file.discard()  # what a failed flush did not hand to the writer
+            finally:
+                self.job.abort(error)
+                if self.path is None:
+                    self.job.drop()
 
     def submit(self, path) -> Job:
         """Staged records (path=None): write them to `path` now, after earlier jobs."""

@@ -391,6 +391,57 @@ def test_a_failure_in_the_snapshot_is_raised_by_the_call_and_leaves_nothing(tmp_
     assert_same(gdsckpt.load(p), _state(18))
 
 
+def _to(state, device):
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to(v, device) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to(v, device) for v in state)
+    return state
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError], ids=["ctrl-c", "exception"])
+def test_an_interrupted_host_copy_gives_its_room_back(tmp_path, monkeypatch, device, error):
+    """Issue 20, finding 6: an exception or Ctrl-C in save_async's host copy, after the pool had
+    reserved room for the chunk, left that room reserved for nobody: every later save that
+    needed it waited forever. Now the room goes back with the error, KeyboardInterrupt included,
+    and a save bounded to a single chunk's room runs at once."""
+    opts = SMALL if device == "cpu" else dict(chunk_bytes=64 << 10)
+    pool = "cpu" if device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    p = tmp_path / "ck.gdsckpt"
+    gdsckpt.save(_state(50), p)
+    real, calls = pp.Extent.tensors, []
+
+    def tensors(extent, nbytes):  # the copy into the reserved extent: the third chunk's fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise error("injected in the host copy")
+        return real(extent, nbytes)
+
+    monkeypatch.setattr(pp.Extent, "tensors", tensors)
+    with pytest.raises(error, match="injected"):
+        gdsckpt.save_async(_to(_state(51), device), p, **opts)
+    monkeypatch.undo()
+    assert len(calls) == 3
+    deadline = time.time() + 10
+    while (pp.pools()[pool]["in_use_bytes"] or _leftovers(tmp_path)) and time.time() < deadline:
+        time.sleep(0.01)  # the writer drops the aborted file and frees the records it was handed
+    assert pp.pools()[pool]["in_use_bytes"] == 0, "room reserved before the failure was never given back"
+    assert _leftovers(tmp_path) == []
+    assert_same(gdsckpt.load(p), _state(50))
+
+    done: list = []
+    later = threading.Thread(daemon=True, target=lambda: done.append(
+        gdsckpt.save_async(_to(_state(52), device), p, pool_bytes=1, **opts).result(30)))
+    later.start()
+    later.join(60)
+    assert not later.is_alive(), "a later save_async waited for room the failed one never gave back"
+    assert done and done[0].pool_limit_bytes == 64 << 10
+    assert_same(gdsckpt.load(p), _state(52))
+
+
 def test_a_failure_in_an_overlap_snapshot_surfaces_on_result_and_next_call(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer(3)
     monkeypatch.setattr(hs.PoolFile, "pwrite", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
