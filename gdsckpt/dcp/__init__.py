@@ -15,6 +15,7 @@ The parts, one job each:
 | `writer.py` | `GdsckptWriter`: a rank file per rank through save.save_flat; `.metadata` as the commit point |
 | `staging.py` | what dcp.async_save's staging makes of the state dict, per snapshot mode |
 | `reader.py` | `GdsckptReader`: only the chunks each rank needs, decoded into its shards |
+| `metadata.py` | `.metadata` written with a checksum, read with an allowlist unpickler |
 | `planner.py` | `CachedSavePlanner`: DCP's plan cache, reused only while nothing changed |
 | `layout.py` | the directory's file names and each write item's key |
 """

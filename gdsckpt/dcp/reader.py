@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +29,7 @@ from ..dtypes import name_of
 from ..errors import CheckpointFormatError
 from ..stats import Stats
 from .layout import local_dir_id, metadata_path
+from .metadata import read_metadata as read_metadata_file
 
 __all__ = ["GdsckptReader"]
 
@@ -59,10 +59,8 @@ class GdsckptReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = metadata_path(self.path, kwargs.get("rank"))
-        # DCP's own metadata file, unpickled exactly as DCP's FileSystemReader does.
-        with open(path, "rb") as f:
-            metadata = pickle.load(f)
+        # DCP's own metadata file, through an allowlist unpickler and its checksum (metadata.py)
+        metadata = read_metadata_file(metadata_path(self.path, kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

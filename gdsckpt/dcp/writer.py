@@ -3,7 +3,7 @@
 A checkpoint is a directory: one gdsckpt file per rank that had something to write,
 `__{rank}_0.gdsckpt`, holding all of that rank's write items (tensors from the device they
 are on, so a rank's GPU shards are compressed by its own GPU; byte items as uint8 tensors),
-and DCP's own `.metadata` (DCP's Metadata object, pickled as FileSystemWriter does). Each item's storage_data is a plain dict
+and DCP's own `.metadata` (metadata.py). Each item's storage_data is a plain dict
 {"file": name, "key": key}: nothing of ours is pickled, and planning, deduplication and
 resharding stay with PyTorch's planners.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import pickle
 import uuid
 import weakref
 from concurrent.futures import Future as ConcurrentFuture
@@ -42,9 +41,10 @@ from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
 from ..overlap import memory_of, optimizer_memory, run_overlapped, wait_for_snapshot
 from ..save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
 from ..stats import Stats
-from ..storage import atomic_file, fsync_dir, pwrite_all
+from ..storage import fsync_dir
 from ..tree import flatten
 from .layout import DCP_VERSION, RANK_FILE, SUFFIX, item_key, local_dir_id, metadata_path
+from .metadata import write_metadata
 from .staging import Staged, data_address, snapshot_state_dict, stage_compressed
 
 __all__ = ["GdsckptWriter", "WRITER_MODES"]
@@ -229,8 +229,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         metadata.version = DCP_VERSION  # as FileSystemWriter: the object dcp.save returns is the one stored
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        with atomic_file(self._own_metadata()) as f:  # the commit point: atomic and durable
-            pwrite_all(f.fd, pickle.dumps(metadata), 0)
+        write_metadata(self._own_metadata(), metadata)  # the commit point: atomic and durable
         if self.use_collectives:  # old rank files the new checkpoint does not use (a larger world before)
             used = {sd["file"] for sd in storage_md.values() if isinstance(sd, dict)}
             for p in self.path.iterdir():
