@@ -512,3 +512,43 @@ def test_overlapped_staging_refuses_what_it_cannot_do(tmp_path):
         GdsckptWriter(tmp_path, optimizer=object())
     with pytest.raises(gdsckpt.errors.DCPPlanError, match="AsyncCheckpointerType.THREAD"):
         pickle.dumps(GdsckptWriter(tmp_path, optimizer=opt))  # what the PROCESS executor would do
+
+
+# ---------------------------------------------------------------- one snapshot vocabulary (issue 19, item 5)
+
+
+def test_writer_takes_save_asyncs_snapshot_names_and_the_earlier_spelling(tmp_path):
+    from gdsckpt.save import Snapshot
+    model, opt = _trained(4)
+    assert GdsckptWriter(tmp_path).snapshot is Snapshot.HOST
+    assert GdsckptWriter(tmp_path, optimizer=opt).snapshot is Snapshot.OVERLAP  # as before: optimizer= overlaps
+    assert GdsckptWriter(tmp_path, snapshot="overlap", optimizer=opt).snapshot is Snapshot.OVERLAP
+    for mode in ("host", "device", "cpu"):
+        assert GdsckptWriter(tmp_path, snapshot=mode).snapshot is Snapshot(mode)
+        assert GdsckptWriter(tmp_path, async_staging=mode).snapshot is Snapshot(mode)  # the earlier spelling
+    assert GdsckptWriter(tmp_path, async_staging="host", optimizer=opt).snapshot is Snapshot.OVERLAP
+    with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', 'cpu', not 'gpu'"):
+        GdsckptWriter(tmp_path, snapshot="gpu")
+    with pytest.raises(ValueError, match="async_staging must be one of 'host', 'device', 'cpu'"):
+        GdsckptWriter(tmp_path, async_staging="overlap")
+    with pytest.raises(ValueError, match="pass one"):
+        GdsckptWriter(tmp_path, snapshot="host", async_staging="host")
+    with pytest.raises(ValueError, match="needs optimizer="):
+        GdsckptWriter(tmp_path, snapshot="overlap")
+    with pytest.raises(ValueError, match="snapshot='host' takes the snapshot before"):
+        GdsckptWriter(tmp_path, snapshot="host", optimizer=opt)
+    with pytest.raises(ValueError, match="unknown codec"):  # the save options are checked here, once
+        GdsckptWriter(tmp_path, codec="lz4")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("mode", ["host", "device", "cpu"])
+def test_async_save_with_each_snapshot_name(tmp_path, mode):
+    model, opt = _trained(5)
+    state = _dcp_state(model, opt)
+    want = _clone(state)
+    fut = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / mode, snapshot=mode), no_dist=True)
+    for t in dcp_staging.state_tensors(state):
+        t.zero_()  # training goes on: none of this may reach the checkpoint
+    getattr(fut, "upload_completion", fut).result(30)
+    assert_same(_dcp_load(tmp_path / mode, want), want)
