@@ -166,8 +166,9 @@ class AtomicFile:
     removes the temporary. The one commit of every writer of a file (FORMAT.md, "Commit").
 
     Call order: create(opener) -> adopt_mode() -> the caller writes through `file` -> [sync()]
-    -> commit() | abort(). create and adopt_mode leave no temporary behind when they raise; when the writing
-    or commit raises, the caller calls abort() (after a rename that happened, it removes nothing)."""
+    -> commit() | abort(). create and adopt_mode leave no temporary behind when they raise; when
+    the writing or commit raises, the caller calls abort() (after a rename that happened, it
+    removes nothing)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
