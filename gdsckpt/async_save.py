@@ -4,7 +4,8 @@
     optimizer.step()                                   # training goes on while the file is written
     stats = fut.result()                               # durable once this returns
 
-Three ways to take the snapshot (`snapshot=`, `overlap=`):
+Three ways to take the snapshot (`snapshot=`: the modes of save.Snapshot, which GdsckptWriter
+takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and still works):
 
 * snapshot="host" (default): the save ring runs on the live tensors in the calling thread
   (gather, compress, checksum: the GPU part of a save) and copies each compressed chunk into a
@@ -20,7 +21,7 @@ Three ways to take the snapshot (`snapshot=`, `overlap=`):
   writer to free room (back-pressure): that wait is part of the call, reported as
   `pool_wait_s` / `pool_waits` in the stats.
 
-* overlap=True, optimizer=opt: the same snapshot, but on a background thread, so that it runs
+* snapshot="overlap", optimizer=opt: the same snapshot, but on a background thread, so that it runs
   during the next forward and backward; save_async returns at once. It relies on this contract:
 
   - parameters of `opt` and tensors in `opt.state` (the AdamW moments and step counts) may be
@@ -35,11 +36,11 @@ Three ways to take the snapshot (`snapshot=`, `overlap=`):
     a parameter of `opt` and not in `opt.state`) is copied before save_async returns (on its
     own device; device-to-device on a side stream), so forward may update it at once.
   - plain values (ints, floats, strings: the step, the learning rate) are captured at the call.
-  Without `optimizer=`, overlap=True is a ValueError: nothing would stop the step.
+  Without `optimizer=`, snapshot="overlap" is a ValueError: nothing would stop the step.
 
 * snapshot="device": the previous behaviour, for hosts with spare GPU memory: every tensor
   is copied on its own device (a full copy of the state, held until the write ends), then
-  `gdsckpt.save` runs on a background thread. Never concurrent with another save_async.
+  the save runs on a background thread. Never concurrent with another save_async.
 
 One save in flight, and what that means:
 * save_async calls are serialized: a call waits for the previous call's snapshot (in overlap
@@ -51,7 +52,8 @@ One save in flight, and what that means:
   host snapshot waits for an earlier device-mode save to finish.
 * wait=False: raise SaveInFlightError instead of starting while any earlier save_async has not
   finished (snapshot or write).
-* failures: a save that fails in the background (a full disk, an I/O error, a missing
+* failures: a failure in the snapshot is raised by the call, and its room in the pool goes back
+  whatever it was (KeyboardInterrupt included). A save that fails in the background (a full disk, an I/O error, a missing
   directory) leaves `path` as it was (the old checkpoint, if any, stays intact; the temporary
   is removed) and raises on `fut.result()`. If nobody looked at that future (result() or
   exception()), the next save_async raises BackgroundSaveError naming the path, and does not
@@ -64,61 +66,30 @@ call to the commit. Stats of an overlap save are updated with `hook_wait_s` when
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import traceback
-from collections import defaultdict
 from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
-from dataclasses import dataclass, fields
-from typing import Any, Callable
+from dataclasses import fields
 
-import torch
-
-from . import api
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
+from .device_copy import cuda_device_of, on_device, snapshot_tensors
 from .errors import BackgroundSaveError, SaveInFlightError
-from .host_snapshot import PoolDestination, side_stream
+from .host_snapshot import PoolDestination
+from .overlap import HookTimer, freeze_for_overlap, run_overlapped, wait_for_snapshot
+from .overlap import memory_of, optimizer_memory  # importable from here, as before
 from .pinned_pool import align_up, pools, release_pools
+from .save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
+from .stats import AsyncStats, Stats
 from .storage import save_target, user_path
-from .tree import flatten, unflatten
+from .tree import Leaf, flatten
 
 __all__ = ["save_async", "AsyncStats", "SaveFuture", "SaveInFlightError", "BackgroundSaveError",
-           "snapshot_tensors", "release_pools", "pools", "default_pool_limit"]
+           "release_pools", "pools", "default_pool_limit", "MODES", "memory_of", "optimizer_memory"]
 
-MODES = ("host", "device")
-
-
-def __getattr__(name: str):
-    # The DTensor-aware snapshot moved to dcp.py, its one user; the old import path still works.
-    if name == "snapshot_state_dict":
-        from .dcp import snapshot_state_dict
-        return snapshot_state_dict
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclass
-class AsyncStats(api.Stats):
-    """A save_async's Stats. The caller's stall is `blocked_s` (+ `hook_wait_s` in overlap mode)."""
-
-    mode: str = "host"  # "host", "overlap" or "device"
-    blocked_s: float = 0.0  # inside save_async: the snapshot (host), the copies (device), the buffer copies (overlap)
-    hook_wait_s: float = 0.0  # overlap: how long optimizer.step() waited for the snapshot
-    snapshot_s: float = 0.0  # the ring and the copies into the pool (host, overlap)
-    queued_s: float = 0.0  # the file's write waited this long for earlier files
-    background_s: float = 0.0  # the writer on this file, its turn to the commit (device: the whole save)
-    write_s: float = 0.0  # of which in pwritev of chunk records
-    fsync_s: float = 0.0
-    commit_s: float = 0.0
-    direct_io: bool = False
-    pool_bytes: int = 0  # host memory the pool holds (pinned on the GPU), after this snapshot
-    pool_peak_bytes: int = 0  # of which in use at most during this snapshot
-    pool_limit_bytes: int = 0
-    pool_waits: int = 0  # chunk copies that waited for the writer to free room (back-pressure)
-    pool_wait_s: float = 0.0
-    pool_alloc_s: float = 0.0  # growing the pool (the first saves)
+MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE)  # the snapshots save_async takes
 
 
 class SaveFuture(Future):
@@ -143,10 +114,7 @@ class SaveFuture(Future):
 
 
 _calls = threading.Lock()  # one save_async call at a time
-_tracked: list[tuple[SaveFuture, str, str]] = []  # (future, mode, path) of calls not known finished
-_snapshot_done = threading.Event()  # the last overlap snapshot has ended
-_snapshot_done.set()
-_hooks: list = []  # [handle, done event] of step pre-hooks not yet removed
+_tracked: list[tuple[SaveFuture, Snapshot, str]] = []  # (future, mode, path) of calls not known finished
 
 
 def default_pool_limit(plan) -> int:
@@ -163,33 +131,34 @@ def default_pool_limit(plan) -> int:
 
 
 def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, optimizer=None,
-               pool_bytes: int | None = None, wait: bool = True, **save_kwargs) -> SaveFuture:
+               pool_bytes: int | None = None, wait: bool = True, **save_options) -> SaveFuture:
     """Save `state` to `path` without stopping training; returns a SaveFuture of AsyncStats,
     complete once the file is durable (fsync'd and renamed over `path`). The module docstring
     says when `state` may be mutated in each mode, what it costs, and the in-flight rules.
 
-    snapshot: "host" (default: compressed into a host pool) or "device" (a same-device copy).
-    overlap: with optimizer=opt, take the host snapshot during the next forward/backward; the
-    next opt.step() waits for it. pool_bytes: the host pool's bound for this save (None: the
-    state's logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an earlier save_async is unfinished.
-    save_kwargs: codec, chunk_bytes, ring_depth, io, io_threads, backend, as for gdsckpt.save.
+    snapshot: "host" (default: compressed into a host pool), "overlap" (with optimizer=opt: the
+    host snapshot taken during the next forward/backward; the next opt.step() waits for it) or
+    "device" (a same-device copy); save.Snapshot. overlap=True: the earlier spelling of
+    snapshot="overlap". pool_bytes: the host pool's bound for this save (None: the state's
+    logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an
+    earlier save_async is unfinished. save_options: codec, chunk_bytes, ring_depth, io,
+    io_threads, backend, as for gdsckpt.save.
     Raised here: an unsupported state (before anything is copied), bad options, an earlier
     unseen background failure (BackgroundSaveError), and errors of the snapshot itself.
     """
-    if snapshot not in MODES:
-        raise ValueError(f"snapshot must be one of {', '.join(map(repr, MODES))}, not {snapshot!r}")
-    if overlap and optimizer is None:
-        raise ValueError("overlap=True needs optimizer=: the snapshot runs during the next forward/backward, and "
-                         "only a step pre-hook on the optimizer keeps the step from changing the state under it")
-    if overlap and snapshot != "host":
-        raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
-    if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
-        raise ValueError(f"optimizer= must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    mode = Snapshot.parse(snapshot, MODES)
+    if overlap:  # the earlier spelling of snapshot="overlap"
+        check_optimizer(Snapshot.OVERLAP, optimizer)
+        if mode is Snapshot.DEVICE:
+            raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
+        mode = Snapshot.OVERLAP
+    check_optimizer(mode, optimizer)
     if pool_bytes is not None and (not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool) or pool_bytes < 1):
         raise ValueError(f"pool_bytes must be a positive int or None, not {pool_bytes!r}")
+    options = SaveOptions(**save_options)
     t0 = time.perf_counter()
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
-    skeleton, leaves = flatten(state)  # validates the whole state before anything is copied
+    skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
     if not _calls.acquire(blocking=wait):
         raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                 "(call .result() on its future first, or pass wait=True)")
@@ -199,39 +168,37 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
         if not wait and any(not f.done() for f, _, _ in _tracked):
             raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                     "(call .result() on its future first, or pass wait=True)")
-        if snapshot == "device":
+        if mode is Snapshot.DEVICE:
             _wait_for([f for f, _, _ in _tracked])
-            fut = _device_save(skeleton, leaves, path, save_kwargs, t0)
-            mode = "device"
+            fut = _device_save(skeleton, leaves, path, options, t0)
         else:
-            _wait_for([f for f, m, _ in _tracked if m == "device"])
-            dest = PoolDestination(target, pool_bytes or default_pool_limit, save_kwargs.get("chunk_bytes"))
-            if overlap:
-                fut = _overlap_save(skeleton, leaves, dest, optimizer, save_kwargs, t0)
-                mode = "overlap"
+            _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
+            dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
+            if mode is Snapshot.OVERLAP:
+                fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
             else:
-                fut = _host_save(state, leaves, dest, save_kwargs, t0)
-                mode = "host"
+                fut = _host_save(skeleton, leaves, dest, options, t0)
         _tracked.append((fut, mode, str(path)))
         return fut
     finally:
         _calls.release()
 
 
-# ---------------------------------------------------------------- host snapshot (default, overlap)
+# ---------------------------------------------------------------- host snapshot (host, overlap)
 
 
-def _host_save(state, leaves, dest: PoolDestination, save_kwargs: dict, t0: float) -> SaveFuture:
+def _host_save(skeleton, leaves: list[Leaf], dest: PoolDestination, options: SaveOptions, t0: float) -> SaveFuture:
     fut = _new_future()
-    with _on_device(_cuda_device_of(l.tensor for l in leaves)):
-        snap = api._save(state, dest, **save_kwargs)  # on error: raised here, the job aborted, the temporary removed
-    _link(fut, dest, snap, "host", t0, time.perf_counter() - t0)
+    with on_device(cuda_device_of(l.tensor for l in leaves)):
+        snap = save_flat(skeleton, leaves, dest, options)  # on error: raised here, the job aborted, the room freed
+    _link(fut, dest, snap, Snapshot.HOST, t0, time.perf_counter() - t0)
     return fut
 
 
-def _overlap_save(skeleton, leaves, dest: PoolDestination, optimizer, save_kwargs: dict, t0: float) -> SaveFuture:
+def _overlap_save(skeleton, leaves: list[Leaf], dest: PoolDestination, optimizer, options: SaveOptions,
+                  t0: float) -> SaveFuture:
     tensors = freeze_for_overlap([l.tensor for l in leaves], optimizer)
-    state = unflatten(skeleton, tensors)
+    frozen = [Leaf(l.key, t) for l, t in zip(leaves, tensors)]
     fut = _new_future()
     hook = HookTimer()
     blocked = time.perf_counter() - t0
@@ -240,143 +207,14 @@ def _overlap_save(skeleton, leaves, dest: PoolDestination, optimizer, save_kwarg
         if error is not None:
             fut.set_exception(error)
         else:
-            _link(fut, dest, snap, "overlap", t0, blocked, hook)
+            _link(fut, dest, snap, Snapshot.OVERLAP, t0, blocked, hook)
 
-    run_overlapped(lambda: api._save(state, dest, **save_kwargs), _cuda_device_of(tensors), optimizer, finish, hook)
+    run_overlapped(lambda: save_flat(skeleton, frozen, dest, options), cuda_device_of(tensors), optimizer,
+                   finish, hook)
     return fut
 
 
-def freeze_for_overlap(tensors: list, optimizer) -> list:
-    """`tensors` as a snapshot taken during the next forward/backward may read them: those that
-    only `optimizer`'s step changes as they are, every other one (buffers) copied now."""
-    guarded = optimizer_memory(optimizer)
-    tensors = list(tensors)
-    loose = [i for i, t in enumerate(tensors) if memory_of(t) not in guarded]
-    for i, copy in zip(loose, snapshot_tensors([tensors[i] for i in loose])):
-        tensors[i] = copy
-    return tensors
-
-
-def wait_for_snapshot() -> None:
-    """Wait for a running overlap snapshot (it owns the ring and the pool); drop the step hooks
-    of finished ones."""
-    _snapshot_done.wait()
-    _remove_hooks()
-
-
-def run_overlapped(snapshot: Callable[[], Any], gpu: int | None, optimizer, finish: Callable[[Any, BaseException | None], None],
-                   hook: HookTimer | None = None) -> None:
-    """Run snapshot() on a background thread, on the GPU's "snapshot" side stream started after
-    the work queued so far (not after later work), and make `optimizer`'s next step wait for it
-    (the wait goes to `hook`). finish(result, None) or finish(None, error) runs on that thread
-    before the step may go on."""
-    fence = None
-    if gpu is not None:
-        fence = side_stream("snapshot", torch.device("cuda", gpu))
-        fence.wait_stream(torch.cuda.current_stream(gpu))
-    done = threading.Event()
-    hook = hook or HookTimer()
-    _snapshot_done.clear()
-
-    def run():
-        try:
-            with _on_device(gpu), (torch.cuda.stream(fence) if fence is not None else contextlib.nullcontext()):
-                result = snapshot()
-        except BaseException as e:  # noqa: BLE001 - the future carries it; the next save raises it if unseen
-            traceback.clear_frames(e.__traceback__)
-            finish(None, e)
-        else:
-            finish(result, None)
-        finally:
-            done.set()
-            _snapshot_done.set()
-
-    try:
-        threading.Thread(target=run, name="gdsckpt-snapshot", daemon=False).start()
-    except BaseException:
-        _snapshot_done.set()
-        raise
-    _install_hook(optimizer, done, hook)
-
-
-class HookTimer:
-    """The step pre-hook's wait, added to the save's stats whenever they exist."""
-
-    def __init__(self):
-        self.waited = 0.0
-        self.stats: AsyncStats | None = None
-        self.lock = threading.Lock()
-
-    def add(self, seconds: float) -> None:
-        with self.lock:
-            self.waited += seconds
-            if self.stats is not None:
-                self.stats.hook_wait_s = self.waited
-
-
-def _install_hook(optimizer, done: threading.Event, timer: HookTimer) -> None:
-    """A step pre-hook that waits for the snapshot, then goes away. It cannot remove itself while
-    the optimizer iterates its hooks (an OrderedDict) unless it is the last one; otherwise a
-    step post-hook removes it, and is itself removed by the next save_async."""
-    entry: list = []
-
-    def pre_hook(opt, args, kwargs):
-        if not done.is_set():
-            t = time.perf_counter()
-            done.wait()
-            timer.add(time.perf_counter() - t)
-        handle = entry[0]
-        hooks = opt._optimizer_step_pre_hooks
-        if handle.id in hooks and next(reversed(hooks)) == handle.id:
-            handle.remove()
-        elif handle.id in hooks and len(entry) == 1:
-            def post_hook(opt, args, kwargs):
-                handle.remove()
-            entry.append(opt.register_step_post_hook(post_hook))
-            _hooks.append([entry[1], done])
-        return None
-
-    entry.append(optimizer.register_step_pre_hook(pre_hook))
-    _hooks.append([entry[0], done])
-
-
-def _remove_hooks() -> None:
-    """Remove the hooks of earlier overlap saves whose snapshot has ended (called outside any
-    step, in save_async): a pre-hook whose step never came, a post-hook left to do nothing."""
-    for entry in list(_hooks):
-        handle, done = entry
-        if done.is_set():
-            handle.remove()
-            _hooks.remove(entry)
-
-
-def optimizer_memory(optimizer) -> set:
-    """The memory of every parameter of `optimizer` and every tensor in its state: what only
-    its step changes."""
-    out = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            out.add(memory_of(p))
-    for st in optimizer.state.values():
-        if isinstance(st, dict):
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    out.add(memory_of(v))
-    out.discard(None)
-    return out
-
-
-def memory_of(t: torch.Tensor):
-    """The tensor's storage (device, base address): a state_dict() entry shares it with its
-    parameter; a DTensor (FSDP2's parameters and optimizer state) by its local shard's."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    if t.numel() == 0:
-        return None
-    return (t.device, t.untyped_storage().data_ptr())
-
-
-def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0: float, blocked: float,
+def _link(fut: SaveFuture, dest: PoolDestination, snap: Stats, mode: Snapshot, t0: float, blocked: float,
           hook: HookTimer | None = None) -> None:
     """Complete `fut` when the writer has committed the file (or failed)."""
     file = dest.file
@@ -394,12 +232,12 @@ def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0
             fut.set_result(stats)
 
     def _stats(report) -> AsyncStats:
-        base = {f.name: getattr(snap, f.name) for f in fields(api.Stats)}
+        base = _stats_fields(snap)
         base.update(path=dest.label, io_path="pool-direct" if report.direct_io else "pool-buffered",
-                    file_bytes=dest.layout.file_bytes, seconds=time.perf_counter() - t0,
+                    file_bytes=dest.deferred.file_bytes, seconds=time.perf_counter() - t0,
                     memory=dict(snap.memory, pinned_host_bytes=dest.pool.capacity if dest.pool.pinned else 0,
                                 pool_host_bytes=dest.pool.capacity))
-        stats = AsyncStats(**base, mode=mode, blocked_s=blocked, snapshot_s=snap.seconds,
+        stats = AsyncStats(**base, mode=mode.value, blocked_s=blocked, snapshot_s=snap.seconds,
                            queued_s=report.queued_s, background_s=report.background_s, write_s=report.write_s,
                            fsync_s=report.fsync_s, commit_s=report.commit_s, direct_io=report.direct_io,
                            pool_bytes=dest.pool.capacity, pool_peak_bytes=file.peak, pool_limit_bytes=dest.limit,
@@ -416,39 +254,10 @@ def _link(fut: SaveFuture, dest: PoolDestination, snap: api.Stats, mode: str, t0
 # ---------------------------------------------------------------- device snapshot (snapshot="device")
 
 
-def snapshot_tensors(tensors: list) -> list:
-    """Contiguous private copies of `tensors`, each on the tensor's own device; complete on return.
-
-    CUDA tensors are copied on a per-GPU side stream that waits for the GPU's current stream;
-    the side streams are synchronized before returning."""
-    out: list = [None] * len(tensors)
-    by_gpu: dict[torch.device, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        t = t.detach()
-        if t.is_cuda:
-            by_gpu[t.device].append(i)
-        else:
-            out[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-    used = []
-    for dev, idx in by_gpu.items():
-        side = side_stream("snapshot", dev)
-        with torch.cuda.device(dev):
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for i in idx:
-                    src = tensors[i].detach()
-                    out[i] = torch.empty(src.shape, dtype=src.dtype, device=dev)
-                    out[i].copy_(src, non_blocking=True)
-        used.append(side)
-    for side in used:
-        side.synchronize()
-    return out
-
-
-def _device_save(skeleton, leaves, path, save_kwargs: dict, t0: float) -> SaveFuture:
+def _device_save(skeleton, leaves: list[Leaf], path, options: SaveOptions, t0: float) -> SaveFuture:
     copies = snapshot_tensors([l.tensor for l in leaves])
-    held = [unflatten(skeleton, copies)]
-    gpu = _cuda_device_of(copies)
+    held = [[Leaf(l.key, c) for l, c in zip(leaves, copies)]]
+    gpu = cuda_device_of(copies)
     del copies
     fut = _new_future()
     blocked = time.perf_counter() - t0
@@ -458,8 +267,8 @@ def _device_save(skeleton, leaves, path, save_kwargs: dict, t0: float) -> SaveFu
             snap = held.pop()
             try:
                 t = time.perf_counter()
-                with _on_device(gpu):  # a new thread's current device is 0, not the caller's
-                    stats = api.save(snap, path, **save_kwargs)
+                with on_device(gpu):  # a new thread's current device is 0, not the caller's
+                    stats = save_flat(skeleton, snap, NewFile(user_path(path, "save_async")), options)
                 background = time.perf_counter() - t
             finally:
                 del snap  # the snapshot's memory goes back before the next save_async may start
@@ -467,15 +276,19 @@ def _device_save(skeleton, leaves, path, save_kwargs: dict, t0: float) -> SaveFu
             traceback.clear_frames(e.__traceback__)  # frames of the failed save hold snapshot tensors
             fut.set_exception(e)
         else:
-            base = {f.name: getattr(stats, f.name) for f in fields(api.Stats)}
+            base = _stats_fields(stats)
             base["seconds"] = time.perf_counter() - t0
-            fut.set_result(AsyncStats(**base, mode="device", blocked_s=blocked, background_s=background))
+            fut.set_result(AsyncStats(**base, mode=Snapshot.DEVICE.value, blocked_s=blocked, background_s=background))
 
     threading.Thread(target=run, name="gdsckpt-save-async", daemon=False).start()
     return fut
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _stats_fields(stats: Stats) -> dict:
+    return {f.name: getattr(stats, f.name) for f in fields(Stats)}
 
 
 def _new_future() -> SaveFuture:
@@ -503,13 +316,3 @@ def _surface_failures(path) -> None:
                                   f"{type(err).__name__}: {err}; {str(path)!r} was not saved (call again to save "
                                   "it; the earlier file was not changed)", path=where) from err
 
-
-def _cuda_device_of(tensors) -> int | None:
-    for t in tensors:
-        if t.is_cuda:
-            return t.device.index
-    return None
-
-
-def _on_device(index: int | None):
-    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()

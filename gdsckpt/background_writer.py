@@ -1,5 +1,6 @@
 """save_async's background writer: moves pool bytes into files, then fsyncs and commits each
-file exactly as `save` does (temporary beside the target, fsync, rename, directory fsync).
+file exactly as `save` does (storage.AtomicFile: temporary beside the target, fsync, rename,
+directory fsync).
 
 One thread per process, one file at a time, in the order the jobs were submitted: commits
 never interleave and happen in call order. It does nothing but I/O: no GPU calls, no codecs,
@@ -13,7 +14,6 @@ is not a daemon, so the interpreter finishes pending saves before it exits.
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import threading
@@ -25,9 +25,8 @@ from pathlib import Path
 
 from . import format as fmt
 from .defaults import POOL_DIRECT_IO
-from .storage import adopt_mode, commit, pwrite_all, temp_path_for
+from .storage import AtomicFile, open_direct, pwrite_all, pwrite_direct, pwritev_all
 
-IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
 IDLE_S = 0.5  # the thread exits after this long with nothing to write (and the interpreter may exit)
 
 
@@ -132,16 +131,15 @@ def submit(job: Job, path) -> None:
 def write_job(job: Job) -> None:
     start = time.perf_counter()
     report = WriteReport(queued_s=start - job.submitted)
-    fd = dfd = -1
-    tmp = None
+    dfd = -1
+    file: AtomicFile | None = None
     error: BaseException | None = None
     try:
-        tmp = temp_path_for(job.path)
-        # 0o666 less the umask, then the replaced checkpoint's mode (as save and torch.save do)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-        adopt_mode(fd, job.path)
-        dfd = _open_direct(tmp)
-        pwrite_all(fd, fmt.header_bytes(), 0)
+        file = AtomicFile(job.path)
+        file.create()  # 0o666 less the umask, then the replaced checkpoint's mode (as save and torch.save do)
+        file.adopt_mode()
+        dfd = open_direct(file.tmp) if POOL_DIRECT_IO else -1
+        pwrite_all(file.fd, fmt.header_bytes(), 0)
     except BaseException as e:  # noqa: BLE001 - reported on the job's future
         error = e
     end = None
@@ -156,7 +154,7 @@ def write_job(job: Job) -> None:
         if error is None:
             t = time.perf_counter()
             try:
-                dfd = _write_extent(fd, dfd, extent, offset)
+                dfd = _write_extent(file.fd, dfd, extent, offset)
                 report.bytes_written += extent.nbytes
             except BaseException as e:  # noqa: BLE001
                 error = e
@@ -167,22 +165,22 @@ def write_job(job: Job) -> None:
     report.direct_io = dfd >= 0
     if error is None:
         try:
-            pwrite_all(fd, end.tail, end.tail_offset)
+            pwrite_all(file.fd, end.tail, end.tail_offset)
             t = time.perf_counter()
-            os.fsync(fd)
+            file.sync()
             report.fsync_s = time.perf_counter() - t
-            fd, dfd = _close(fd, dfd)
+            dfd = _close(dfd)
             t = time.perf_counter()
-            commit(tmp, job.path)
+            file.commit()
             report.commit_s = time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001
             error = e
-    _close(fd, dfd)
+    _close(dfd)
     report.background_s = time.perf_counter() - start
     if error is not None:
-        if tmp is not None:
+        if file is not None:
             try:
-                tmp.unlink(missing_ok=True)
+                file.abort()
             except OSError:
                 pass
         job.done.set_exception(_named(error, job.path))
@@ -190,53 +188,25 @@ def write_job(job: Job) -> None:
         job.done.set_result(report)
 
 
-def _open_direct(tmp: Path) -> int:
-    """A second descriptor with O_DIRECT, or -1 where the file system refuses it (tmpfs)."""
-    if not POOL_DIRECT_IO or not hasattr(os, "O_DIRECT"):
-        return -1
-    try:
-        return os.open(tmp, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return -1
-
-
 def _write_extent(fd: int, dfd: int, extent, offset: int) -> int:
     """Write the extent (record + zero padding to 4 KiB) at `offset`; the O_DIRECT descriptor
     if there is one. Returns it, or -1 once the file system refused a direct write."""
     views = extent.views()
     if dfd >= 0:
-        try:
-            _pwritev_all(dfd, views, offset)
+        if pwrite_direct(dfd, views, offset):
             return dfd
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            os.close(dfd)  # accepted at open, refused at write: buffered from now on
-    _pwritev_all(fd, views, offset)
+        os.close(dfd)  # accepted at open, refused at write: buffered from now on
+    pwritev_all(fd, views, offset)
     return -1
 
 
-def _pwritev_all(fd: int, views: list, offset: int) -> None:
-    while views:
-        n = os.pwritev(fd, views[:IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views = views[1:]
-        if n:
-            views = [views[0][n:]] + views[1:]
-
-
-def _close(fd: int, dfd: int) -> tuple[int, int]:
-    for f in (dfd, fd):
-        if f >= 0:
-            try:
-                os.close(f)
-            except OSError:
-                pass
-    return -1, -1
+def _close(dfd: int) -> int:
+    if dfd >= 0:
+        try:
+            os.close(dfd)
+        except OSError:
+            pass
+    return -1
 
 
 def _named(error: BaseException, path) -> BaseException:

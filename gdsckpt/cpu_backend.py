@@ -9,7 +9,6 @@ took 0.9-4 s through copy_, 0.04-0.07 s through numpy; bench/results/2026-11-23-
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ from .codecs.base import CpuCoder
 from .defaults import CPU_CODEC_THREADS, CPU_DIRECT_IO, CPU_IO_THREADS, CPU_WRITEBACK
 from .errors import CodecUnavailableError
 from .ring import Completion
-from .storage import pwrite_all
+from .storage import open_direct, pwrite_all, pwrite_direct
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -124,13 +123,8 @@ class HostFile:
     def __init__(self, path: Path, mode: str, threads: int = CPU_IO_THREADS, owned=None):
         flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if mode == "w" else os.O_RDONLY
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._dfd = -1
         self._owned = owned
-        if mode == "w" and owned is not None and CPU_DIRECT_IO and hasattr(os, "O_DIRECT"):
-            try:
-                self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-            except OSError:  # tmpfs and a few others refuse O_DIRECT: buffered writes only
-                self._dfd = -1
+        self._dfd = open_direct(path) if mode == "w" and owned is not None and CPU_DIRECT_IO else -1
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-io")
 
     def pwrite(self, buf, nbytes: int, offset: int) -> Completion:
@@ -156,13 +150,7 @@ class HostFile:
             return False
         view = (ctypes.c_char * rounded).from_address(addr)  # buf's slot: it outlives this write
         ctypes.memset(addr + nbytes, 0, rounded - nbytes)
-        try:
-            pwrite_all(self._dfd, memoryview(view), offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            return False  # rewritten buffered, from the start
-        return True
+        return pwrite_direct(self._dfd, memoryview(view), offset)  # False: rewritten buffered, from the start
 
     def _pread(self, buf, nbytes, offset) -> int:
         view = memoryview(_np(buf)[:nbytes])

@@ -97,3 +97,9 @@ POOL_ARENA_BYTES = 64 << 20
 # pages for the fsync to flush at once. KvikIO's O_DIRECT writes were the steadiest on the
 # H100 host's disk (KVIKIO_DIRECT_IO above).
 POOL_DIRECT_IO = True
+
+# A temporary untouched this long (its mtime) is stale whoever wrote it (`storage.stale_temporaries`,
+# `gdsckpt clean`): the rule for another host's, whose pid cannot be checked here, and for those of
+# an earlier gdsckpt that named no host. A writer touches its file with every chunk it writes, so a
+# live save never comes near it; generous, because the cost of waiting is only disk space.
+TEMP_STALE_AGE_S = 24 * 3600

@@ -95,10 +95,16 @@ class FileWriter:
         return offset
 
     def finish(self, records: list[ChunkRecord]) -> None:
-        index = encode_index(self._meta, self._skeleton, self._devices, self._plan, records)
+        offset, tail = self.tail(records)
         if self.fd is not None:
-            pwrite_all(self.fd, index + footer_bytes(self._next, index), self._next)
+            pwrite_all(self.fd, tail, offset)
+
+    def tail(self, records: list[ChunkRecord]) -> tuple[int, bytes]:
+        """(offset, bytes) of the index and footer after the last record, as finish writes them;
+        sets file_bytes. For a file written later (save_async's pool: host_snapshot.DeferredLayout)."""
+        index = encode_index(self._meta, self._skeleton, self._devices, self._plan, records)
         self.file_bytes = self._next + len(index) + FOOTER_SIZE
+        return self._next, index + footer_bytes(self._next, index)
 
 
 @dataclass

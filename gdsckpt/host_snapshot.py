@@ -1,4 +1,4 @@
-"""The compressed snapshot behind save_async (and GdsckptWriter's DCP staging): the save ring
+"""The compressed snapshot behind save_async (and GdsckptWriter's DCP staging): save_flat's ring
 (gather, compress, checksum) runs on the live tensors and hands each chunk record to
 `PoolFile.pwrite`, which copies the stored bytes into the host pool; the background writer
 (gdsckpt/background_writer.py) then writes them to the file. Extra GPU memory: the ring's,
@@ -13,7 +13,6 @@ soon as its copy is known complete, in file order.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from . import format as fmt
 from .background_writer import Job, submit
 from .defaults import CHUNK_BYTES
+from .device_copy import side_stream
 from .pinned_pool import align_up, pool_for
 from .ring import Completion
 
@@ -29,31 +29,15 @@ UNBOUNDED = 1 << 62
 
 class DeferredLayout(fmt.FileWriter):
     """format.FileWriter for a file written later: it places records as FileWriter does and
-    writes nothing; the background writer writes the header (format.header_bytes) and `tail`,
-    the index and footer, once the ring has placed every record."""
+    writes nothing; the background writer writes the header (format.header_bytes) and `sealed`,
+    the index and footer (offset, bytes), once the ring has placed every record."""
 
     def __init__(self, meta: dict, skeleton: dict, devices: list[str], plan):
         super().__init__(None, meta, skeleton, devices, plan)
-        self.tail: tuple[int, bytes] | None = None
+        self.sealed: tuple[int, bytes] | None = None
 
     def finish(self, records) -> None:
-        index = fmt.encode_index(self._meta, self._skeleton, self._devices, self._plan, records)
-        self.tail = (self._next, index + fmt.footer_bytes(self._next, index))
-        self.file_bytes = self._next + len(index) + fmt.FOOTER_SIZE
-
-
-_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
-
-
-def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
-    """One CUDA stream per purpose ("copy": device-to-host copies; "snapshot": save_async's
-    device copies and fences) and GPU, made once: creating streams per save would leak them."""
-    with _streams_lock:
-        s = _streams.get((purpose, device.index))
-        if s is None:
-            s = _streams[(purpose, device.index)] = torch.cuda.Stream(device=device)
-        return s
+        self.sealed = self.tail(records)
 
 
 class PoolFile:
@@ -75,11 +59,26 @@ class PoolFile:
         self._handoff(block=False)
         self._want += align_up(nbytes)
         extent, waited, allocated = self.pool.reserve(nbytes, self.limit, self.flush, grow_to=self._want)
-        self.waits += waited > 0
-        self.wait_s += waited
-        self.alloc_s += allocated
-        self.peak = max(self.peak, self.pool.in_use)
-        extent.zero_tail(nbytes)
+        try:
+            self.waits += waited > 0
+            self.wait_s += waited
+            self.alloc_s += allocated
+            self.peak = max(self.peak, self.pool.in_use)
+            extent.zero_tail(nbytes)
+            event = self._copy(buf, extent, nbytes)
+            entry = [event, extent, offset]
+            self._pending.append(entry)
+        except BaseException:  # KeyboardInterrupt included: the room is not the writer's to free
+            self._give_back(extent, buf)
+            raise
+        if event is None:
+            self._handoff(block=False)
+        return Completion(lambda: self._wait(entry, nbytes))
+
+    @staticmethod
+    def _copy(buf: torch.Tensor, extent, nbytes: int):
+        """Queue the copy of the record's bytes into `extent`: device-to-host on the copy stream
+        (returns its event), or a memcpy, complete on return (returns None)."""
         event = None
         if buf.is_cuda:
             stream = side_stream("copy", buf.device)
@@ -98,11 +97,17 @@ class PoolFile:
                 n = dst.numel()
                 dst.copy_(buf[pos:pos + n])
                 pos += n
-        entry = [event, extent, offset]
-        self._pending.append(entry)
-        if event is None:
-            self._handoff(block=False)
-        return Completion(lambda: self._wait(entry, nbytes))
+        return event
+
+    def _give_back(self, extent, buf: torch.Tensor) -> None:
+        """Release an extent whose copy failed part-way, once no copy into it can still land."""
+        try:
+            if buf.is_cuda:
+                side_stream("copy", buf.device).synchronize()
+        except Exception:  # noqa: BLE001 - a CUDA error: no copy lands any more
+            pass
+        finally:
+            self.pool.release(extent)
 
     def _wait(self, entry, nbytes: int) -> int:
         if entry[0] is not None:
@@ -126,6 +131,19 @@ class PoolFile:
         """Wait for every queued copy and hand its record to the writer."""
         self._handoff(block=True)
 
+    def discard(self) -> None:
+        """Release the room of every record not handed to the writer (a flush that failed on a
+        failed snapshot), each once its copy has ended, as far as CUDA can still tell."""
+        while self._pending:
+            event, extent, _ = self._pending.popleft()
+            try:
+                if event is not None:
+                    event.synchronize()
+            except Exception:  # noqa: BLE001 - a CUDA error: no copy lands any more
+                pass
+            finally:
+                self.pool.release(extent)
+
     def pread(self, buf, nbytes: int, offset: int):
         raise NotImplementedError("the pool is written, never read back")
 
@@ -134,20 +152,23 @@ class PoolFile:
 
 
 class PoolDestination:
-    """api._save's destination for a compressed snapshot (api._NewFile is the file one).
+    """save.save_flat's destination for a compressed snapshot (save.NewFile is the file one).
 
     path: where the background writer commits the file; given here, the file is written while
     the snapshot runs (streaming, and back-pressure can make progress). None: the records stay
     in the pool until `submit(path)` (DCP staging, whose file name is known only later).
     limit: the most the pool may hold while this snapshot reserves (at least one chunk): bytes,
     None (no bound: DCP staging, which must hold its whole save), or a function of the plan,
-    called once the plan is known (save_async's default bound)."""
+    called once the plan is known (save_async's default bound).
+
+    Every record's room in the pool goes back on any failure, KeyboardInterrupt included: the
+    writer releases what it was handed (the job is aborted), the rest is released here."""
 
     def __init__(self, path, limit, chunk_bytes: int | None = None):
         self.path = path
         self.label = str(path) if path is not None else "<staged>"
         self._limit, self._chunk_bytes = limit, chunk_bytes
-        self.pool = self.job = self.file = self.layout = None
+        self.pool = self.job = self.file = self.deferred = None  # deferred: the file's DeferredLayout
         self.limit = 0
 
     def open(self, be) -> PoolFile:
@@ -158,31 +179,38 @@ class PoolDestination:
         if self.pool.capacity > self.limit:
             self.pool.trim(self.limit)  # a smaller bound than an earlier save's: give idle memory back
         self.job = Job(self.pool, self.label)
-        if self.path is not None:
-            submit(self.job, self.path)
         self.file = PoolFile(self.pool, self.job, self.limit)
+        if self.path is not None:
+            try:
+                submit(self.job, self.path)
+            except BaseException as e:  # a job queued but never sealed would stop the writer for good
+                self.job.abort(e)
+                raise
         return self.file
 
-    def make_layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
+    def layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
         if callable(self._limit):  # before the first chunk: the ring reserves only after the layout exists
             self.file.limit = self.limit = max(self._limit(plan), self._one_chunk)
             if self.pool.capacity > self.limit:
                 self.pool.trim(self.limit)
         meta = dict(meta, writer=dict(meta.get("writer") or {}, io_path="pool"))
-        self.layout = DeferredLayout(meta, skeleton, devices, plan)
-        return self.layout
+        self.deferred = DeferredLayout(meta, skeleton, devices, plan)
+        return self.deferred
 
     def commit(self, file: PoolFile) -> None:
         file.flush()
-        self.job.seal(*self.layout.tail)
+        self.job.seal(*self.deferred.sealed)
 
     def abort(self, file: PoolFile, error: BaseException) -> None:
         try:
             file.flush()  # no copy may still land in memory the pool hands out again
         finally:
-            self.job.abort(error)
-            if self.path is None:
-                self.job.drop()
+            try:
+                file.discard()  # what a failed flush did not hand to the writer
+            finally:
+                self.job.abort(error)
+                if self.path is None:
+                    self.job.drop()
 
     def submit(self, path) -> Job:
         """Staged records (path=None): write them to `path` now, after earlier jobs."""

@@ -1,9 +1,12 @@
-"""What one save or restore did: `Stats`, which every save and read returns (and `Checkpoint`
-keeps as `last_stats`), and the per-stream figures a save reports and `Checkpoint.streams` shows."""
+"""What a save or restore did: `Stats` (save, load) and `AsyncStats` (save_async, which adds the
+caller's stall, the background write and the host pool's figures), and `stream_stats`, the
+per-stream summary of a plan's records."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+__all__ = ["Stats", "AsyncStats", "stream_stats"]
 
 
 @dataclass
@@ -43,8 +46,31 @@ class Stats:
         return d
 
 
+@dataclass
+class AsyncStats(Stats):
+    """A save_async's Stats. The caller's stall is `blocked_s` (+ `hook_wait_s` in overlap mode)."""
+
+    mode: str = "host"  # "host", "overlap" or "device": the save.Snapshot it took
+    blocked_s: float = 0.0  # inside save_async: the snapshot (host), the copies (device), the buffer copies (overlap)
+    hook_wait_s: float = 0.0  # overlap: how long optimizer.step() waited for the snapshot
+    snapshot_s: float = 0.0  # the ring and the copies into the pool (host, overlap)
+    queued_s: float = 0.0  # the file's write waited this long for earlier files
+    background_s: float = 0.0  # the writer on this file, its turn to the commit (device: the whole save)
+    write_s: float = 0.0  # of which in pwritev of chunk records
+    fsync_s: float = 0.0
+    commit_s: float = 0.0
+    direct_io: bool = False
+    pool_bytes: int = 0  # host memory the pool holds (pinned on the GPU), after this snapshot
+    pool_peak_bytes: int = 0  # of which in use at most during this snapshot
+    pool_limit_bytes: int = 0
+    pool_waits: int = 0  # chunk copies that waited for the writer to free room (back-pressure)
+    pool_wait_s: float = 0.0
+    pool_alloc_s: float = 0.0  # growing the pool (the first saves)
+
+
 def stream_stats(plan, records) -> list[dict]:
-    """Per stream of `plan` (one per dtype): its codec, logical and stored bytes, raw chunks, ratio."""
+    """Per stream of `plan` (a plan.Plan), with its chunk records: dtype, codec, logical and
+    stored bytes, raw chunks, tensors and ratio (Stats.streams; `gdsckpt inspect`)."""
     out = [{"dtype": s.dtype, "codec": s.codec["name"], "logical_bytes": s.nbytes, "stored_bytes": 0,
             "raw_chunks": 0, "tensors": len(s.tensors)} for s in plan.streams]
     for c, r in zip(plan.chunks, records):

@@ -1,18 +1,33 @@
 """Host-side file operations: the temporary's name, positional reads and writes of host bytes,
-fsync, and the atomic commit. Chunk bytes move through the backends' files
+O_DIRECT with its fallback, fsync, and the atomic commit (`AtomicFile`, `atomic_file`: every
+writer of a file goes through them). Chunk bytes move through the backends' files
 (gdsckpt/cpu_backend.py, gdsckpt/gpu/io.py); the header, index and footer, which are small and
 live in host memory, and the commit go through here."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import os
+import re
 import secrets
+import socket
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+from .defaults import TEMP_STALE_AGE_S
 
 TMP_MARK = ".gdsckpt-tmp."
+# This host, as temporaries name their writer's: a pid says whether a writer is alive only on
+# the host that ran it (a shared file system holds other hosts' temporaries too). The hostname
+# and not the machine id: containers on one machine share its id, but each has its own pids.
+HOST_ID = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+# `.NAME.gdsckpt-tmp.PID.HOST.NONCE`, and the earlier `.NAME.gdsckpt-tmp.PID.NONCE` (no host)
+_TEMP_NAME = re.compile(r"\.(?P<target>.+)\.gdsckpt-tmp\.(?P<pid>[0-9]{1,10})\.(?:(?P<host>[0-9a-f]{8})\.)?[0-9a-f]{8}")
 
 
 def user_path(path, op: str) -> Path:
@@ -60,8 +75,45 @@ def adopt_mode(fd: int, target: Path) -> None:
 
 
 def temp_path_for(path: Path) -> Path:
-    """A fresh temporary beside `path`, named so that `gdsckpt clean` can find it and its writer's pid."""
-    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
+    """A fresh temporary beside `path`, hidden, named so that `stale_temporaries` can tell it from
+    any other file and find its writer: `.NAME.gdsckpt-tmp.PID.HOST.NONCE`."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}.{HOST_ID}.{secrets.token_hex(4)}")
+
+
+def stale_temporaries(directory: Path) -> list[Path]:
+    """The temporaries in `directory` that no writer will finish: regular files named exactly as
+    temp_path_for names them, written on this host by a process that is gone, or untouched for
+    defaults.TEMP_STALE_AGE_S (another host's, whose pid says nothing here, and those of an
+    earlier gdsckpt that named no host). Anything else is never listed: a user's
+    `notes.gdsckpt-tmp.txt`, a directory, a symlink, another host's file being written."""
+    out = []
+    now = time.time()
+    for p in Path(directory).iterdir():
+        m = _TEMP_NAME.fullmatch(p.name)
+        if m is None:
+            continue
+        try:
+            st = p.lstat()
+        except FileNotFoundError:  # committed or removed meanwhile
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        mine = m["host"] == HOST_ID
+        if (mine and not _alive(int(m["pid"]))) or now - st.st_mtime > TEMP_STALE_AGE_S:
+            out.append(p)
+    return sorted(out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    except (OverflowError, ValueError):  # no such pid can exist
+        return False
+    return True
 
 
 # Lets go of replaced checkpoints off the caller's thread (see commit).
@@ -88,6 +140,107 @@ def commit(tmp: Path, path: Path) -> None:
             _releaser.submit(os.close, old)
 
 
+class WriteHandle(Protocol):
+    """An open file to write: a descriptor, and close (a backend's ChunkFile is one)."""
+
+    fd: int
+
+    def close(self) -> None: ...
+
+
+class PlainFile:
+    """A new file opened for writing by os.open: O_EXCL, 0o666 less the umask (as torch.save's)."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class AtomicFile:
+    """One new file that replaces `path` only once complete and durable: written as a temporary
+    beside it (temp_path_for), then fsync -> rename over `path` -> fsync of the directory; abort
+    removes the temporary. The one commit of every writer of a file (FORMAT.md, "Commit").
+
+    Call order: create(opener) -> adopt_mode() -> the caller writes through `file` -> [sync()]
+    -> commit() | abort(). create and adopt_mode leave no temporary behind when they raise; when
+    the writing or commit raises, the caller calls abort() (after a rename that happened, it
+    removes nothing)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tmp = temp_path_for(self.path)
+        self.file: WriteHandle | None = None
+        self._closed = False
+
+    def create(self, opener: Callable[[Path], WriteHandle] = PlainFile) -> WriteHandle:
+        """Create the temporary: opener(tmp) must create it anew (O_EXCL) and open it for writing."""
+        try:
+            self.file = opener(self.tmp)
+        except OSError as e:
+            if e.errno != errno.EEXIST:  # an existing name is another writer's, never ours to remove
+                self.tmp.unlink(missing_ok=True)
+            raise
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
+        return self.file
+
+    def adopt_mode(self) -> None:
+        """Give the temporary the mode (and owner) of the file it replaces (see adopt_mode)."""
+        try:
+            adopt_mode(self.file.fd, self.path)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def fd(self) -> int:
+        return self.file.fd
+
+    def sync(self) -> None:
+        """fsync the temporary and close it (commit does this first if it was not done)."""
+        if not self._closed:
+            os.fsync(self.file.fd)
+            self.close()
+
+    def commit(self) -> None:
+        self.sync()
+        commit(self.tmp, self.path)
+
+    def abort(self) -> None:
+        """Close and remove the temporary (nothing if create never made it, or after the rename)."""
+        try:
+            self.close()
+        finally:
+            if self.file is not None:
+                self.tmp.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Close the file (once); the temporary stays until commit or abort."""
+        if not self._closed and self.file is not None:
+            self._closed = True
+            self.file.close()
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, opener: Callable[[Path], WriteHandle] = PlainFile) -> Iterator[AtomicFile]:
+    """`with atomic_file(path) as f: pwrite_all(f.fd, data, 0)`: the file at `path` is replaced,
+    durably, when the block ends, and left as it was (no temporary) if the block raises."""
+    f = AtomicFile(path)
+    f.create(opener)
+    f.adopt_mode()
+    try:
+        yield f
+        f.commit()
+    except BaseException:
+        f.abort()
+        raise
+
+
 def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -101,6 +254,51 @@ def pwrite_all(fd: int, data, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
+
+
+def pwritev_all(fd: int, views: list, offset: int) -> None:
+    """Write the buffers `views` (memoryviews), in order, at `offset`: os.pwritev until all is written."""
+    while views:
+        n = os.pwritev(fd, views[:IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if n:
+            views = [views[0][n:]] + views[1:]
+
+
+def open_direct(path: Path) -> int:
+    """A second write descriptor on the file `path` with O_DIRECT (no page-cache copy, nothing
+    left for the fsync), or -1 where this OS or the file system (tmpfs) refuses it at open."""
+    if not hasattr(os, "O_DIRECT"):
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+
+
+def pwrite_direct(dfd: int, data, offset: int) -> bool:
+    """Write `data` (one buffer, or a list of buffers for pwritev) at `offset` through the O_DIRECT
+    descriptor `dfd`. False where the file system refused the write (EINVAL: an alignment it
+    wants, or O_DIRECT accepted at open and refused at write): the caller then writes the same
+    bytes through its buffered descriptor. Any other error is raised."""
+    try:
+        if isinstance(data, list):
+            pwritev_all(dfd, data, offset)
+        else:
+            pwrite_all(dfd, data, offset)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    return True
 
 
 def pread_exact(fd: int, n: int, offset: int) -> bytes:

@@ -25,7 +25,9 @@ import gdsckpt
 from gdsckpt import async_save as am
 from gdsckpt import background_writer as bw
 from gdsckpt import host_snapshot as hs
+from gdsckpt import overlap
 from gdsckpt import pinned_pool as pp
+from gdsckpt import storage
 from conftest import SlowSnapshot, all_dtype_tensors, assert_same, same
 
 
@@ -69,7 +71,7 @@ def fresh(monkeypatch):
         wait_futures([fut], timeout=30)
         fut.observed = True
     am._tracked.clear()
-    am._snapshot_done.wait(30)
+    overlap.wait_for_snapshot(30)
     pp.release_pools()
 
 
@@ -84,24 +86,21 @@ class HeldWriter:
         self.delay = delay
         self.commits: list[str] = []
         self.spans: list[tuple[str, float, float]] = []
-        real_write, real_commit, real_job = bw._write_extent, bw.commit, bw.write_job
+        real_write, real_job = bw._write_extent, bw.write_job
 
         def write_extent(*a, **kw):
             assert self.gate.wait(30), "the test never released the writer"
             time.sleep(self.delay)
             return real_write(*a, **kw)
 
-        def commit(tmp, path):
-            real_commit(tmp, path)
-            self.commits.append(str(path))
-
         def write_job(job):
             t = time.perf_counter()
             real_job(job)
             self.spans.append((str(job.path), t, time.perf_counter()))
+            if job.done.exception() is None:  # committed: write_job commits before it returns
+                self.commits.append(str(job.path))
 
         monkeypatch.setattr(bw, "_write_extent", write_extent)
-        monkeypatch.setattr(bw, "commit", commit)
         monkeypatch.setattr(bw, "write_job", write_job)
 
     def release(self):
@@ -151,11 +150,11 @@ def test_the_pool_is_reused(tmp_path):
 def test_direct_io_and_its_fallbacks_write_the_same_file(tmp_path, monkeypatch):
     state = _state(4)
     a = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", **SMALL).result(30)
-    monkeypatch.setattr(bw, "_open_direct", lambda tmp: -1)  # a file system that refuses O_DIRECT at open
+    monkeypatch.setattr(bw, "open_direct", lambda tmp: -1)  # a file system that refuses O_DIRECT at open
     b = gdsckpt.save_async(state, tmp_path / "b.gdsckpt", **SMALL).result(30)
     assert b.io_path == "pool-buffered" and not b.direct_io
     monkeypatch.undo()
-    real = bw._pwritev_all
+    real = storage.pwritev_all
     refused = []
 
     def refuse_direct(fd, views, offset):  # accepted at open, refused at the first write
@@ -164,7 +163,7 @@ def test_direct_io_and_its_fallbacks_write_the_same_file(tmp_path, monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, views, offset)
 
-    monkeypatch.setattr(bw, "_pwritev_all", refuse_direct)
+    monkeypatch.setattr(storage, "pwritev_all", refuse_direct)  # what pwrite_direct writes through
     c = gdsckpt.save_async(state, tmp_path / "c.gdsckpt", **SMALL).result(30)
     for name in ("a", "b", "c"):
         assert_same(gdsckpt.load(tmp_path / f"{name}.gdsckpt"), state)
@@ -390,6 +389,57 @@ def test_a_failure_in_the_snapshot_is_raised_by_the_call_and_leaves_nothing(tmp_
     assert_same(gdsckpt.load(p), _state(16))
     gdsckpt.save_async(_state(18), p, **SMALL).result(30)  # not reported again: the caller saw it
     assert_same(gdsckpt.load(p), _state(18))
+
+
+def _to(state, device):
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to(v, device) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to(v, device) for v in state)
+    return state
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError], ids=["ctrl-c", "exception"])
+def test_an_interrupted_host_copy_gives_its_room_back(tmp_path, monkeypatch, device, error):
+    """Issue 20, finding 6: an exception or Ctrl-C in save_async's host copy, after the pool had
+    reserved room for the chunk, left that room reserved for nobody: every later save that
+    needed it waited forever. Now the room goes back with the error, KeyboardInterrupt included,
+    and a save bounded to a single chunk's room runs at once."""
+    opts = SMALL if device == "cpu" else dict(chunk_bytes=64 << 10)
+    pool = "cpu" if device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    p = tmp_path / "ck.gdsckpt"
+    gdsckpt.save(_state(50), p)
+    real, calls = pp.Extent.tensors, []
+
+    def tensors(extent, nbytes):  # the copy into the reserved extent: the third chunk's fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise error("injected in the host copy")
+        return real(extent, nbytes)
+
+    monkeypatch.setattr(pp.Extent, "tensors", tensors)
+    with pytest.raises(error, match="injected"):
+        gdsckpt.save_async(_to(_state(51), device), p, **opts)
+    monkeypatch.undo()
+    assert len(calls) == 3
+    deadline = time.time() + 10
+    while (pp.pools()[pool]["in_use_bytes"] or _leftovers(tmp_path)) and time.time() < deadline:
+        time.sleep(0.01)  # the writer drops the aborted file and frees the records it was handed
+    assert pp.pools()[pool]["in_use_bytes"] == 0, "room reserved before the failure was never given back"
+    assert _leftovers(tmp_path) == []
+    assert_same(gdsckpt.load(p), _state(50))
+
+    done: list = []
+    later = threading.Thread(daemon=True, target=lambda: done.append(
+        gdsckpt.save_async(_to(_state(52), device), p, pool_bytes=1, **opts).result(30)))
+    later.start()
+    later.join(60)
+    assert not later.is_alive(), "a later save_async waited for room the failed one never gave back"
+    assert done and done[0].pool_limit_bytes == 64 << 10
+    assert_same(gdsckpt.load(p), _state(52))
 
 
 def test_a_failure_in_an_overlap_snapshot_surfaces_on_result_and_next_call(tmp_path, monkeypatch):

@@ -23,8 +23,7 @@ import pytest
 
 import gdsckpt
 from gdsckpt import cli
-from gdsckpt.cli import stale_temporaries
-from gdsckpt.storage import TMP_MARK
+from gdsckpt.storage import HOST_ID, TMP_MARK, stale_temporaries
 from conftest import assert_same
 from ckpt_tools import make_state
 
@@ -181,13 +180,11 @@ def test_clean_cli_lists_then_removes_stale_temporaries(zygote, tmp_path):
     dead = 0
     for k in (1, 2, 1, 2, 1):
         dead += zygote.save(path, k, 0.5 * full)[0]  # mid-save: each leaves a torn temporary
-    live = tmp_path / f".other.gdsckpt{TMP_MARK}{os.getpid()}.abcd1234"  # a writer that is alive: kept
+    live = tmp_path / f".other.gdsckpt{TMP_MARK}{os.getpid()}.{HOST_ID}.abcd1234"  # a writer that is alive: kept
     live.write_bytes(b"")
-    junk = tmp_path / f".x{TMP_MARK}notapid.0"
-    junk.write_bytes(b"")
     stale = _temps(tmp_path)
     stale.remove(live)
-    assert len(stale) >= dead and junk in stale
+    assert len(stale) >= dead and stale == stale_temporaries(tmp_path)
     r = subprocess.run([sys.executable, "-m", "gdsckpt", "clean", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 0 and "--yes" in r.stdout and all(str(p) in r.stdout for p in stale), r.stdout + r.stderr

@@ -27,6 +27,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import gdsckpt  # noqa: E402
 from gdsckpt import async_save as async_mod  # noqa: E402
+from gdsckpt.dcp import staging as dcp_staging  # noqa: E402
+from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, item_key  # noqa: E402
 from conftest import SlowSnapshot, assert_same, same  # noqa: E402
 
@@ -307,8 +309,9 @@ def test_checkpoint_ids_and_keys():
 
 
 # ---------------------------------------------------------------- gdsckpt.save_async
-# _GatedSave holds back gdsckpt.api.save, which only snapshot="device" calls: these tests pin that
-# mode's semantics (the default host snapshot: tests/test_async_stallfree.py).
+# _GatedSave holds back the background save of snapshot="device" (save_flat as async_save calls it,
+# which only that mode does off the calling thread): these tests pin that mode's semantics (the
+# default host snapshot: tests/test_async_stallfree.py).
 
 
 def _state(seed: int, n: int = 4096) -> dict:
@@ -318,24 +321,24 @@ def _state(seed: int, n: int = 4096) -> dict:
 
 
 def _clone(state):
-    return async_mod.snapshot_state_dict(state)
+    return dcp_staging.snapshot_state_dict(state)
 
 
 class _GatedSave:
-    """Stands in for gdsckpt.api.save: records when each save ran and can hold one back."""
+    """Stands in for save_flat in async_save: records when each save ran and can hold one back."""
 
     def __init__(self, monkeypatch, hold: float = 0.0):
-        self.real = gdsckpt.api.save
+        self.real = async_mod.save_flat
         self.gate = threading.Event()
         self.hold = hold
         self.spans = []
-        monkeypatch.setattr(gdsckpt.api, "save", self)
+        monkeypatch.setattr(async_mod, "save_flat", self)
 
-    def __call__(self, state, path, **kw):
+    def __call__(self, *a, **kw):
         t0 = time.perf_counter()
         assert self.gate.wait(10)
         time.sleep(self.hold)
-        stats = self.real(state, path, **kw)
+        stats = self.real(*a, **kw)
         self.spans.append((t0, time.perf_counter()))
         return stats
 
@@ -409,14 +412,14 @@ def test_save_async_errors(tmp_path):
 def test_stand_ins_never_share_an_address():
     """GdsckptWriter finds a staged tensor's key by its stand-in's address: more stand-ins than
     one block holds, empty ones among them, every address distinct while the staging lives."""
-    from gdsckpt.dcp import _address, _StandInElements
-    elements, seen = _StandInElements(), set()
-    for i in range(2 * _StandInElements.BLOCK + 10):
+    from gdsckpt.dcp.staging import StandInElements, data_address
+    elements, seen = StandInElements(), set()
+    for i in range(2 * StandInElements.BLOCK + 10):
         one = elements.take(torch.float32 if i % 2 else torch.bfloat16, torch.device("cpu"), i % 3 == 0)
         stand_in = one.reshape(()).expand((0, 3) if i % 5 == 0 else (4, 2))
-        seen.add(_address(stand_in))
+        seen.add(data_address(stand_in))
         assert stand_in.requires_grad == (i % 3 == 0)
-    assert len(seen) == 2 * _StandInElements.BLOCK + 10
+    assert len(seen) == 2 * StandInElements.BLOCK + 10
 
 
 # ---------------------------------------------------------------- GdsckptWriter(optimizer=): overlapped staging
@@ -441,8 +444,8 @@ def _dcp_state(model, opt) -> dict:
 
 
 def _dcp_load(d: Path, like: dict) -> dict:
-    target = async_mod.snapshot_state_dict(like)
-    for t in gdsckpt.dcp._state_tensors(target):
+    target = dcp_staging.snapshot_state_dict(like)
+    for t in dcp_staging.state_tensors(target):
         t.zero_()
     dcp.load(target, storage_reader=GdsckptReader(d), no_dist=True)
     return target
@@ -484,7 +487,7 @@ def test_overlapped_staging_failure_fails_the_upload_and_the_step_goes_on(tmp_pa
     def broken(*a, **kw):
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(gdsckpt.dcp, "stage_compressed", broken)
+    monkeypatch.setattr(dcp_writer, "stage_compressed", broken)
     resp = dcp.async_save(_dcp_state(model, opt), storage_writer=GdsckptWriter(tmp_path / "c", optimizer=opt),
                           no_dist=True)
     # upload_completion only: DCP sets staging_completion to success when the staging future
@@ -509,3 +512,43 @@ def test_overlapped_staging_refuses_what_it_cannot_do(tmp_path):
         GdsckptWriter(tmp_path, optimizer=object())
     with pytest.raises(gdsckpt.errors.DCPPlanError, match="AsyncCheckpointerType.THREAD"):
         pickle.dumps(GdsckptWriter(tmp_path, optimizer=opt))  # what the PROCESS executor would do
+
+
+# ---------------------------------------------------------------- one snapshot vocabulary (issue 19, item 5)
+
+
+def test_writer_takes_save_asyncs_snapshot_names_and_the_earlier_spelling(tmp_path):
+    from gdsckpt.save import Snapshot
+    model, opt = _trained(4)
+    assert GdsckptWriter(tmp_path).snapshot is Snapshot.HOST
+    assert GdsckptWriter(tmp_path, optimizer=opt).snapshot is Snapshot.OVERLAP  # as before: optimizer= overlaps
+    assert GdsckptWriter(tmp_path, snapshot="overlap", optimizer=opt).snapshot is Snapshot.OVERLAP
+    for mode in ("host", "device", "cpu"):
+        assert GdsckptWriter(tmp_path, snapshot=mode).snapshot is Snapshot(mode)
+        assert GdsckptWriter(tmp_path, async_staging=mode).snapshot is Snapshot(mode)  # the earlier spelling
+    assert GdsckptWriter(tmp_path, async_staging="host", optimizer=opt).snapshot is Snapshot.OVERLAP
+    with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', 'cpu', not 'gpu'"):
+        GdsckptWriter(tmp_path, snapshot="gpu")
+    with pytest.raises(ValueError, match="async_staging must be one of 'host', 'device', 'cpu'"):
+        GdsckptWriter(tmp_path, async_staging="overlap")
+    with pytest.raises(ValueError, match="pass one"):
+        GdsckptWriter(tmp_path, snapshot="host", async_staging="host")
+    with pytest.raises(ValueError, match="needs optimizer="):
+        GdsckptWriter(tmp_path, snapshot="overlap")
+    with pytest.raises(ValueError, match="snapshot='host' takes the snapshot before"):
+        GdsckptWriter(tmp_path, snapshot="host", optimizer=opt)
+    with pytest.raises(ValueError, match="unknown codec"):  # the save options are checked here, once
+        GdsckptWriter(tmp_path, codec="lz4")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("mode", ["host", "device", "cpu"])
+def test_async_save_with_each_snapshot_name(tmp_path, mode):
+    model, opt = _trained(5)
+    state = _dcp_state(model, opt)
+    want = _clone(state)
+    fut = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / mode, snapshot=mode), no_dist=True)
+    for t in dcp_staging.state_tensors(state):
+        t.zero_()  # training goes on: none of this may reach the checkpoint
+    getattr(fut, "upload_completion", fut).result(30)
+    assert_same(_dcp_load(tmp_path / mode, want), want)

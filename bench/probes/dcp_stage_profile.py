@@ -4,7 +4,7 @@ Under torchrun, the bench's FSDP2 GPT (gdsckpt-bench --train's model, --size), t
 steps so AdamW holds its state. Then, REPEATS times each, after a training step (its .item()
 has synchronized, as in the bench loop):
   state:     get_state_dict(model, opt) (the DTensor shards the bench checkpoints)
-  stage:     GdsckptWriter.stage(state) = stage_compressed: stand-ins + api._save into the pool,
+  stage:     GdsckptWriter.stage(state) = stage_compressed: stand-ins + save_flat into the pool,
              with the save's own stage timings (Stats.stages)
   async:     the whole dcp.async_save call (stage + DCP's synchronous part), as the bench's
              blocked time
@@ -36,7 +36,8 @@ from torch.distributed.checkpoint import state_dict_saver
 import gdsckpt
 from gdsckpt.bench import ranks, states, train_loop, train_methods
 from gdsckpt.async_save import memory_of, optimizer_memory
-from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter, _drop_staged, snapshot_state_dict
+from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter
+from gdsckpt.dcp.staging import snapshot_state_dict
 
 
 def step(model, opt, batches, device):
@@ -71,8 +72,9 @@ def main():
         w = GdsckptWriter(os.path.join(directory, f"stage-{i}"))
         w.stage(state)
         t2 = time.perf_counter()
-        snap = w._staged[0][3]
-        _drop_staged(w._staged)
+        staged, w._staged[0] = w._staged[0], None  # a probe: the staging itself, dropped unwritten
+        snap = staged.stats
+        staged.drop()
         step(model, opt, batches, device)
         state = ranks.checkpoint_state(model, opt)
         t3 = time.perf_counter()

@@ -29,7 +29,7 @@ for codec in ("ans", "bitcomp"):
         r = {}
         try:
             with gdsckpt.open(q) as ck:
-                r["child"] = {"vet_done": isolated.run(ck, [i], "gpu", 0)}
+                r["child"] = {"vet_done": isolated.run(isolated.IndexedFile(ck.source, ck.index), [i], "gpu", 0)}
         except Exception as e:
             r["child"] = f"{type(e).__name__}: {e}"[:400]
         if not isinstance(r["child"], dict):

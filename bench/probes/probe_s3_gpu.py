@@ -4,7 +4,7 @@ For the GPU host, which has no package index: the S3 server is a moto[server] pr
 127.0.0.1 (carried as wheels; objects held in its memory). Saves a GPU training-like state with
 gdsckpt (typed ANS), uploads the file (boto3 multipart), then times, --rounds times each:
 
-* s3->gpu: gdsckpt.gpu.remote.read_tensors - footer and index by ranged GETs, chunk records by
+* s3->gpu: gdsckpt.open(url).read(..., device='cuda') - footer and index by ranged GETs, chunk records by
   KvikIO RemoteFile into device buffers, verified and decompressed into the tensors; no local file;
 * local: gdsckpt.load(path, device="cuda") with the file's page cache dropped first (cold);
 * download-then-load: boto3 download_file to a local file (fsync'd), then gdsckpt.load (the
@@ -64,7 +64,6 @@ def main() -> int:
 
         import gdsckpt
         from gdsckpt.bench.disk import drop_page_cache
-        from gdsckpt.gpu.remote import read_tensors
         doc["kvikio"] = kvikio.__version__
         doc["remote_file_available"] = kvikio.is_remote_file_available()
         s3 = boto3.client("s3")
@@ -99,7 +98,12 @@ def main() -> int:
 
         rows = []
         for r in range(args.rounds):
-            got, stats = read_tensors(url)
+            t = time.perf_counter()
+            with gdsckpt.open(url) as ck:
+                t_index = time.perf_counter() - t
+                got = ck.read(ck.keys(), device="cuda")
+                torch.cuda.synchronize()
+            stats = {"seconds": time.perf_counter() - t, "index_seconds": t_index, "stages": ck.last_stats.stages}
             ok = same(got)
             del got
             rows.append({"method": "s3->gpu (KvikIO RemoteFile)", "round": r, "seconds": stats["seconds"],
@@ -142,7 +146,7 @@ def main() -> int:
         data[off + 100] ^= 1
         s3.put_object(Bucket="ckpt", Key="run/bad.gdsckpt", Body=bytes(data))
         try:
-            read_tensors("s3://ckpt/run/bad.gdsckpt")
+            gdsckpt.load("s3://ckpt/run/bad.gdsckpt")
             doc["corrupt_object"] = "NOT DETECTED"
         except gdsckpt.ChecksumError as e:
             doc["corrupt_object"] = f"ChecksumError: {e}"

@@ -1,0 +1,29 @@
+"""torch.distributed.checkpoint storage plugin: each rank saves through gdsckpt, PyTorch plans.
+
+    import torch.distributed.checkpoint as dcp
+    from gdsckpt.dcp import GdsckptWriter, GdsckptReader
+
+    dcp.save(state_dict, storage_writer=GdsckptWriter("/ckpt/step100"))
+    dcp.load(state_dict, storage_reader=GdsckptReader("/ckpt/step100"))
+    fut = dcp.async_save(state_dict, storage_writer=GdsckptWriter("/ckpt/step200"),
+                         planner=CachedSavePlanner())  # every save after the first skips DCP's plan exchange
+
+The parts, one job each:
+
+| module | its job |
+| --- | --- |
+| `writer.py` | `GdsckptWriter`: a rank file per rank through save.save_flat; `.metadata` as the commit point |
+| `staging.py` | what dcp.async_save's staging makes of the state dict, per snapshot mode |
+| `reader.py` | `GdsckptReader`: only the chunks each rank needs, decoded into its shards |
+| `metadata.py` | `.metadata` written with a checksum, read with an allowlist unpickler |
+| `planner.py` | `CachedSavePlanner`: DCP's plan cache, reused only while nothing changed |
+| `layout.py` | the directory's file names and each write item's key |
+"""
+
+from .layout import DCP_VERSION, METADATA_FILE, SUFFIX, item_key
+from .planner import CachedSavePlanner
+from .reader import GdsckptReader
+from .writer import GdsckptWriter
+
+__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "DCP_VERSION", "METADATA_FILE", "SUFFIX",
+           "item_key"]

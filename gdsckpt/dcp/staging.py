@@ -1,0 +1,209 @@
+"""GdsckptWriter's staging for dcp.async_save: what the state dict becomes before
+dcp.async_save returns, for each snapshot mode (save.Snapshot).
+
+* `stage_compressed` (HOST, and the background part of OVERLAP): the rank's tensors compressed
+  into the host pool by save_flat, and a stand-in state dict for DCP to plan with.
+* `snapshot_state_dict` (DEVICE, and the call-time part of OVERLAP): a private copy of the
+  state dict, each tensor (a DTensor's local shard) copied on its own device.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..device_copy import cuda_device_of, on_device, snapshot_tensors
+from ..errors import UnsupportedStateError
+from ..host_snapshot import PoolDestination
+from ..save import SaveOptions, save_flat
+from ..stats import Stats
+from ..tree import flatten
+
+__all__ = ["Staged", "StandInElements", "stage_compressed", "snapshot_state_dict", "state_tensors", "data_address"]
+
+
+class StandInElements:
+    """The one element behind each stand-in: a distinct element of a block per (dtype,
+    device), so that no two stand-ins share a data address (write_data finds each one's key
+    by it) while a staging of thousands of tensors allocates a few blocks, not a tensor
+    (and, on a GPU, a kernel) each. Kept alive with the staging."""
+
+    BLOCK = 4096
+
+    def __init__(self):
+        self.blocks: list[torch.Tensor] = []  # all of them: a freed block's addresses could come back
+        self.current: dict[tuple, list] = {}  # (dtype, device) -> [block, elements used]
+
+    def take(self, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.Tensor:
+        entry = self.current.get((dtype, device))
+        if entry is None or entry[1] == self.BLOCK:
+            self.blocks.append(torch.zeros(self.BLOCK, dtype=dtype, device=device))
+            entry = self.current[(dtype, device)] = [self.blocks[-1], 0]
+        one = entry[0][entry[1]:entry[1] + 1]
+        entry[1] += 1
+        # a stand-in of a parameter requires grad as the parameter does
+        return one.detach().requires_grad_(True) if requires_grad else one
+
+
+def data_address(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's data starts, also for one of no elements (whose data_ptr() is 0)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset()
+
+
+def _dtensor_like(d, local: torch.Tensor):
+    """A DTensor of `d`'s global shape, mesh and placements over `local`. DTensor's own
+    constructor with d's (immutable) spec: DTensor.from_local re-derives and validates the
+    spec through an autograd Function, ~0.1 ms a tensor, most of a 1,748-tensor staging's
+    Python time (bench/probes/dcp_stage_profile.py); from_local where that constructor differs."""
+    from torch.distributed.tensor import DTensor
+    try:
+        return DTensor(local, d._spec, requires_grad=local.requires_grad)
+    except (AttributeError, TypeError):
+        return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+
+
+@dataclass
+class Staged:
+    """A compressed staging waiting for GdsckptWriter.write_data: the records in the host pool
+    (`destination`, a PoolDestination with no path yet), and how write_data finds each write
+    item's key: by its stand-in's data_address."""
+
+    destination: PoolDestination
+    keys: dict[tuple[int, int], str]  # data_address of a stand-in -> its key in the rank file
+    shapes: dict[str, tuple]  # key -> the staged tensor's shape
+    stats: Stats  # of the staging's save_flat (path "<staged>", no file yet)
+    elements: StandInElements  # kept alive with the staging: the stand-ins' addresses stay distinct
+
+    def drop(self) -> None:
+        """Give the pool back the records of a staging no write_data will write."""
+        self.destination.job.drop()
+
+
+def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
+    """Compress the tensors of a DCP state dict (DTensor local shards, plain tensors) into this
+    process's host pool, as save_async does; return (stand-in state dict, Staged) where the
+    stand-ins have the shapes, dtypes and DTensor placements of the tensors but hold no memory
+    (one element, expanded) and other values are deep-copied."""
+    from torch.distributed.tensor import DTensor
+
+    tensors: dict[str, torch.Tensor] = {}
+    keys: dict[tuple[int, int], str] = {}  # data_address of a stand-in -> its key
+    shapes: dict[str, tuple] = {}
+    elements = StandInElements()
+
+    def stand_in(t: torch.Tensor, path: str) -> torch.Tensor:
+        if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
+            raise UnsupportedStateError(f"cannot stage a {t.layout} {t.dtype} tensor on {t.device} at {path!r}; "
+                                        "pass snapshot='cpu' to GdsckptWriter")
+        key = path
+        while key in tensors:
+            key += "#"
+        tensors[key] = t.detach()
+        shapes[key] = tuple(t.shape)
+        # On the tensor's own device: DTensor.from_local moves a local tensor that is not on the
+        # mesh's device type, and write_data would then not recognise the copy as staged.
+        one = elements.take(t.dtype, t.device, t.requires_grad and (t.is_floating_point() or t.is_complex()))
+        keys[data_address(one)] = key
+        return one.reshape(()).expand(t.shape)
+
+    def rebuild(o, path: str, depth: int):
+        if depth > 512:
+            raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
+        if isinstance(o, DTensor):
+            return _dtensor_like(o, stand_in(o.to_local(), path))
+        if isinstance(o, torch.Tensor):
+            return stand_in(o, path)
+        sep = "/" if path else ""
+        if isinstance(o, dict):
+            items = [(k, rebuild(v, f"{path}{sep}{k}", depth + 1)) for k, v in o.items()]
+            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
+        if isinstance(o, list):
+            return [rebuild(v, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
+        if isinstance(o, tuple):
+            items = [rebuild(v, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if type(o).__name__ == "ShardedTensor":
+            raise UnsupportedStateError("ShardedTensor cannot be staged compressed; pass snapshot='cpu' "
+                                        "to GdsckptWriter")
+        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
+            return o
+        return copy.deepcopy(o)
+
+    state = rebuild(state_dict, "", 0)
+    skeleton, leaves = flatten(tensors)
+    dest = PoolDestination(None, None, options.chunk_bytes)
+    with on_device(cuda_device_of(tensors.values())):
+        snap = save_flat(skeleton, leaves, dest, options)
+    return state, Staged(dest, keys, shapes, snap, elements)
+
+
+def snapshot_state_dict(obj, keep=lambda t: False):
+    """A private copy of a DCP state dict: tensors (plain or DTensor, whose local shards are
+    copied on their own device) through `snapshot_tensors`, except those for which keep(local
+    tensor) holds (kept as they are); containers rebuilt, any other object deep-copied. The
+    "device" staging of GdsckptWriter, and the call-time part of its overlapped one."""
+    from torch.distributed.tensor import DTensor
+
+    found = state_tensors(obj)
+    kept = [keep(t) for t in found]  # decided once per tensor, in the order rebuild meets them
+    copied = iter(snapshot_tensors([t for t, k in zip(found, kept) if not k]))
+    decisions = iter(kept)
+
+    def rebuild(o):
+        if isinstance(o, DTensor):
+            if next(decisions):
+                return o
+            return DTensor.from_local(next(copied), o.device_mesh, o.placements, run_check=False,
+                                      shape=o.shape, stride=o.stride())
+        if isinstance(o, torch.Tensor):
+            if next(decisions):
+                return o
+            t = next(copied)
+            return torch.nn.Parameter(t, o.requires_grad) if isinstance(o, torch.nn.Parameter) else t
+        if isinstance(o, dict):
+            items = [(k, rebuild(v)) for k, v in o.items()]
+            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
+        if isinstance(o, list):
+            return [rebuild(v) for v in o]
+        if isinstance(o, tuple):
+            items = [rebuild(v) for v in o]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
+            return o
+        return copy.deepcopy(o)
+
+    return rebuild(obj)
+
+
+def state_tensors(obj) -> list[torch.Tensor]:
+    """The tensors of a DCP state dict in walk order (a DTensor's local shard), checked."""
+    from torch.distributed.tensor import DTensor
+
+    found: list[torch.Tensor] = []
+
+    def collect(o, depth=0):
+        if depth > 512:
+            raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
+        if isinstance(o, DTensor):
+            found.append(o.to_local())
+        elif isinstance(o, torch.Tensor):
+            if o.layout != torch.strided or o.device.type not in ("cpu", "cuda") or o.is_quantized:
+                raise UnsupportedStateError(f"cannot snapshot a {o.layout} {o.dtype} tensor on {o.device}; "
+                                   "pass snapshot='cpu' to GdsckptWriter")
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v, depth + 1)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v, depth + 1)
+        elif type(o).__name__ == "ShardedTensor":
+            raise UnsupportedStateError("ShardedTensor cannot be snapshotted on its device; "
+                               "pass snapshot='cpu' to GdsckptWriter")
+
+    collect(obj)
+    return found

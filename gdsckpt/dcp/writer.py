@@ -1,0 +1,353 @@
+"""GdsckptWriter: torch.distributed.checkpoint's storage writer (and async stager) through gdsckpt.
+
+A checkpoint is a directory: one gdsckpt file per rank that had something to write,
+`__{rank}_0.gdsckpt`, holding all of that rank's write items (tensors from the device they
+are on, so a rank's GPU shards are compressed by its own GPU; byte items as uint8 tensors),
+and DCP's own `.metadata` (metadata.py). Each item's storage_data is a plain dict
+{"file": name, "key": key}: nothing of ours is pickled, and planning, deduplication and
+resharding stay with PyTorch's planners.
+
+Commit point: `.metadata`. DCP calls `finish` on the coordinator only after every rank's
+`write_data` succeeded (an exception on any rank is gathered and raised as a
+CheckpointException on every rank, and `finish` does not run). When overwriting, the
+coordinator removes the old `.metadata` before any rank writes, so a failed overwrite leaves
+no committed checkpoint rather than old metadata over a mix of old and new files. `finish`
+writes `.metadata` atomically (storage.atomic_file); every rank file is already durable
+(save_flat into a NewFile fsyncs and renames), so the checkpoint is durable once dcp.save
+returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+import weakref
+from concurrent.futures import Future as ConcurrentFuture
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..defaults import RING_DEPTH
+from ..device_copy import cuda_device_of, on_device, settle
+from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
+from ..overlap import memory_of, optimizer_memory, run_overlapped, wait_for_snapshot
+from ..save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
+from ..stats import Stats
+from ..storage import fsync_dir
+from ..tree import flatten
+from .layout import DCP_VERSION, RANK_FILE, SUFFIX, item_key, local_dir_id, metadata_path
+from .metadata import write_metadata
+from .staging import Staged, data_address, snapshot_state_dict, stage_compressed
+
+__all__ = ["GdsckptWriter", "WRITER_MODES"]
+
+WRITER_MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE, Snapshot.CPU)  # GdsckptWriter(snapshot=)
+
+
+def _staging_mode(snapshot, async_staging, optimizer) -> Snapshot:
+    """GdsckptWriter's snapshot mode from snapshot= or its earlier spelling async_staging= (where
+    "host" with optimizer= means "overlap", as it always did); by default "overlap" where an
+    optimizer is given, else "host"."""
+    if async_staging is not None:
+        if snapshot is not None:
+            raise ValueError("snapshot= and async_staging= (its earlier spelling) name the same choice: pass one")
+        mode = Snapshot.parse(async_staging, (Snapshot.HOST, Snapshot.DEVICE, Snapshot.CPU), "async_staging")
+        keyword = f"async_staging={async_staging!r}"
+        if optimizer is not None and mode is Snapshot.HOST:
+            mode = Snapshot.OVERLAP
+    else:
+        default = Snapshot.OVERLAP if optimizer is not None else Snapshot.HOST
+        mode = Snapshot.parse(default.value if snapshot is None else snapshot, WRITER_MODES)
+        keyword = f"snapshot={mode.value!r}"
+    if optimizer is not None and mode is not Snapshot.OVERLAP:
+        raise ValueError(f"optimizer= overlaps the compressed host snapshot with training (snapshot='overlap'); "
+                         f"{keyword} takes the snapshot before dcp.async_save returns")
+    check_optimizer(mode, optimizer)
+    return mode
+
+
+def _drop_staged(box: list) -> None:
+    staged, box[0] = box[0], None
+    if staged is not None:
+        staged.drop()
+
+
+class GdsckptWriter(StorageWriter, AsyncStager):
+    """StorageWriter for dcp.save / dcp.async_save: one gdsckpt file per rank.
+
+    path: the checkpoint directory (created if missing; the checkpoint_id passed to dcp.save
+    replaces it). overwrite: replace a checkpoint already in the directory (its `.metadata` is
+    removed before any rank writes, and its rank files that the new checkpoint does not use
+    are removed after it commits); False raises instead. codec, chunk_bytes, ring_depth, io,
+    io_threads, backend: passed to gdsckpt.save (backend None: the GPU when a rank's items
+    include CUDA tensors and the GPU backend is usable, else the CPU).
+
+    As dcp.async_save's stager (used when no async_stager is passed), `snapshot` (save.Snapshot,
+    the names save_async takes; `async_staging=` is its earlier spelling and still works)
+    decides where the snapshot lives:
+    - "host" (default): the compressed snapshot of gdsckpt.save_async. `stage` compresses the
+      rank's tensors (its DTensor shards, on their GPU) into this process's host pool (pinned
+      memory; stored bytes, not logical) and returns a stand-in state dict (tensors of the
+      right shapes and dtypes that hold no memory; other values deep-copied) for DCP to plan
+      with; `write_data`, on DCP's background thread, has the writer thread write the pool's
+      bytes to the rank file, fsync and commit it, and never touches the GPU. Extra GPU
+      memory: the save ring. The pool holds the whole rank's stored bytes from `stage` until
+      `write_data` (or until this writer stages again or is garbage collected). The file
+      holds every staged tensor, also replicated ones DCP assigns to another rank. Works
+      with AsyncCheckpointerType.THREAD (the default); the PROCESS executor cannot reach the
+      pool (pickling the writer then raises; use "cpu" there).
+    - "device" copies each tensor on its own device (GPU shards device-to-device on a side
+      stream, synchronized before dcp.async_save returns), so the background save still
+      compresses on the GPU; it costs one full copy of the rank's state on its GPU.
+    - "cpu" stages to host memory as DCP's default stager does (no GPU memory; the background
+      save then compresses on the CPU).
+    After dcp.async_save returns the state dict is safe to mutate; wait on its future before
+    the next save to the same directory.
+
+    - "overlap" (optimizer=opt; the default when optimizer= is given): the compressed snapshot
+    is taken during the next forward/backward, as gdsckpt.save_async(..., snapshot="overlap",
+    optimizer=opt) takes it, under
+    the same contract (gdsckpt/async_save.py): tensors of the state dict that share memory with
+    a parameter of `opt` or a tensor of its state (FSDP2's DTensor shards included) are read
+    by the snapshot until it ends, and a step pre-hook makes the next `opt.step()` wait for
+    it; every other tensor is copied, and every other value deep-copied, before
+    dcp.async_save returns. `stage` then returns a Future, so dcp.async_save returns DCP's
+    AsyncSaveResponse: `staging_completion` (the snapshot) and `upload_completion` (the
+    checkpoint). THREAD executor only, as "host".
+    """
+
+    _synchronize_after_execute = False  # stage() is complete when it returns (or returns a Future)
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, codec="auto",
+                 chunk_bytes: int | None = None, ring_depth: int = RING_DEPTH, io: str = "auto",
+                 io_threads: int | None = None, backend: str | None = None, snapshot: str | None = None,
+                 optimizer=None, async_staging: str | None = None):
+        super().__init__()
+        self.snapshot = _staging_mode(snapshot, async_staging, optimizer)
+        self.optimizer = optimizer
+        self.path = Path(path)
+        self.overwrite = overwrite
+        self.options = SaveOptions(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
+                                   io_threads=io_threads, backend=backend)
+        self.save_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+        self.last_stats: Stats | None = None  # this rank's save Stats from the last write_data
+        self._staged: list[Staged | None] = [None]  # snapshot "host"/"overlap": the staging write_data writes
+        weakref.finalize(self, _drop_staged, self._staged)
+
+    # -- StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _own_metadata(self) -> Path:
+        return metadata_path(self.path, None if self.use_collectives or self.rank is None else self.rank)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta = self._own_metadata()
+        if meta.exists() and not self.overwrite:
+            raise CheckpointExistsError(f"a checkpoint is already committed in {str(self.path)!r} "
+                               f"({meta.name} exists) and overwrite=False")
+        if not self.use_collectives:
+            if self.rank is None:
+                raise DCPPlanError("use_collectives=False needs DCP to pass the rank to set_up_storage_writer")
+            self._uncommit(meta)  # no coordinator: each rank retires its own metadata
+            plan = dataclasses.replace(plan, storage_data=f"__{self.rank}_")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator after every rank planned and before any rank writes.
+        self._uncommit(metadata_path(self.path, None))
+        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=f"__{i}_")
+                for i, p in enumerate(plans)]
+
+    def _uncommit(self, meta: Path) -> None:
+        if meta.exists():
+            meta.unlink()
+            fsync_dir(self.path)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        prefix = plan.storage_data
+        if not isinstance(prefix, str):
+            raise DCPPlanError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
+                               "prepare_global_plan skipped?")
+        name = f"{prefix}0{SUFFIX}"
+        if self._staged[0] is not None:
+            items = [(item, planner.resolve_data(item)) for item in plan.items]  # resolved once: DCP's thread holds the GIL
+            if self._plan_is_staged(items):
+                return self._write_staged(items, prefix)
+            _drop_staged(self._staged)  # staged by an async_save whose write never came; this is another save
+        state: dict[str, torch.Tensor] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            key = item_key(item.index)
+            if key in state:
+                raise DCPPlanError(f"two write items share the key {key!r}")
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
+                    torch.empty(0, dtype=torch.uint8)
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise UnsupportedStateError(f"write item {key!r} resolved to {type(data).__name__}, not a tensor")
+                t = data.detach()
+            state[key] = t
+            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
+                                       storage_data={"file": name, "key": key}))
+        self.last_stats = None
+        if state:
+            settle(state.values())
+            skeleton, leaves = flatten(state)
+            with on_device(cuda_device_of(state.values())):
+                self.last_stats = save_flat(skeleton, leaves, NewFile(self.path / name), self.options)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.version = DCP_VERSION  # as FileSystemWriter: the object dcp.save returns is the one stored
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        write_metadata(self._own_metadata(), metadata)  # the commit point: atomic and durable
+        if self.use_collectives:  # old rank files the new checkpoint does not use (a larger world before)
+            used = {sd["file"] for sd in storage_md.values() if isinstance(sd, dict)}
+            for p in self.path.iterdir():
+                if RANK_FILE.match(p.name) and p.name not in used:
+                    p.unlink(missing_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return local_dir_id(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    def _plan_is_staged(self, items: list) -> bool:
+        """All of the plan's tensors (items: (write item, its resolved data)) are stage()'s
+        stand-ins (True) or none is (another save: False). A mix would write stand-ins, which
+        hold no data, as if they were the state: refused."""
+        keys = self._staged[0].keys
+        found = [isinstance(data, torch.Tensor) and data_address(data) in keys
+                 for item, data in items if item.type != WriteItemType.BYTE_IO]
+        if any(found) and not all(found):
+            raise DCPPlanError(f"{found.count(False)} of the plan's {len(found)} tensors are not the ones this "
+                               "writer's stage() compressed; refusing to write stand-ins as data")
+        return all(found)
+
+    def _write_staged(self, items: list, prefix: str) -> Future:
+        """write_data after a compressed `stage`: the tensor items are in the pool already; the
+        byte items (pickled plain values, small) go to a second file through gdsckpt.save."""
+        staged, self._staged[0] = self._staged[0], None
+        dest, keys, shapes, snap = staged.destination, staged.keys, staged.shapes, staged.stats
+        name, bytes_name = f"{prefix}0{SUFFIX}", f"{prefix}1{SUFFIX}"
+        submitted = False
+        try:
+            byte_state: dict[str, torch.Tensor] = {}
+            results: list[WriteResult] = []
+            for item, data in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    key = item_key(item.index)
+                    buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                    byte_state[key] = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
+                        torch.empty(0, dtype=torch.uint8)
+                    results.append(WriteResult(index=item.index, size_in_bytes=buf.nbytes,
+                                               storage_data={"file": bytes_name, "key": key}))
+                    continue
+                key = keys.get(data_address(data)) if isinstance(data, torch.Tensor) else None
+                if key is None or tuple(data.shape) != shapes[key]:
+                    raise DCPPlanError(f"write item {item_key(item.index)!r} is not a tensor this writer's stage() "
+                                       "compressed (snapshot='host' stages whole tensors and DTensor shards)")
+                results.append(WriteResult(index=item.index, size_in_bytes=data.numel() * data.element_size(),
+                                           storage_data={"file": name, "key": key}))
+            self.last_stats = None
+            if any(r.storage_data["file"] == name for r in results):
+                submitted = True
+                report = dest.submit(self.path / name).done.result()
+                self.last_stats = dataclasses.replace(
+                    snap, path=str(self.path / name), file_bytes=dest.deferred.file_bytes,
+                    io_path="pool-direct" if report.direct_io else "pool-buffered")
+            if byte_state:
+                skeleton, leaves = flatten(byte_state)
+                stats = save_flat(skeleton, leaves, NewFile(self.path / bytes_name),
+                                  dataclasses.replace(self.options, backend="cpu", io="auto", io_threads=None))
+                self.last_stats = self.last_stats or stats
+        finally:
+            if not submitted:
+                dest.job.drop()
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def __getstate__(self):
+        if self._staged[0] is not None or self.optimizer is not None:
+            raise DCPPlanError("GdsckptWriter(snapshot='host' or 'overlap', async_staging='host') keeps the staged "
+                               "checkpoint in this process's host pool, which another process cannot reach: use "
+                               "AsyncCheckpointerType.THREAD, or snapshot='cpu' with the PROCESS executor")
+        return self.__dict__
+
+    # -- AsyncStager (dcp.async_save)
+    def stage(self, state_dict):
+        if self.snapshot in (Snapshot.HOST, Snapshot.OVERLAP):
+            wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
+            _drop_staged(self._staged)  # an earlier staging that no write_data took
+            if self.snapshot is Snapshot.OVERLAP:
+                return self._stage_overlapped(state_dict)
+            state, self._staged[0] = stage_compressed(state_dict, self.options)
+            return state
+        if self.snapshot is Snapshot.CPU:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)
+            finally:
+                stager.close()
+        return snapshot_state_dict(state_dict)
+
+    def _stage_overlapped(self, state_dict) -> ConcurrentFuture:
+        guarded = optimizer_memory(self.optimizer)
+        frozen = snapshot_state_dict(state_dict, keep=lambda t: memory_of(t) in guarded)
+        staging: ConcurrentFuture = ConcurrentFuture()
+        staging.set_running_or_notify_cancel()
+
+        def finish(result, error):
+            if error is not None:
+                staging.set_exception(error)
+            else:
+                state, self._staged[0] = result
+                staging.set_result(state)
+
+        # the snapshot reads in place only the optimizer's memory: its GPU is the one to fence
+        gpu = next((device.index for device, _ in guarded if device.type == "cuda"), None)
+        run_overlapped(lambda: stage_compressed(frozen, self.options), gpu, self.optimizer, finish)
+        return staging
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

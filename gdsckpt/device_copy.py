@@ -1,0 +1,77 @@
+"""Copies of tensors on their own device, off the training stream: the side streams a snapshot
+uses and `snapshot_tensors`, the full device copy behind save_async(snapshot="device"), the
+buffers an overlapped snapshot copies, and GdsckptWriter's device staging. With them, the
+small CUDA-device helpers the savers share."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+
+import torch
+
+__all__ = ["side_stream", "snapshot_tensors", "cuda_device_of", "on_device", "settle"]
+
+_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
+    """One CUDA stream per purpose ("copy": device-to-host copies; "snapshot": save_async's
+    device copies and fences) and GPU, made once: creating streams per save would leak them."""
+    with _streams_lock:
+        s = _streams.get((purpose, device.index))
+        if s is None:
+            s = _streams[(purpose, device.index)] = torch.cuda.Stream(device=device)
+        return s
+
+
+def snapshot_tensors(tensors: list) -> list:
+    """Contiguous private copies of `tensors`, each on the tensor's own device; complete on return.
+
+    CUDA tensors are copied on a per-GPU side stream that waits for the GPU's current stream;
+    the side streams are synchronized before returning."""
+    out: list = [None] * len(tensors)
+    by_gpu: dict[torch.device, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        t = t.detach()
+        if t.is_cuda:
+            by_gpu[t.device].append(i)
+        else:
+            out[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    used = []
+    for dev, idx in by_gpu.items():
+        side = side_stream("snapshot", dev)
+        with torch.cuda.device(dev):
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for i in idx:
+                    src = tensors[i].detach()
+                    out[i] = torch.empty(src.shape, dtype=src.dtype, device=dev)
+                    out[i].copy_(src, non_blocking=True)
+        used.append(side)
+    for side in used:
+        side.synchronize()
+    return out
+
+
+def cuda_device_of(tensors) -> int | None:
+    """The CUDA device index of the first CUDA tensor of `tensors`; None if none is on a GPU."""
+    for t in tensors:
+        if t.is_cuda:
+            return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return None
+
+
+def on_device(index: int | None):
+    """Make CUDA device `index` current (gdsckpt's GPU backend works on the current one, and a new
+    thread's current device is 0, not the caller's); None: nothing to do."""
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
+def settle(tensors) -> None:
+    """Wait for work the caller queued on its current CUDA stream(s), which may still be writing
+    these tensors (gdsckpt's ring runs on its own stream)."""
+    for dev in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()

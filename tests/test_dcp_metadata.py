@@ -1,0 +1,210 @@
+"""A DCP checkpoint's `.metadata` (issue 20, finding 5): never read with an unrestricted unpickler.
+
+A pickle payload planted in `.metadata` (in the bucket, or on disk) is refused with a
+CheckpointFormatError naming the file, and the test proves it never ran; a damaged `.metadata`
+(every single flipped byte, truncated, empty) is a CheckpointFormatError naming the file, which
+the manager's restore falls back past; the metadata gdsckpt writes, and DCP's own tools'
+reading of it, keep working.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.distributed.checkpoint.metadata as dcp_metadata  # noqa: E402
+
+import gdsckpt  # noqa: E402
+from gdsckpt.dcp import GdsckptReader, GdsckptWriter  # noqa: E402
+from gdsckpt.dcp.metadata import TRAILER_MAGIC, read_metadata  # noqa: E402
+from conftest import all_dtype_tensors, assert_same  # noqa: E402
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "dtypes": all_dtype_tensors(n=16),
+            "strided": torch.randn(6, 4).t(), "empty": torch.empty(0, 3),
+            "meta": {"step": 7, "name": "run", "lrs": [1e-3, None]}}
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), storage_writer=GdsckptWriter(tmp_path / "ck"), no_dist=True)
+    return tmp_path / "ck"
+
+
+def _load(d: Path) -> dict:
+    target = _state()
+    for t in _tensors(target):
+        t.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=GdsckptReader(d), no_dist=True)
+    return target
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+# ---------------------------------------------------------------- our own metadata
+
+
+def test_our_metadata_loads_and_dcps_own_reader_still_reads_it(saved):
+    data = (saved / ".metadata").read_bytes()
+    assert data[-16:-8] == TRAILER_MAGIC
+    assert_same(_load(saved), _state())
+    ours = read_metadata(saved / ".metadata")
+    theirs = dcp.FileSystemReader(saved).read_metadata()  # DCP's plain pickle.load stops before the trailer
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+    assert isinstance(ours, dcp_metadata.Metadata) and ours.version == gdsckpt.dcp.DCP_VERSION
+
+
+def test_metadata_written_before_the_trailer_still_loads(saved):
+    """A step saved by an earlier gdsckpt (the pickle alone, as FileSystemWriter writes it)."""
+    meta = saved / ".metadata"
+    meta.write_bytes(pickle.dumps(read_metadata(meta)))
+    assert_same(_load(saved), _state())
+
+
+# ---------------------------------------------------------------- payloads
+
+
+class _Payload:
+    """What an attacker who can write the bucket plants: unpickling it runs a shell command."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class _Eval:
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return eval, (self.code,)
+
+
+def _with_trailer(data: bytes) -> bytes:
+    from gdsckpt.checksum import crc64nvme
+    import struct
+    return data + TRAILER_MAGIC + struct.pack("<Q", crc64nvme(data))
+
+
+def _payloads(marker: Path, metadata) -> dict[str, bytes]:
+    run = f"touch {marker}"
+    hidden = pickle.loads(pickle.dumps(metadata))
+    hidden.planner_data = {"model.0.weight": _Payload(run)}  # inside an otherwise valid Metadata
+    return {
+        "os.system": pickle.dumps(_Payload(run)),
+        "os.system, trailer forged": _with_trailer(pickle.dumps(_Payload(run))),
+        "eval": pickle.dumps(_Eval(f"__import__('pathlib').Path({str(marker)!r}).touch()")),
+        "inside real metadata": _with_trailer(pickle.dumps(hidden)),
+        "protocol 0": pickle.dumps(_Payload(run), protocol=0),
+        "torch.load": pickle.dumps(_Reduce(torch.load, (str(marker),))),
+    }
+
+
+class _Reduce:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_a_pickle_payload_is_refused_and_never_runs(saved, tmp_path):
+    marker = tmp_path / "payload-ran"
+    meta = saved / ".metadata"
+    real = read_metadata(meta)
+    for name, payload in _payloads(marker, real).items():
+        meta.write_bytes(payload)
+        with pytest.raises(gdsckpt.CheckpointFormatError, match="refused") as info:
+            GdsckptReader(saved).read_metadata()
+        assert str(meta) in str(info.value) and info.value.path == meta, name
+        with pytest.raises(BaseException, match="refused"):  # DCP wraps it (CheckpointException) on the way up
+            _load(saved)
+        assert not marker.exists(), f"the {name} payload ran"
+    # and the pickle module itself was never handed the file: control, with plain pickle.loads
+    with pytest.raises(FileNotFoundError):
+        pickle.loads(_payloads(marker, real)["torch.load"])
+    pickle.loads(_payloads(marker, real)["os.system"])
+    assert marker.exists()  # the payload is live: what the reader refused would have run
+
+
+def test_a_payload_cannot_change_the_classes_it_is_allowed(saved):
+    """BUILD sets attributes on whatever the pickle holds, a class included; the allowed classes
+    come out of a refused file as they went in."""
+    payload = (b"\x80\x04" + pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\nMetadata\n"  # the class
+               + pickle.NONE + pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + bytes([6]) + b"__eq__" + pickle.NONE
+               + pickle.SETITEM + pickle.TUPLE2  # state: (None, {"__eq__": None})
+               + pickle.BUILD + pickle.STOP)  # setattr(Metadata, "__eq__", None)
+    (saved / ".metadata").write_bytes(payload)
+    eq = dcp_metadata.Metadata.__eq__
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="sets attributes of Metadata"):
+        read_metadata(saved / ".metadata")
+    assert dcp_metadata.Metadata.__eq__ is eq
+
+
+# ---------------------------------------------------------------- damage
+
+
+def test_every_flipped_byte_is_a_format_error_naming_the_file(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3), "h": torch.zeros(2, dtype=torch.bfloat16), "meta": {"step": 1}},
+                 storage_writer=GdsckptWriter(tmp_path), no_dist=True)
+    meta = tmp_path / ".metadata"
+    good = meta.read_bytes()
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 0x10
+        meta.write_bytes(bytes(bad))
+        with pytest.raises(gdsckpt.CheckpointFormatError) as info:
+            read_metadata(meta)
+        assert info.value.path == meta and str(meta) in str(info.value), i
+
+
+@pytest.mark.parametrize("cut", ["empty", "one byte", "half", "all but the trailer's last byte", "pickle only, cut"])
+def test_a_truncated_or_empty_metadata_is_a_format_error(saved, cut):
+    meta = saved / ".metadata"
+    good = meta.read_bytes()
+    keep = {"empty": 0, "one byte": 1, "half": len(good) // 2, "all but the trailer's last byte": len(good) - 1,
+            "pickle only, cut": len(good) - 17}[cut]
+    meta.write_bytes(good[:keep])
+    with pytest.raises(gdsckpt.CheckpointFormatError, match=r"\.metadata") as info:
+        GdsckptReader(saved).read_metadata()
+    assert info.value.path == meta
+
+
+def test_not_metadata_at_all_is_a_format_error(saved):
+    meta = saved / ".metadata"
+    for obj in ({"a": 1}, [1, 2], "x", None):
+        meta.write_bytes(pickle.dumps(obj))
+        with pytest.raises(gdsckpt.CheckpointFormatError, match="not DCP metadata"):
+            read_metadata(meta)
