@@ -347,12 +347,12 @@ def metadata_problem(meta) -> str | None:
         for k, v in entry.items():
             if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
                 return f"_metadata[{prefix!r}][{k!r}] is not a str mapped to a plain value"
-            if isinstance(v, int) and not -_INT_LIMIT < v < _INT_LIMIT:
+            if isinstance(v, int) and not -INT_LIMIT < v < INT_LIMIT:
                 return f"_metadata[{prefix!r}][{k!r}] has more digits than a reader accepts"
     return None
 
 
-_INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
+INT_LIMIT = 10 ** 4300  # Python's JSON reader refuses longer ints (sys.get_int_max_str_digits)
 SHARED_TENSORS = ODICT = (1, 1)  # the first format version with aliases and {"odict": ...} nodes
 # Tensor placements that load as a NumPy array, a NumPy scalar or bytes (1.1, FORMAT.md): what the
 # placed tensor must be for that to come back exactly.

@@ -24,7 +24,7 @@ import torch
 from . import dtypes
 from .errors import UnsupportedStateError
 from .stateful import is_stateful, state_of
-from .format import _INT_LIMIT, MAX_DEPTH, MAX_NDIM, MAX_TENSORS, metadata_problem, shape_problem
+from .format import INT_LIMIT, MAX_DEPTH, MAX_NDIM, MAX_TENSORS, metadata_problem, shape_problem
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -82,7 +82,7 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise UnsupportedStateError(f"dict key {k!r} at {key or '<root>'!r} is a {type(k).__name__}; "
                                                 "only str and int keys can be saved")
-                if isinstance(k, int) and not -_INT_LIMIT < k < _INT_LIMIT:
+                if isinstance(k, int) and not -INT_LIMIT < k < INT_LIMIT:
                     raise UnsupportedStateError(
                         f"int key at {key or '<root>'!r} has more than 4300 digits, more than a reader accepts")
                 items.append([k, walk(v, f"{key}{sep}{k}", depth + 1)])
@@ -101,7 +101,7 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             kind = "list" if isinstance(obj, list) else "tuple"
             return {kind: [walk(v, f"{key}{sep}{i}", depth + 1) for i, v in enumerate(obj)]}
         if isinstance(obj, _PLAIN):
-            if isinstance(obj, int) and not -_INT_LIMIT < obj < _INT_LIMIT:
+            if isinstance(obj, int) and not -INT_LIMIT < obj < INT_LIMIT:
                 raise UnsupportedStateError(
                     f"int at {key or '<root>'!r} has more than 4300 digits, more than a reader accepts")
             return {"value": obj}
