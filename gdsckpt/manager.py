@@ -33,6 +33,7 @@ uploads; every rank saves and restores.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import threading
 import warnings
@@ -101,6 +102,8 @@ class Checkpointer:
         else:  # read-only: a step from the store is downloaded elsewhere
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
+        if self._lock is not None:
+            self._remove_leftovers()
         self._deleting = threading.Lock()  # one deleter at a time: the uploader's retention and a save's
         self._closed = False
         self._pending: tuple[int, Future] | None = None
@@ -115,6 +118,14 @@ class Checkpointer:
                 newest = self.layout.local_steps()
                 if newest:  # a restarted run: its newest step may never have reached the store
                     self.remote.enqueue(newest[-1])
+
+    def _remove_leftovers(self) -> None:
+        for p in self.layout.leftovers():
+            log.info("gdsckpt: removing %s, left by a restore that was killed", p)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ steps
     def remote_steps(self) -> dict[int, dict]:

@@ -19,12 +19,17 @@ from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from . import api
+from .dirlock import pid_alive
 from .errors import CheckpointFormatError, GdsckptError, VersionError
 from .storage import fsync_dir
 
 SUFFIX = ".gdsckpt"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"^step_(\d{8,})(\.gdsckpt)?$")
+# Where a restore puts a step from the store: a file step, named with the restoring pid
+# (FileSteps.fetched), and a DCP step's directory, renamed into place once complete (DcpSteps.fetched).
+_FILE_DOWNLOAD = re.compile(r"\.step_\d{8,}\.gdsckpt\.download\.(\d{1,10})")
+_DCP_DOWNLOAD = re.compile(r"\.step_\d{8,}\.download")
 # What restore falls back from: a step that is damaged, incomplete or unreadable. A state that
 # does not match the checkpoint, or a codec this machine lacks, is the caller's to fix: raised.
 DAMAGE = (CheckpointFormatError, OSError)
@@ -38,6 +43,17 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
     """(step, distributed) of a step's file or directory name; None for any other name."""
     m = _STEP.match(name)
     return (int(m.group(1)), not m.group(2)) if m else None
+
+
+def download_temporaries(directory: Path) -> list[Path]:
+    """Step files downloaded by a restore whose process is gone from this host (killed while
+    loading one): regular files named exactly as FileSteps.fetched names them."""
+    out = []
+    for entry in os.scandir(directory):
+        m = _FILE_DOWNLOAD.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+            out.append(Path(entry.path))
+    return sorted(out)
 
 
 def check_step(path: Path, deep: bool) -> str:
@@ -109,6 +125,9 @@ class StepLayout(Protocol):
         """The step brought from `store` (a gdsckpt.remote.ObjectStore): (local path, what to
         call it) while the context lasts."""
 
+    def leftovers(self) -> list[Path]:
+        """What killed restores left in the directory, for the lock holder to remove."""
+
 
 class _Steps:
     distributed: bool
@@ -171,6 +190,9 @@ class FileSteps(_Steps):
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         return [(self.path(step), self.name(step))]
+
+    def leftovers(self) -> list[Path]:
+        return download_temporaries(self.directory)
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
@@ -269,6 +291,11 @@ class DcpSteps(_Steps):
         parts = sorted(f.name for f in p.iterdir() if f.is_file() and not f.name.startswith(".tmp"))
         parts.sort(key=lambda n: n == DCP_METADATA)  # DCP's commit point goes last
         return [(p / part, f"{name}/{part}") for part in parts]
+
+    def leftovers(self) -> list[Path]:
+        # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's
+        return sorted(Path(e.path) for e in os.scandir(self.directory)
+                      if _DCP_DOWNLOAD.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
