@@ -108,6 +108,7 @@ class Checkpointer:
         self._closed = False
         self._pending: tuple[int, Future] | None = None
         self._saves = 0
+        self._reported: set[int] = set()  # damaged local steps already logged
         self.remote: RemoteTier | None = None
         if remote is not None:
             from .remote import ObjectStore
@@ -228,7 +229,10 @@ class Checkpointer:
                 self.layout.delete(s)
 
     def _doomed_local(self) -> list[int]:
-        """Local steps the policy lets go now."""
+        """Local steps the policy lets go now. A damaged step does not count toward `keep`
+        (footer and index checked, once per step); and before the step that would be the only
+        intact one left loses its older company, its every chunk is verified (once, a full read)
+        unless the store holds a verified copy of it."""
         local = self.layout.local_steps()
         protected: set[int] = set()
         uploaded = None
@@ -237,11 +241,32 @@ class Checkpointer:
         pending = self._pending
         if pending is not None:
             protected.add(pending[0])
-        return self.policy.doomed_local(local, protected, uploaded, remote=self.remote is not None)
+        while True:
+            damaged = self._damaged(local, deep=())
+            doomed = self.policy.doomed_local(local, set(damaged), protected, uploaded, remote=self.remote is not None)
+            left = [s for s in local if s not in damaged and s not in doomed]
+            if not doomed or len(left) != 1 or (uploaded and left[0] in uploaded):
+                return doomed
+            if not self._damaged([left[0]], deep=(left[0],)):
+                return doomed
+
+    def _damaged(self, steps: list[int], deep) -> dict[int, str]:
+        """{step: why} of `steps` that are not intact (those in `deep`: every chunk checked);
+        a newly found one is logged."""
+        out = {}
+        for s in steps:
+            why = self.layout.damage(s, deep=s in deep)
+            if why is not None:
+                out[s] = why
+                if s not in self._reported:
+                    self._reported.add(s)
+                    log.warning("gdsckpt: local step %d is damaged; it does not count toward keep=%d: %s", s,
+                                self.policy.keep, why)
+        return out
 
     def prune(self, *, dry_run: bool = False) -> dict:
         """Apply the retention policy now (as after every save and upload); dry_run: only say
-        what would go. {"local": [steps], "remote": [steps]}."""
+        what would go. {"local": [steps], "remote": [steps], "damaged": {local step: why}}."""
         if not dry_run:
             self._writable("prune")
         if self.remote is not None:
@@ -252,14 +277,15 @@ class Checkpointer:
             self._retain()
             if self.remote is not None:
                 self.remote.retain()
-        return {"local": local, "remote": remote}
+        return {"local": local, "remote": remote, "damaged": self.layout.known_damage()}
 
     def status(self) -> dict:
         """The remote tier's state: queue depth, the step in flight, uploaded steps, throughput
         (bytes / seconds of upload + verify, per upload and overall), skipped steps, last errors;
-        and the local steps."""
+        the local steps, and those found damaged ({step: why}: retention's checks)."""
         st = self.remote.status() if self.remote is not None else no_remote_status()
         st["local_steps"] = self.layout.local_steps()
+        st["local_damage"] = self.layout.known_damage()
         return st
 
     # ------------------------------------------------------------ restoring
