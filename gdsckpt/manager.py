@@ -38,13 +38,14 @@ import tempfile
 import threading
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
+from .rollback import PendingRollback, RollbackJournal
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
 
 __all__ = ["Checkpointer", "Restored", "step_name"]
@@ -115,7 +116,12 @@ class Checkpointer:
             self.remote = RemoteTier(ObjectStore(remote, **(remote_options or {})), self.layout, self.policy,
                                      upload=self._owner and upload and not self.read_only,
                                      after_upload=self._retain)
-            if self.remote.uploading:
+        self._journal = RollbackJournal(self.directory)
+        self._rolling = threading.RLock()  # the record's updates: here, and the uploader's once the store's part is done
+        self._rollback = self._journal.read()
+        if self._rollback is not None:  # a rollback killed part-way, or whose store could not be reached
+            self._resume_rollback(self._rollback)
+        if self.remote is not None and self.remote.uploading:
                 newest = self.layout.local_steps()
                 if newest:  # a restarted run: its newest step may never have reached the store
                     self.remote.enqueue(newest[-1])
@@ -127,6 +133,76 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ rollback
+    def rollback(self, step: int) -> list[int]:
+        """Go back to `step`: every newer step is removed, here and on the store, so that nothing
+        brings it back (a fresh manager's restore() included), and save(step + k) works. Call it
+        on every rank under torch.distributed. Recorded before anything goes, so a manager killed
+        part-way finishes it when the directory is next opened; a store that cannot be reached
+        has its part done before any upload (meanwhile its newer steps do not count: status()'s
+        'rollback_pending'). Returns the steps removed (the store's once reached)."""
+        step = whole_number("step", step, 0)
+        self._writable(f"roll back to step {step}")
+        self.wait()
+        if step not in self.steps():
+            raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
+                                    + (f" or {self.remote.url()}" if self.remote is not None else ""))
+        gone: list[int] = []
+        if self._owner:
+            prev = self._rollback.store_to if self._rollback is not None else None
+            store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
+            # (a pending store part stays: nothing newer than `prev` has been uploaded since)
+            gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
+        self.layout.barrier()
+        return gone
+
+    def _resume_rollback(self, pending: PendingRollback) -> list[int]:
+        """Do what `pending` still has to: the directory's part at once, the store's through the
+        remote tier (a read-only manager or a rank that does not own the directory: nothing is
+        removed, the steps only stop counting)."""
+        acts = self._lock is not None
+        gone: set[int] = set()
+        with self._rolling:
+            if acts:
+                self._journal.write(pending)
+            self._rollback = pending
+            if acts and pending.local_to is not None:
+                for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
+                    log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
+                             self.layout.path(s))
+                    self.layout.delete(s)
+                    gone.add(s)
+                self._rollback_done(local=True)
+        store_to = self._rollback.store_to if self._rollback is not None else None
+        if store_to is not None and self.remote is not None:
+            removed = self.remote.abandon_newer_than(store_to, then=lambda: self._rollback_done(store_to=store_to),
+                                                     remove=acts)
+            gone |= set(removed or ())
+        return sorted(gone)
+
+    def _rollback_done(self, *, local: bool = False, store_to: int | None = None) -> None:
+        """Record a part of the pending rollback done: the directory's (local), or the store's
+        for `store_to` (unless a later rollback has replaced it)."""
+        with self._rolling:
+            p = self._rollback
+            if p is None:
+                return
+            if local:
+                p = replace(p, local_to=None)
+            if store_to is not None and p.store_to == store_to:
+                p = replace(p, store_to=None)
+            if self._lock is not None:
+                self._journal.write(p)
+            self._rollback = None if p == PendingRollback(None, None) else p
+
+    def _local_steps(self) -> list[int]:
+        """The committed local steps, less those a pending rollback abandoned (a read-only manager's view)."""
+        local = self.layout.local_steps()
+        p = self._rollback
+        if p is not None and p.local_to is not None:
+            local = [s for s in local if s <= p.local_to]
+        return local
 
     # ------------------------------------------------------------ steps
     def remote_steps(self) -> dict[int, dict]:
@@ -145,7 +221,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Committed steps, here and (remote tier on) on the store, oldest first."""
-        return sorted(set(self.layout.local_steps()) | set(self._remote_or_nothing()))
+        return sorted(set(self._local_steps()) | set(self._remote_or_nothing()))
 
     def latest_step(self) -> int | None:
         s = self.steps()
@@ -300,7 +376,7 @@ class Checkpointer:
         if step is not None:
             step = whole_number("step", step, 0)
         self.wait()
-        local = set(self.layout.local_steps())
+        local = set(self._local_steps())
         remote = self._remote_or_nothing()
         if step is not None:
             candidates = [step]

@@ -161,6 +161,9 @@ class StepLayout(Protocol):
     def leftovers(self) -> list[Path]:
         """What killed restores left in the directory, for the lock holder to remove."""
 
+    def barrier(self) -> None:
+        """Every rank reaches this point before any goes on (one process: nothing to wait for)."""
+
     def damage(self, step: int, deep: bool = False) -> str | None:
         """Why the committed step is not intact, or None (step_damage); each check runs once per
         version of the step's files."""
@@ -196,6 +199,9 @@ class _Steps:
 
     def name(self, step: int) -> str:
         return step_name(step, self.distributed)
+
+    def barrier(self) -> None:
+        pass
 
     def path(self, step: int) -> Path:
         return self.directory / self.name(step)
@@ -277,6 +283,10 @@ class DcpSteps(_Steps):
 
     def committed(self, path: Path) -> bool:
         return path.is_dir() and (path / DCP_METADATA).is_file()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
 
     def save(self, step: int, state) -> object:
         import torch.distributed.checkpoint as dcp
