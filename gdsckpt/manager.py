@@ -91,6 +91,10 @@ class Checkpointer:
         if self.distributed:
             import torch.distributed as dist
             self.rank = dist.get_rank()
+        store = None
+        if remote is not None:  # before the lock: a bad URL or option is refused with nothing held
+            from .remote import ObjectStore
+            store = ObjectStore(remote, **(remote_options or {}))
         self.directory.mkdir(parents=True, exist_ok=True)
         self._owner = self.rank == 0
         self._lock = try_lock(self.directory) if self._owner else None
@@ -103,28 +107,38 @@ class Checkpointer:
         else:  # read-only: a step from the store is downloaded elsewhere
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
-        if self._lock is not None:
-            self._remove_leftovers()
         self._deleting = threading.Lock()  # one deleter at a time: the uploader's retention and a save's
         self._closed = False
         self._pending: tuple[int, Future] | None = None
         self._saves = 0
         self._reported: set[int] = set()  # damaged local steps already logged
-        self.remote: RemoteTier | None = None
-        if remote is not None:
-            from .remote import ObjectStore
-            self.remote = RemoteTier(ObjectStore(remote, **(remote_options or {})), self.layout, self.policy,
-                                     upload=self._owner and upload and not self.read_only,
-                                     after_upload=self._retain)
         self._journal = RollbackJournal(self.directory)
         self._rolling = threading.RLock()  # the record's updates: here, and the uploader's once the store's part is done
-        self._rollback = self._journal.read()
-        if self._rollback is not None:  # a rollback killed part-way, or whose store could not be reached
-            self._resume_rollback(self._rollback)
+        self._rollback: PendingRollback | None = None
+        self.remote: RemoteTier | None = None
+        if store is not None:
+            self.remote = RemoteTier(store, self.layout, self.policy,
+                                     upload=self._owner and upload and not self.read_only, after_upload=self._retain)
+        try:
+            self._open()
+        except BaseException:
+            if self.remote is not None:
+                self.remote.close(wait=False, timeout=0)
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _open(self) -> None:
+        """What a manager finds to finish in its directory, before its first upload."""
+        if self._lock is not None:
+            self._remove_leftovers()
+        pending = self._journal.read()
+        if pending is not None:  # a rollback killed part-way, or whose store could not be reached
+            self._resume_rollback(pending)
         if self.remote is not None and self.remote.uploading:
-                newest = self.layout.local_steps()
-                if newest:  # a restarted run: its newest step may never have reached the store
-                    self.remote.enqueue(newest[-1])
+            newest = self.layout.local_steps()
+            if newest:  # a restarted run: its newest step may never have reached the store
+                self.remote.enqueue(newest[-1])
 
     def _remove_leftovers(self) -> None:
         for p in self.layout.leftovers():

@@ -143,3 +143,16 @@ def test_a_killed_rollback_is_finished_by_the_next_manager(tmp_path, s3_env):
         assert ck.steps() == [1, 2] and ck.status()["rollback_pending"] is None
     assert not (tmp_path / JOURNAL_NAME).exists()
     assert _steps_on(store) == _uploaded(1, 2)
+
+
+def test_a_damaged_rollback_record_is_refused_naming_it(tmp_path):
+    import gdsckpt
+    with Checkpointer(tmp_path, save_options=OPTS) as ck:
+        ck.save(1, state_for(1, n=100))
+    (tmp_path / JOURNAL_NAME).write_text('{"local_to": "2"}')
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="a rollback's record is damaged") as e:
+        Checkpointer(tmp_path)
+    assert str(tmp_path / JOURNAL_NAME) in str(e.value)
+    (tmp_path / JOURNAL_NAME).unlink()
+    with Checkpointer(tmp_path) as ck:  # the failed open released the lock
+        assert ck.steps() == [1]
