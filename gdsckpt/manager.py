@@ -11,7 +11,8 @@ S3-compatible object store in the background, restored from the newest intact st
 
 The parts: the steps' layout in the directory (gdsckpt/steps.py: a file per step, or a DCP
 directory per step under torch.distributed), the object-store tier (gdsckpt/remote_tier.py), the
-policy (gdsckpt/policy.py), the directory lock (gdsckpt/dirlock.py). This module orchestrates.
+policy (gdsckpt/policy.py), the directory lock (gdsckpt/dirlock.py), the record of a rollback in
+progress (gdsckpt/rollback.py). This module orchestrates.
 
 The policy:
 * keep the newest `keep` steps locally;
@@ -20,7 +21,11 @@ The policy:
   on, once it or a newer step is uploaded: a step waiting for (or in) an upload is never
   deleted, so the only copy of the newest state never goes; the remote keeps the newest
   `keep_remote` uploaded steps (None: all);
+* a damaged local step (its footer or index, or a DCP step's .metadata) does not count toward
+  `keep`: retention never deletes the newest intact step (status()['local_damage']);
 * local checkpointing goes on while the store is down.
+
+rollback(step) goes back to an earlier step: the newer ones leave the directory and the store.
 
 One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes a second
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
@@ -255,7 +260,8 @@ class Checkpointer:
         local = self.layout.local_steps()
         if local and step <= local[-1]:
             raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
-                             f"{str(self.directory)!r} (delete the newer steps, or use a new directory)")
+                             f"{str(self.directory)!r} (rollback(n) with n < {step} removes "
+                             "the newer steps; or use a new directory)")
         return step
 
     def save(self, step: int, state) -> object:
