@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import api
+from . import api, codecs
 from .errors import GdsckptError
-from .storage import TMP_MARK
+from .storage import stale_temporaries
 
 
 def _size(n: float) -> str:
@@ -65,22 +65,6 @@ def cmd_convert(args) -> int:
     print(f"{args.src} -> {args.dst}: codec {args.codec}, {_size(stats.logical_bytes)} logical, "
           f"{_size(stats.stored_bytes)} stored ({1 - stats.ratio:.1%} saved)")
     return 0
-
-
-def stale_temporaries(directory: Path) -> list[Path]:
-    """Temporaries whose writer process is gone (a save that was killed)."""
-    out = []
-    for p in directory.iterdir():
-        if TMP_MARK not in p.name or not p.is_file():
-            continue
-        try:
-            pid = int(p.name.split(TMP_MARK, 1)[1].split(".")[0])
-            os.kill(pid, 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            out.append(p)
-        except PermissionError:
-            pass  # alive, another user's
-    return sorted(out)
 
 
 def cmd_clean(args) -> int:
@@ -286,7 +270,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("convert", help="rewrite with another codec (zstd: readable on any CPU)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--codec", default="zstd", choices=["zstd", "raw", "ans", "bitcomp", "auto"])
+    p.add_argument("--codec", default="zstd", choices=[*codecs.ALL_CODECS, "auto"])
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves and restores")
     p.add_argument("directory")

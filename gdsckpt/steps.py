@@ -91,7 +91,7 @@ def metadata_damage(path: Path) -> str | None:
         GdsckptReader(path).read_metadata()
     except VersionError:
         raise
-    except Exception as e:  # any failure to read it makes the step unusable
+    except DAMAGE as e:  # damaged, truncated, empty, a planted payload (dcp.metadata refuses it), unreadable
         return f"{type(e).__name__}: {e}"
     return None
 

@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from gdsckpt import cli
 from gdsckpt.manager import Checkpointer, step_name
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
@@ -93,8 +91,6 @@ def test_a_killed_restores_download_is_removed_by_clean_and_the_next_manager(tmp
         assert ck.restore().step == 2
 
 
-@pytest.mark.xfail(strict=True, reason="the exact temporary pattern comes with storage.stale_temporaries "
-                                       "(the save seam's): cli.clean must use it")
 def test_clean_removes_only_the_librarys_temporaries(tmp_path):
     user = tmp_path / "notes.gdsckpt-tmp.txt"
     user.write_text("mine")

@@ -71,7 +71,7 @@ def _scenarios(rank: int, root: Path, url: str) -> None:
     state = sharded(full_state(3), mesh)
     params = [torch.nn.Parameter(state[k]) for k in ("w", "emb")]  # FSDP2's way: DTensor parameters
     opt = torch.optim.SGD(params, lr=1.0)
-    from gdsckpt.async_save import memory_of, optimizer_memory
+    from gdsckpt.overlap import memory_of, optimizer_memory
     assert {memory_of(state["w"]), memory_of(state["emb"])} <= optimizer_memory(opt)  # read, not copied
     before = params[0].to_local().clone()
     ck.save_async(3, state, optimizer=opt)
