@@ -20,6 +20,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     BucketNotFoundError, CheckpointLockedError, NoCheckpointError, RemoteAccessError, RemoteNotFoundError,
     RemoteStoreError, RemoteUnavailableError,
 )
+from .errors import RemoteTimeoutError  # a store that did not answer within its bound
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -28,4 +29,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
+    "RemoteTimeoutError",
 ]

@@ -103,3 +103,7 @@ class CheckpointLockedError(GdsckptError, RuntimeError):
 
 class NoCheckpointError(GdsckptError, FileNotFoundError):
     """restore() found no committed, intact step (locally or on the remote tier)."""
+
+
+class RemoteTimeoutError(RemoteUnavailableError, TimeoutError):
+    """The store did not answer a request within the bound (the store's `timeout` option)."""

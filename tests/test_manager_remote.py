@@ -29,7 +29,7 @@ from test_manager import OPTS, corrupt_chunk, state_for
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-FAST = {"max_retries": 2, "retry_seconds": 5, "connect_timeout": 2}
+FAST = {"max_retries": 2, "timeout": 10}
 
 
 def remote_names(store: ObjectStore) -> list[str]:

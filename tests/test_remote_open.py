@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.remote import ObjectStore, S3Source
+from gdsckpt.remote import S3Source
+from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 
@@ -22,7 +23,7 @@ def _put(tmp_path, s3_server, state, **save_kw) -> str:
     bucket = s3_server.new_bucket("open")
     p = tmp_path / "x.gdsckpt"
     gdsckpt.save(state, p, chunk_bytes=64 << 10, **save_kw)
-    ObjectStore(f"s3://{bucket}/run").upload(p, "x.gdsckpt")
+    open_store(f"s3://{bucket}/run").put_file(p, "x.gdsckpt")
     return f"s3://{bucket}/run/x.gdsckpt"
 
 
@@ -55,7 +56,7 @@ def test_open_s3_detects_a_damaged_object(tmp_path, s3_server, s3_env):
     data[rec.file_offset + 100] ^= 0x04
     p.write_bytes(bytes(data))
     bucket = url[len("s3://"):].split("/")[0]
-    ObjectStore(f"s3://{bucket}/run").upload(p, "x.gdsckpt")
+    open_store(f"s3://{bucket}/run").put_file(p, "x.gdsckpt")
     with pytest.raises(gdsckpt.ChecksumError, match="chunk 1"):
         gdsckpt.load(url)
     with pytest.raises(ValueError, match="trusted=False"):
