@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -96,6 +97,98 @@ def cmd_clean(args) -> int:
 
 
 # ---------------------------------------------------------------- the checkpoint manager's directories
+# Views of a Checkpointer's directory and store that take no lock: they only read.
+
+
+def describe(location: str, *, remote: str | None = None, deep: bool = False) -> list[dict]:
+    """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
+    it lives, its size and whether it is intact (committed and its footer and index valid; deep:
+    every chunk checksum verified, which reads every byte)."""
+    from .remote import ObjectStore, is_remote
+    from .remote_tier import MARKER, read_marker
+    from .steps import check_step, parse_step_name
+    rows: dict[int, dict] = {}
+
+    def row(step):
+        return rows.setdefault(step, {"step": step, "local": None, "local_bytes": 0, "local_state": None,
+                                      "remote": None, "remote_bytes": 0, "remote_state": None,
+                                      "remote_files": []})
+
+    if not is_remote(location):
+        d = Path(location)
+        for name in sorted(os.listdir(d)):
+            parsed = parse_step_name(name)
+            if not parsed:
+                continue
+            p = d / name
+            r = row(parsed[0])
+            r["local"] = str(p)
+            r["local_bytes"] = sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() \
+                else p.stat().st_size
+            r["local_state"] = check_step(p, deep)
+    else:
+        remote = location
+    if remote:
+        store = ObjectStore(remote)
+        listing = store.list()
+        markers = {}
+        for name in listing:
+            if name.endswith(MARKER) and parse_step_name(name[:-len(MARKER)]):
+                marker = read_marker(store, name)
+                if marker is not None:
+                    markers[name[:-len(MARKER)]] = marker
+        for name, size in listing.items():
+            top = name.split("/", 1)[0]
+            parsed = parse_step_name(top)
+            if not parsed or name.endswith(MARKER):
+                continue
+            r = row(parsed[0])
+            r["remote"] = store.url(top)
+            r["remote_bytes"] += size
+        for r in rows.values():
+            if r["remote"] is None:
+                continue
+            top = r["remote"].rsplit("/", 1)[1]
+            marker = markers.get(top)
+            r["remote_files"] = sorted(marker["files"]) if marker else []
+            if marker is None:
+                r["remote_state"] = "incomplete (no verified-upload marker)"
+            elif not all(listing.get(f) == n for f, n in marker["files"].items()):
+                r["remote_state"] = "DAMAGED: objects missing or of another size than uploaded"
+            elif deep:
+                r["remote_state"] = _check_remote(store, r["remote_files"])
+            else:
+                r["remote_state"] = "ok"
+    return [rows[k] for k in sorted(rows)]
+
+
+def _check_remote(store, files: list[str]) -> str:
+    """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
+    from .steps import SUFFIX
+    try:
+        for f in files:
+            if f.endswith(SUFFIX):
+                store.verify(f)
+    except (GdsckptError, OSError) as e:
+        return f"DAMAGED: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def restore_test(location: str, *, remote: str | None = None) -> tuple[int | None, list[dict]]:
+    """Verify steps newest first, every chunk checksum, until one is intact: (that step or None,
+    the rows checked). What restore() would do, without loading."""
+    from .remote import ObjectStore
+    from .steps import check_step
+    checked = []
+    for r in reversed(describe(location, remote=remote)):
+        if r["local"] is not None:
+            r["local_state"] = check_step(Path(r["local"]), deep=True)
+        if r["remote"] is not None and r["remote_state"] == "ok":
+            r["remote_state"] = _check_remote(ObjectStore(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
+        checked.append(r)
+        if "ok" in (r["local_state"], r["remote_state"]):
+            return r["step"], checked
+    return None, checked
 
 
 def _where(r) -> str:
@@ -103,7 +196,6 @@ def _where(r) -> str:
 
 
 def cmd_ls(args) -> int:
-    from .manager import describe
     rows = describe(args.location, remote=args.remote, deep=args.verify)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
@@ -121,7 +213,6 @@ def cmd_ls(args) -> int:
 
 
 def cmd_restore_test(args) -> int:
-    from .manager import restore_test
     step, checked = restore_test(args.location, remote=args.remote)
     for r in checked:
         states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
@@ -136,6 +227,8 @@ def cmd_restore_test(args) -> int:
 
 def cmd_prune(args) -> int:
     from .manager import Checkpointer
+    if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
+        raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
     ck = Checkpointer(args.directory, keep=args.keep, remote=args.remote, keep_remote=args.keep_remote,
                       upload=False)
     try:

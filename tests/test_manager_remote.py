@@ -21,7 +21,8 @@ import pytest
 
 import gdsckpt
 from gdsckpt.errors import BucketNotFoundError, NoCheckpointError, RemoteAccessError
-from gdsckpt.manager import MARKER, Checkpointer, step_name
+from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.remote_tier import MARKER
 from gdsckpt.remote import ObjectStore
 from conftest import assert_same
 from s3_server import SeaweedS3, s3_env, s3_server  # noqa: F401 - fixtures
@@ -215,6 +216,7 @@ import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
 import gdsckpt.manager as m
 from gdsckpt.remote import ObjectStore
+from gdsckpt.remote_tier import MARKER
 from test_manager import state_for
 mode = sys.argv[5]
 if mode == "upload":  # killed while the multipart upload runs
@@ -234,11 +236,10 @@ else:  # prune: stop between the marker's removal and the object's (the remote r
     real_delete = ObjectStore.delete
     def delete(self, name):
         real_delete(self, name)
-        if name.endswith(m.MARKER):
+        if name.endswith(MARKER):
             print("pruning", name, flush=True)
             time.sleep(30)
     ObjectStore.delete = delete
-    real_local = m.Checkpointer._delete_local
 ck = m.Checkpointer(sys.argv[1], keep=1, remote=sys.argv[2], keep_remote=1,
                     remote_options={"part_bytes": 5 << 20, "concurrency": 2},
                     save_options={"chunk_bytes": 64 << 10})

@@ -1,0 +1,245 @@
+"""How a Checkpointer's steps lie in its directory, behind one Protocol (StepLayout):
+
+* FileSteps: one gdsckpt file per step, DIR/step_00001000.gdsckpt, for a single process;
+  committed once the file is renamed into place (gdsckpt.save is atomic and durable);
+* DcpSteps: under torch.distributed, one DCP directory per step, DIR/step_00001000/
+  (gdsckpt.dcp.GdsckptWriter: a file per rank and DCP's .metadata; DCP's plans cached between
+  saves), the same calls on every rank; committed once its .metadata is written.
+
+Temporaries of killed saves never count."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import ContextManager, Iterator, Protocol
+
+from . import api
+from .errors import CheckpointFormatError, GdsckptError, VersionError
+from .storage import fsync_dir
+
+SUFFIX = ".gdsckpt"
+DCP_METADATA = ".metadata"
+_STEP = re.compile(r"^step_(\d{8,})(\.gdsckpt)?$")
+# What restore falls back from: a step that is damaged, incomplete or unreadable. A state that
+# does not match the checkpoint, or a codec this machine lacks, is the caller's to fix: raised.
+DAMAGE = (CheckpointFormatError, OSError)
+
+
+def step_name(step: int, distributed: bool) -> str:
+    return f"step_{step:08d}" if distributed else f"step_{step:08d}{SUFFIX}"
+
+
+def parse_step_name(name: str) -> tuple[int, bool] | None:
+    """(step, distributed) of a step's file or directory name; None for any other name."""
+    m = _STEP.match(name)
+    return (int(m.group(1)), not m.group(2)) if m else None
+
+
+def check_step(path: Path, deep: bool) -> str:
+    """"ok" or why not: the footer and index of every gdsckpt file of a step, a file or a DCP
+    directory (deep: every chunk checksum too, which reads every byte)."""
+    files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
+    if path.is_dir() and not (path / DCP_METADATA).is_file():
+        return "incomplete (no .metadata)"
+    try:
+        for f in files:
+            with api.open(f) as ck:
+                if deep:
+                    ck.verify()
+    except (GdsckptError, OSError) as e:
+        return f"DAMAGED: {type(e).__name__}: {e}"
+    return "ok"
+
+
+class StepLayout(Protocol):
+    directory: Path
+    distributed: bool
+    loads_in_place: bool  # restore needs the caller's state to load into
+
+    def name(self, step: int) -> str: ...
+
+    def path(self, step: int) -> Path: ...
+
+    def committed(self, path: Path) -> bool: ...
+
+    def local_steps(self) -> list[int]:
+        """Committed steps in the directory, oldest first."""
+
+    def save(self, step: int, state) -> object:
+        """Durable and committed on return; gdsckpt's Stats, or None."""
+
+    def save_async(self, step: int, state, optimizer) -> Future:
+        """`state` may be mutated on return; the step is committed once the future completes."""
+
+    def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
+        """(the restored state, gdsckpt's Stats or None) of the step at `path`; DAMAGE if it is
+        damaged or incomplete."""
+
+    def delete(self, step: int) -> None:
+        """Uncommit, then remove the step (a kill mid-way leaves nothing that counts)."""
+
+    def files(self, step: int) -> list[tuple[Path, str]]:
+        """(local file, name relative to the store's prefix) of the step, its commit point last."""
+
+    def fetched(self, step: int, store) -> ContextManager[tuple[Path, str]]:
+        """The step brought from `store` (a gdsckpt.remote.ObjectStore): (local path, what to
+        call it) while the context lasts."""
+
+
+class _Steps:
+    distributed: bool
+
+    def __init__(self, directory: Path, save_options: dict):
+        self.directory = directory
+        self.save_options = save_options
+
+    def name(self, step: int) -> str:
+        return step_name(step, self.distributed)
+
+    def path(self, step: int) -> Path:
+        return self.directory / self.name(step)
+
+    def local_steps(self) -> list[int]:
+        out = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            parsed = parse_step_name(name)
+            if parsed and parsed[1] == self.distributed and self.committed(self.directory / name):
+                out.append(parsed[0])
+        return sorted(out)
+
+
+class FileSteps(_Steps):
+    """One gdsckpt file per step."""
+
+    distributed = False
+    loads_in_place = False
+
+    def committed(self, path: Path) -> bool:
+        return path.is_file()
+
+    def save(self, step: int, state) -> object:
+        return api.save(state, self.path(step), **self.save_options)
+
+    def save_async(self, step: int, state, optimizer) -> Future:
+        from .async_save import save_async
+        return save_async(state, self.path(step), overlap=optimizer is not None, optimizer=optimizer,
+                          **self.save_options)
+
+    def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
+        with api.open(path) as ck:
+            if state is not None:
+                stats = ck.load_into(state, strict=strict)
+                return state, stats
+            out = ck.load(device)
+            return out, ck.last_stats
+
+    def delete(self, step: int) -> None:
+        self.path(step).unlink(missing_ok=True)
+        fsync_dir(self.directory)
+
+    def files(self, step: int) -> list[tuple[Path, str]]:
+        return [(self.path(step), self.name(step))]
+
+    @contextlib.contextmanager
+    def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
+        # downloaded into a temporary copy, removed after
+        name = self.name(step)
+        tmp = self.directory / f".{name}.download.{os.getpid()}"
+        try:
+            store.download(name, tmp)
+            yield tmp, store.url(name)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+class DcpSteps(_Steps):
+    """One DCP directory per step, written and read by every rank (gdsckpt.dcp)."""
+
+    distributed = True
+    loads_in_place = True
+
+    def __init__(self, directory: Path, save_options: dict, rank: int):
+        super().__init__(directory, save_options)
+        self.rank = rank
+
+    def committed(self, path: Path) -> bool:
+        return path.is_dir() and (path / DCP_METADATA).is_file()
+
+    def save(self, step: int, state) -> object:
+        import torch.distributed.checkpoint as dcp
+        from .dcp import CachedSavePlanner, GdsckptWriter
+        dcp.save(state, storage_writer=GdsckptWriter(self.path(step), **self.save_options),
+                 planner=CachedSavePlanner())
+        return None
+
+    def save_async(self, step: int, state, optimizer) -> Future:
+        import torch.distributed.checkpoint as dcp
+        from .dcp import CachedSavePlanner, GdsckptWriter
+        fut = dcp.async_save(state, storage_writer=GdsckptWriter(self.path(step), optimizer=optimizer,
+                                                                 **self.save_options),
+                             planner=CachedSavePlanner())
+        return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+
+    def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from .dcp import GdsckptReader
+        try:
+            dcp.load(state, storage_reader=GdsckptReader(path))
+        except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
+            errs = [exc for exc, _ in e.failures.values()]
+            if errs and all(isinstance(x, DAMAGE) and not isinstance(x, VersionError) for x in errs):
+                first = errs[0]
+                raise CheckpointFormatError(f"rank(s) {sorted(e.failures)} could not read the step: "
+                                            f"{type(first).__name__}: {first}", path=path) from None
+            raise
+        return state, None
+
+    def delete(self, step: int) -> None:
+        p = self.path(step)
+        meta = p / DCP_METADATA
+        if meta.exists():  # uncommit first: a kill mid-removal leaves an uncommitted directory
+            meta.unlink(missing_ok=True)
+            fsync_dir(p)
+        shutil.rmtree(p, ignore_errors=True)
+        fsync_dir(self.directory)
+
+    def files(self, step: int) -> list[tuple[Path, str]]:
+        p, name = self.path(step), self.name(step)
+        parts = sorted(f.name for f in p.iterdir() if f.is_file() and not f.name.startswith(".tmp"))
+        parts.sort(key=lambda n: n == DCP_METADATA)  # DCP's commit point goes last
+        return [(p / part, f"{name}/{part}") for part in parts]
+
+    @contextlib.contextmanager
+    def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
+        """Rank 0 downloads the step's DCP directory from the store into the local directory (a
+        temporary, renamed once complete); every rank waits for it. The copy stays."""
+        import torch.distributed as dist
+        name = self.name(step)
+        final = self.path(step)
+        ok = [None]
+        if self.rank == 0:
+            try:
+                tmp = self.directory / f".{name}.download"
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                for rel in store.list(name):  # "step_.../__0_0.gdsckpt", relative to the prefix
+                    store.download(rel, tmp / rel.split("/", 1)[1])
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                fsync_dir(self.directory)
+            except Exception as e:
+                ok[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(ok, src=0)
+        if ok[0] is not None:
+            raise OSError(f"downloading step {step} from {store.url(name)} failed: {ok[0]}")
+        yield final, str(final)
