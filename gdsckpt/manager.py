@@ -67,8 +67,8 @@ class Checkpointer:
     keep: local steps kept (>= 1). remote: "s3://bucket/prefix" or None. keep_remote: remote
     steps kept (None: all). every_remote: upload every n-th saved step. save_options: keyword
     arguments of gdsckpt.save (codec, chunk_bytes, io, ...) or of GdsckptWriter under
-    torch.distributed. remote_options: keyword arguments of gdsckpt.remote.ObjectStore
-    (part_bytes, concurrency, max_retries, retry_seconds). distributed: None = whether
+    torch.distributed. remote_options: keyword arguments of gdsckpt.stores.open_store
+    (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
     torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
     """
 
@@ -98,8 +98,8 @@ class Checkpointer:
         self._saves = 0
         self.remote: RemoteTier | None = None
         if remote is not None:
-            from .remote import ObjectStore
-            self.remote = RemoteTier(ObjectStore(remote, **(remote_options or {})), self.layout, self.policy,
+            from .stores import open_store
+            self.remote = RemoteTier(open_store(remote, **(remote_options or {})), self.layout, self.policy,
                                      upload=self._owner and upload, after_upload=self._retain)
             if self.remote.uploading:
                 newest = self.layout.local_steps()

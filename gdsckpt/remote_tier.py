@@ -1,10 +1,12 @@
-"""The Checkpointer's object-store tier (remote="s3://bucket/prefix"; endpoint and credentials
-from the AWS variables), as one object, RemoteTier:
+"""The Checkpointer's object-store tier (remote="s3://bucket/prefix": any gdsckpt.stores URL), as
+one object, RemoteTier:
 
 * after a step commits, a background thread uploads it (multipart, parts in parallel: see
-  gdsckpt/remote.py), reads it back against gdsckpt's own chunk checksums, and only then writes
-  the step's marker, s3://bucket/prefix/step_00001000.gdsckpt.uploaded.json. A step counts as
-  uploaded only with its marker, and only while every object the marker lists is there at its size;
+  gdsckpt/stores/), reads it back against gdsckpt's own chunk checksums, and only then writes
+  the step's marker, s3://bucket/prefix/step_00001000.gdsckpt.uploaded.json (gdsckpt/upload_marker.py:
+  a schema, and each file's identity). A step counts as uploaded only with a valid marker, and
+  only while every object the marker lists is there at its size; a marker that does not parse is
+  skipped with a warning;
 * an upload that a newer queued step has overtaken while it waited is skipped (coalesced);
 * a failed upload (store down, refused credentials, missing bucket) is logged and retried with
   backoff (up to a minute apart) until it succeeds or a newer step overtakes it; `status()`
@@ -14,7 +16,6 @@ from the AWS variables), as one object, RemoteTier:
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -25,10 +26,12 @@ from typing import Callable
 from .errors import CheckpointFormatError, GdsckptError, RemoteStoreError
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
+from .store_verify import verify_object
+from .stores import Store
+from .upload_marker import MARKER, InvalidMarker, Marker, file_identity, parse_marker
 
 log = logging.getLogger("gdsckpt.manager")
 
-MARKER = ".uploaded.json"
 MAX_BACKOFF = 60.0
 
 
@@ -37,14 +40,22 @@ def marker_step(name: str) -> tuple[int, bool] | None:
     return parse_step_name(name[:-len(MARKER)]) if name.endswith(MARKER) else None
 
 
-def read_marker(store, name: str) -> dict | None:
-    """The marker object `name`, or None if it is gone or not one of ours."""
+def load_marker(store: Store, name: str) -> Marker:
+    """The marker object `name`, parsed (InvalidMarker if it does not parse; RemoteStoreError)."""
+    parsed = marker_step(name)
+    if parsed is None:
+        raise InvalidMarker(f"{name!r} is not a marker's name")
+    return parse_marker(store.get_bytes(name), parsed[0], name[:-len(MARKER)])
+
+
+def read_marker(store: Store, name: str) -> dict | None:
+    """The CLI's view of the marker object `name`: {"step", "files": {name: size}, "uploaded",
+    "host"}, or None if it is gone or does not parse."""
     try:
-        marker = json.loads(store.get_bytes(name))
-        marker["files"]
-    except (RemoteStoreError, ValueError, KeyError, TypeError):
+        m = load_marker(store, name)
+    except (RemoteStoreError, InvalidMarker):
         return None
-    return marker
+    return {"step": m.step, "files": m.sizes(), "uploaded": m.uploaded, "host": m.host}
 
 
 def no_remote_status() -> dict:
@@ -55,11 +66,11 @@ def no_remote_status() -> dict:
 
 
 class RemoteTier:
-    """The store (a gdsckpt.remote.ObjectStore) of one manager's steps, laid out as `layout`.
+    """The store (a gdsckpt.stores.Store) of one manager's steps, laid out as `layout`.
     upload=True starts the uploader thread (enqueue() feeds it); after each upload it calls
     `after_upload` (the manager's local retention), then applies remote retention."""
 
-    def __init__(self, store, layout: StepLayout, policy: Policy, *, upload: bool,
+    def __init__(self, store: Store, layout: StepLayout, policy: Policy, *, upload: bool,
                  after_upload: Callable[[], None]):
         self.store = store
         self.layout = layout
@@ -74,6 +85,7 @@ class RemoteTier:
         self._stats = {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0,
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
+        self._warned: set[tuple[str, str]] = set()  # (marker, why): each bad marker is reported once
         self._thread = None
         if upload:
             self._thread = threading.Thread(target=self._uploader, name="gdsckpt-uploader", daemon=True)
@@ -92,20 +104,33 @@ class RemoteTier:
             self._wake.notify_all()
 
     # ------------------------------------------------------------ what the store has
-    def remote_steps(self) -> dict[int, dict]:
-        """{step: marker} of the steps uploaded, verified and still complete on the store."""
+    def remote_steps(self) -> dict[int, Marker]:
+        """{step: marker} of the steps uploaded, verified and still complete on the store. A marker
+        that does not parse is skipped, with a warning (once per marker and reason)."""
         listing = self.store.list()
         out = {}
         for name in listing:
             parsed = marker_step(name)
             if not parsed or parsed[1] != self.layout.distributed:
                 continue
-            marker = read_marker(self.store, name)
-            if marker is None:
-                continue  # removed meanwhile, or not ours
-            if all(listing.get(f) == size for f, size in marker["files"].items()):
+            try:
+                marker = load_marker(self.store, name)
+            except RemoteStoreError:
+                continue  # removed meanwhile
+            except InvalidMarker as e:
+                self._warn_once(name, f"the marker {self.store.url(name)} is not valid ({e}): step {parsed[0]} "
+                                      "does not count on the store")
+                continue
+            if all(listing.get(f) == size for f, size in marker.sizes().items()):
                 out[parsed[0]] = marker
         return out
+
+    def _warn_once(self, name: str, why: str) -> None:
+        with self._mutex:
+            if (name, why) in self._warned:
+                return
+            self._warned.add((name, why))
+        log.warning("gdsckpt: %s", why)
 
     def _known_uploaded(self) -> set[int]:
         if self._uploaded is None:
@@ -127,7 +152,7 @@ class RemoteTier:
         """Learn which steps the store has, if not known yet (before a prune)."""
         self._known_uploaded()
 
-    def doomed(self) -> list[tuple[int, dict]]:
+    def doomed(self) -> list[tuple[int, Marker]]:
         """The uploaded steps remote retention would remove now, with their markers."""
         if self.policy.keep_remote is None:
             return []
@@ -139,7 +164,7 @@ class RemoteTier:
             name = self.layout.name(s)
             log.info("gdsckpt: removing step %d from %s", s, self.store.url())
             self.store.delete(name + MARKER)  # uncommit first: a kill mid-way leaves objects that do not count
-            for f in marker["files"]:
+            for f in marker.files:
                 self.store.delete(f)
             with self._mutex:
                 if self._uploaded is not None:
@@ -199,18 +224,19 @@ class RemoteTier:
         total = 0
         verify_s = 0.0
         for local, rel in self.layout.files(step):
-            size = local.stat().st_size
-            self.store.upload(local, rel)
+            identity = file_identity(local, rel)
+            size = identity.size
+            self.store.put_file(local, rel)
             t = time.perf_counter()
             if rel.endswith(SUFFIX):
-                self.store.verify(rel, expected_size=size)
+                verify_object(self.store, rel, expected_size=size)
             elif self.store.get_bytes(rel) != local.read_bytes():
                 raise CheckpointFormatError("read-back differs from the local file", path=self.store.url(rel))
             verify_s += time.perf_counter() - t
-            files[rel] = size
+            files[rel] = identity
             total += size
-        marker = {"step": step, "files": files, "uploaded": time.time(), "host": socket.gethostname()}
-        self.store.put_bytes(name + MARKER, json.dumps(marker).encode())
+        marker = Marker(step, files, time.time(), socket.gethostname())
+        self.store.put_bytes(name + MARKER, marker.encode())
         secs = time.perf_counter() - t0
         with self._mutex:
             self._uploaded.add(step)

@@ -1,0 +1,86 @@
+"""The Checkpointer's object-store tier (gdsckpt/remote_tier.py) against a real S3 server
+(SeaweedFS, tests/s3_server.py) and a server that never answers: markers parsed against a schema,
+each uploaded file's identity recorded and checked on restore, bounded waits when the store hangs,
+close() naming the steps never uploaded, local damage reported as such and skipped for the older
+intact step, orphan objects removed, download temporaries named as the library's temporaries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+import gdsckpt
+from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.remote_tier import MARKER
+from gdsckpt.stores import open_store
+from conftest import assert_same
+from s3_server import s3_env, s3_server, silent_endpoint  # noqa: F401 - fixtures
+from test_manager import OPTS, corrupt_chunk, state_for
+
+RAW = {**OPTS, "codec": "raw"}  # equal sizes for equal shapes: a replaced object keeps its size
+N = 2000
+
+
+def _name(step: int) -> str:
+    return step_name(step, False)
+
+
+def _upload_steps(directory: Path, url: str, steps, **kw) -> None:
+    with Checkpointer(directory, keep=len(steps), remote=url, save_options=kw.pop("save_options", OPTS), **kw) as ck:
+        for s in steps:
+            ck.save(s, state_for(s, n=N))
+            ck.wait(uploads=True, timeout=60)
+        assert ck.status()["uploaded"][-len(steps):] == list(steps), ck.status()
+
+
+# ---------------------------------------------------------------- finding 7: markers against a schema
+
+
+def _marker_doc(files) -> bytes:
+    return json.dumps({"format": "gdsckpt-upload-marker", "version": 2, "step": 2, "files": files}).encode()
+
+
+BAD_MARKERS = {
+    "files-empty-list": b'{"files": []}',
+    "files-string": b'{"files": "step_00000002.gdsckpt"}',
+    "files-int": b'{"files": 5}',
+    "files-null": b'{"files": null}',
+    "no-files": b'{"step": 2}',
+    "not-json": b"{not json",
+    "json-list": b"[1, 2]",
+    "older-marker": b'{"step": 2, "files": {"step_00000002.gdsckpt": 1}}',
+    "schema-files-list": _marker_doc([]),
+    "schema-size-string": _marker_doc({"step_00000002.gdsckpt": {"size": "big", "index_checksum": "0" * 16,
+                                                                 "footer_checksum": "0" * 16}}),
+    "schema-no-checksums": _marker_doc({"step_00000002.gdsckpt": {"size": 10}}),
+    "schema-another-steps-object": _marker_doc({"step_00000001.gdsckpt": {"size": 10, "index_checksum": "0" * 16,
+                                                                          "footer_checksum": "0" * 16}}),
+    "schema-wrong-step": json.dumps({"format": "gdsckpt-upload-marker", "version": 2, "step": 9, "files": {}}).encode(),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_MARKERS))
+def test_a_malformed_marker_skips_its_step_with_a_warning(tmp_path, s3_env, caplog, bad):
+    url = f"s3://{s3_env.new_bucket()}/m"
+    _upload_steps(tmp_path / "a", url, (1, 2))
+    open_store(url).put_bytes(_name(2) + MARKER, BAD_MARKERS[bad])
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    with Checkpointer(tmp_path / "b", remote=url, save_options=OPTS) as ck:
+        assert ck.steps() == [1] and ck.latest_step() == 1 and ck.steps() == [1]
+        r = ck.restore()
+        assert r.step == 1 and r.source == "remote" and r.skipped == []
+        assert_same(r.state, state_for(1, n=N))
+        warned = [rec.getMessage() for rec in caplog.records if "is not valid" in rec.getMessage()]
+        assert len(warned) == 1 and f"{url}/{_name(2)}{MARKER}" in warned[0], warned  # once, naming it
+        # the uploader carries on with the next step
+        ck.save(3, state_for(3, n=N))
+        ck.wait(uploads=True, timeout=60)
+        st = ck.status()
+        assert st["uploaded"] == [1, 3] and st["errors"] == [], st
+    with Checkpointer(tmp_path / "c", remote=url) as ck:
+        assert ck.steps() == [1, 3]
