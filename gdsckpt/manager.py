@@ -275,7 +275,7 @@ class Checkpointer:
             path = self.layout.path(step)
             out, stats = self.layout.load(path, state, device, strict)
             return out, str(path), stats
-        with self.layout.fetched(step, self.remote.store) as (path, label):
+        with self.remote.fetched(step) as (path, label):  # checked against the upload's identity
             out, stats = self.layout.load(path, state, device, strict)
             return out, label, stats
 

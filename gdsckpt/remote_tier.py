@@ -16,19 +16,21 @@ one object, RemoteTier:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
 import time
 from collections import deque
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 from .errors import CheckpointFormatError, GdsckptError, RemoteStoreError
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
 from .store_verify import verify_object
 from .stores import Store
-from .upload_marker import MARKER, InvalidMarker, Marker, file_identity, parse_marker
+from .upload_marker import MARKER, FileIdentity, InvalidMarker, Marker, file_identity, object_identity, parse_marker
 
 log = logging.getLogger("gdsckpt.manager")
 
@@ -230,6 +232,8 @@ class RemoteTier:
             t = time.perf_counter()
             if rel.endswith(SUFFIX):
                 verify_object(self.store, rel, expected_size=size)
+                self._check_identity(identity, object_identity(self.store, rel), self.store.url(rel),
+                                     f"the object read back is not the file {str(local)!r} uploaded")
             elif self.store.get_bytes(rel) != local.read_bytes():
                 raise CheckpointFormatError("read-back differs from the local file", path=self.store.url(rel))
             verify_s += time.perf_counter() - t
@@ -249,6 +253,35 @@ class RemoteTier:
                                  "MBps": total / secs / 1e6 if secs else 0.0}
         log.info("gdsckpt: step %d uploaded to %s and verified: %d bytes in %.2f s (%.1f MB/s)", step,
                  self.store.url(name), total, secs, total / secs / 1e6 if secs else 0.0)
+
+    # ------------------------------------------------------------ restoring
+    @staticmethod
+    def _check_identity(want: FileIdentity, got: FileIdentity, where: str, what: str) -> None:
+        differ = want.differences(got)
+        if differ:
+            raise CheckpointFormatError(f"{what}: its {', '.join(differ)} differ from the upload marker's", path=where)
+
+    @contextlib.contextmanager
+    def fetched(self, step: int) -> Iterator[tuple[Path, str]]:
+        """The step brought from the store (the layout's download): (local path, what to call it)
+        while the context lasts. Every object is checked against the identity its marker
+        recorded, before the download (by ranged reads of its footer) and after it (the local
+        copy): an object replaced since its upload, even by a valid checkpoint of the same size,
+        raises CheckpointFormatError naming it, so restore falls back."""
+        name = self.layout.name(step)
+        try:
+            marker = load_marker(self.store, name + MARKER)
+        except InvalidMarker as e:
+            raise CheckpointFormatError(f"the upload marker of step {step} is not valid: {e}",
+                                        path=self.store.url(name + MARKER)) from None
+        what = f"the object is not the file uploaded as step {step} (replaced since?)"
+        for rel, want in marker.files.items():
+            self._check_identity(want, object_identity(self.store, rel), self.store.url(rel), what)
+        with self.layout.fetched(step, self.store) as (path, label):
+            for rel, want in marker.files.items():
+                local = path if rel == name else path / rel[len(name) + 1:]
+                self._check_identity(want, file_identity(local, rel), self.store.url(rel), what)
+            yield path, label
 
     def status(self) -> dict:
         """Queue depth, the step in flight, uploaded steps, throughput (bytes / seconds of upload +

@@ -84,3 +84,38 @@ def test_a_malformed_marker_skips_its_step_with_a_warning(tmp_path, s3_env, capl
         assert st["uploaded"] == [1, 3] and st["errors"] == [], st
     with Checkpointer(tmp_path / "c", remote=url) as ck:
         assert ck.steps() == [1, 3]
+
+
+# ---------------------------------------------------------------- finding 3: the file's identity
+
+
+def test_marker_records_each_files_identity(tmp_path, s3_env):
+    from gdsckpt.upload_marker import file_identity
+    url = f"s3://{s3_env.new_bucket()}/i"
+    _upload_steps(tmp_path / "a", url, (1,))
+    doc = json.loads(open_store(url).get_bytes(_name(1) + MARKER))
+    want = file_identity(tmp_path / "a" / _name(1), _name(1))
+    assert doc["files"] == {_name(1): {"size": want.size, "index_checksum": want.index_checksum,
+                                       "footer_checksum": want.footer_checksum}}
+    assert len(want.index_checksum) == len(want.footer_checksum) == 16
+
+
+def test_an_object_replaced_by_a_valid_checkpoint_of_the_same_size_is_refused(tmp_path, s3_env):
+    url = f"s3://{s3_env.new_bucket()}/i"
+    _upload_steps(tmp_path / "a", url, (3, 4), save_options=RAW)
+    store = open_store(url)
+    step3 = (tmp_path / "a" / _name(3)).read_bytes()
+    assert store.size(_name(4)) == len(step3)  # same size: the marker's size check cannot tell
+    store.put_bytes(_name(4), step3)  # step 3's valid checkpoint where step 4's was
+    shutil.rmtree(tmp_path / "a")
+    with Checkpointer(tmp_path / "b", remote=url) as ck:
+        assert ck.steps() == [3, 4]
+        with pytest.warns(UserWarning, match="restored step 3"):
+            r = ck.restore()
+        assert r.step == 3 and r.source == "remote" and [(s, w) for s, w, _ in r.skipped] == [(4, "remote")]
+        why = r.skipped[0][2]
+        assert "not the file uploaded as step 4" in why and "index_checksum" in why and f"{url}/{_name(4)}" in why
+        assert_same(r.state, state_for(3, n=N))
+        with pytest.raises(gdsckpt.NoCheckpointError, match="not the file uploaded as step 4"):
+            ck.restore(step=4)
+        assert [p.name for p in (tmp_path / "b").iterdir() if not p.name.startswith(".gdsckpt-manager")] == []
