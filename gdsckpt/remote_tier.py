@@ -22,10 +22,11 @@ import socket
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import CheckpointFormatError, GdsckptError, RemoteStoreError
+from .errors import CheckpointFormatError, GdsckptError, RemoteStoreError, RemoteTimeoutError
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
 from .store_verify import verify_object
@@ -108,23 +109,40 @@ class RemoteTier:
     # ------------------------------------------------------------ what the store has
     def remote_steps(self) -> dict[int, Marker]:
         """{step: marker} of the steps uploaded, verified and still complete on the store. A marker
-        that does not parse is skipped, with a warning (once per marker and reason)."""
+        that does not parse is skipped, with a warning (once per marker and reason). The listing
+        and the markers' reads together end within the store's timeout (RemoteTimeoutError)."""
+        deadline = time.monotonic() + self.store.timeout
         listing = self.store.list()
-        out = {}
+        names = {}
         for name in listing:
             parsed = marker_step(name)
-            if not parsed or parsed[1] != self.layout.distributed:
-                continue
+            if parsed and parsed[1] == self.layout.distributed:
+                names[name] = parsed[0]
+        if not names:
+            return {}
+        pool = ThreadPoolExecutor(min(len(names), self.store.concurrency), thread_name_prefix="gdsckpt-markers")
+        try:
+            reads = {pool.submit(load_marker, self.store, name): name for name in names}
+            _, late = wait(reads, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a late read ends within its own bound
+        if late:
+            raise RemoteTimeoutError(f"reading {len(names)} upload markers: the store did not answer within "
+                                     f"{self.store.timeout:g} s (the store's `timeout` option)",
+                                     bucket=self.store.bucket, code="Timeout")
+        out = {}
+        for fut, name in reads.items():
+            step = names[name]
             try:
-                marker = load_marker(self.store, name)
+                marker = fut.result()
             except RemoteStoreError:
                 continue  # removed meanwhile
             except InvalidMarker as e:
-                self._warn_once(name, f"the marker {self.store.url(name)} is not valid ({e}): step {parsed[0]} "
+                self._warn_once(name, f"the marker {self.store.url(name)} is not valid ({e}): step {step} "
                                       "does not count on the store")
                 continue
             if all(listing.get(f) == size for f, size in marker.sizes().items()):
-                out[parsed[0]] = marker
+                out[step] = marker
         return out
 
     def _warn_once(self, name: str, why: str) -> None:

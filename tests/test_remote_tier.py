@@ -119,3 +119,38 @@ def test_an_object_replaced_by_a_valid_checkpoint_of_the_same_size_is_refused(tm
         with pytest.raises(gdsckpt.NoCheckpointError, match="not the file uploaded as step 4"):
             ck.restore(step=4)
         assert [p.name for p in (tmp_path / "b").iterdir() if not p.name.startswith(".gdsckpt-manager")] == []
+
+
+# ---------------------------------------------------------------- finding 8: a store that hangs
+
+
+def _uploader_alive() -> bool:
+    import threading
+    return any(t.name == "gdsckpt-uploader" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_hanging_store_answers_from_local_steps_within_the_bound(tmp_path, silent_endpoint, caplog):
+    with Checkpointer(tmp_path, keep=2, save_options=OPTS) as ck:  # local steps, made without the store
+        for s in (1, 2):
+            ck.save(s, state_for(s, n=N))
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    bound = 2.0 + 1.5
+    t = time.monotonic()
+    ck = Checkpointer(tmp_path, keep=2, remote="s3://bkt/p", remote_options={"timeout": 2}, save_options=OPTS)
+    try:
+        assert time.monotonic() - t < 1.0  # construction does not wait for the store
+        for call, want in ((ck.latest_step, 2), (ck.steps, [1, 2])):
+            t = time.monotonic()
+            assert call() == want
+            assert time.monotonic() - t < bound, call
+        t = time.monotonic()
+        r = ck.restore()
+        assert time.monotonic() - t < bound
+        assert r.step == 2 and r.source == "local"
+        assert_same(r.state, state_for(2, n=N))
+        assert "cannot list s3://bkt/p" in caplog.text and "did not answer within 2 s" in caplog.text
+    finally:
+        t = time.monotonic()
+        ck.close(wait_uploads=False)
+        assert time.monotonic() - t < bound
+        assert not _uploader_alive()  # the lock went only after the uploader stopped

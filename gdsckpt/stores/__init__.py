@@ -37,6 +37,7 @@ class Store(Protocol):
 
     bucket: str       # the bucket (or container) the root lives in, named in errors
     concurrency: int  # requests a caller may keep in flight at once (parts, ranged reads)
+    timeout: float    # seconds within which every request ends, its retries included
 
     def url(self, name: str = "") -> str:
         """The URL of `name` under the root (of the root itself when name is empty)."""
