@@ -21,6 +21,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     RemoteStoreError, RemoteUnavailableError,
 )
 from .errors import RemoteTimeoutError  # a store that did not answer within its bound
+from .errors import UploadIncompleteError  # close(): steps never uploaded
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -29,5 +30,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
-    "RemoteTimeoutError",
+    "RemoteTimeoutError", "UploadIncompleteError",
 ]

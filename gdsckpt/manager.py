@@ -282,10 +282,12 @@ class Checkpointer:
     # ------------------------------------------------------------ lifetime
     def close(self, *, wait_uploads: bool = True, timeout: float | None = None) -> None:
         """Wait for the pending save; with the remote tier, for the upload queue to drain
-        (wait_uploads, at most `timeout` seconds); then stop the uploader and release the lock."""
+        (wait_uploads, at most `timeout` seconds); then stop the uploader and release the lock.
+        wait_uploads: UploadIncompleteError if a step to upload never reached the store."""
         if self._closed:
             return
         saved = False
+        never_uploaded: list[int] = []
         try:
             self.wait()
             saved = True
@@ -293,10 +295,12 @@ class Checkpointer:
             self._closed = True
             try:
                 if self.remote is not None:
-                    self.remote.close(wait=wait_uploads and saved, timeout=timeout)
+                    never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout)
             finally:
                 if self._lock is not None:
                     self._lock.release()
+        if wait_uploads and never_uploaded:
+            raise self.remote.incomplete_error(never_uploaded)
 
     def __enter__(self):
         return self

@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import CheckpointFormatError, GdsckptError, RemoteStoreError, RemoteTimeoutError
+from .errors import (
+    CheckpointFormatError, GdsckptError, RemoteStoreError, RemoteTimeoutError, UploadIncompleteError,
+)
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
 from .store_verify import verify_object
@@ -36,6 +38,10 @@ from .upload_marker import MARKER, FileIdentity, InvalidMarker, Marker, file_ide
 log = logging.getLogger("gdsckpt.manager")
 
 MAX_BACKOFF = 60.0
+
+
+class _Stopped(Exception):
+    """close() asked the uploader to stop between the parts of an upload."""
 
 
 def marker_step(name: str) -> tuple[int, bool] | None:
@@ -82,6 +88,7 @@ class RemoteTier:
         self._mutex = threading.RLock()
         self._wake = threading.Condition(self._mutex)
         self._stopping = False
+        self._retry_now = False  # close(wait=True): one more attempt at once, without the backoff
         self._queue: list[int] = []
         self._in_flight: int | None = None
         self._uploaded: set[int] | None = None  # None: not known yet (the store not reached)
@@ -199,7 +206,8 @@ class RemoteTier:
                 while True:
                     if self._stopping:
                         return
-                    if self._queue and time.monotonic() >= failed_at + backoff:
+                    if self._queue and (self._retry_now or time.monotonic() >= failed_at + backoff):
+                        self._retry_now = False
                         break
                     self._wake.wait(None if not self._queue else max(0.01, failed_at + backoff - time.monotonic()))
                 step = max(self._queue)
@@ -213,6 +221,12 @@ class RemoteTier:
                 if step not in self._known_uploaded():
                     self._upload(step)
                 backoff = 0.0
+            except _Stopped:
+                with self._wake:
+                    self._queue.append(step)  # never uploaded: close() names it
+                    self._in_flight = None
+                    self._wake.notify_all()
+                return
             except Exception as e:  # the store down, refused, a corrupt read-back: keep the local copy, retry
                 backoff = min(MAX_BACKOFF, max(1.0, backoff * 2))
                 failed_at = time.monotonic()
@@ -246,7 +260,9 @@ class RemoteTier:
         for local, rel in self.layout.files(step):
             identity = file_identity(local, rel)
             size = identity.size
+            self._stop_point()
             self.store.put_file(local, rel)
+            self._stop_point()
             t = time.perf_counter()
             if rel.endswith(SUFFIX):
                 verify_object(self.store, rel, expected_size=size)
@@ -271,6 +287,10 @@ class RemoteTier:
                                  "MBps": total / secs / 1e6 if secs else 0.0}
         log.info("gdsckpt: step %d uploaded to %s and verified: %d bytes in %.2f s (%.1f MB/s)", step,
                  self.store.url(name), total, secs, total / secs / 1e6 if secs else 0.0)
+
+    def _stop_point(self) -> None:
+        if self._stopping:
+            raise _Stopped()
 
     # ------------------------------------------------------------ restoring
     @staticmethod
@@ -316,14 +336,18 @@ class RemoteTier:
             return st
 
     # ------------------------------------------------------------ lifetime
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, retry_now: bool = False) -> None:
         """Until the queue is empty and nothing is in flight, or an upload attempt fails (it
-        stays queued and is retried; the error is in status()), or `timeout` seconds pass."""
+        stays queued and is retried; the error is in status()), or `timeout` seconds pass.
+        retry_now: a step waiting for its retry's backoff is tried at once."""
         if self._thread is None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wake:
             failures = self._stats["failures"]
+            if retry_now:
+                self._retry_now = True
+                self._wake.notify_all()
             while (self._queue or self._in_flight is not None) and not (
                     self._stats["failures"] > failures and self._in_flight is None):
                 left = None if deadline is None else deadline - time.monotonic()
@@ -332,17 +356,31 @@ class RemoteTier:
                 self._wake.wait(min(left, 1.0) if left is not None else 1.0)
 
     def close(self, *, wait: bool, timeout: float | None = None) -> list[int]:
-        """wait: first wait() for the queue (at most `timeout` seconds). Then stop the uploader and
-        join it. Returns the steps queued or in flight that were never uploaded."""
+        """wait: first one more attempt at once for a step waiting for its retry, then wait() for
+        the queue (at most `timeout` seconds). Then stop the uploader (at the next part of an
+        upload in flight) and join it: this returns only once it has ended. Returns the steps
+        queued or in flight that were never uploaded."""
         try:
             if wait:
-                self.wait(timeout)
+                self.wait(timeout, retry_now=True)
         finally:
             with self._wake:
                 self._stopping = True
                 self._wake.notify_all()
             if self._thread is not None:
-                self._thread.join(timeout=30)
+                while self._thread.is_alive():  # each store call it may be in ends within the store's timeout
+                    self._thread.join(timeout=30)
+                    if self._thread.is_alive():
+                        log.warning("gdsckpt: close() is waiting for the upload of step %s to stop", self._in_flight)
         with self._mutex:
             left = set(self._queue) | ({self._in_flight} if self._in_flight is not None else set())
             return sorted(left - (self._uploaded or set()))
+
+    def incomplete_error(self, steps: list[int]) -> UploadIncompleteError:
+        """The error close() raises for `steps`, never uploaded."""
+        with self._mutex:
+            last = self._errors[-1]["error"] if self._errors else "no upload attempt finished"
+        return UploadIncompleteError(
+            f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} never reached {self.store.url()}: "
+            f"the local copies in {str(self.layout.directory)!r} are kept (last error: {last}); "
+            "close(wait_uploads=False) closes without them", steps=steps)

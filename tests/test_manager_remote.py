@@ -130,7 +130,8 @@ def test_refused_store_local_checkpointing_goes_on(tmp_path, s3_env, monkeypatch
         # local checkpointing went on, and nothing was deleted: no step has a second copy
         assert ck.steps() == [1, 2, 3] or ck.status()["local_steps"] == [1, 2, 3]
         assert ck.restore().step == 3
-        ck.close(timeout=1)
+        with pytest.raises(gdsckpt.UploadIncompleteError, match="step 3 never reached"):
+            ck.close(timeout=1)
     logged = caplog.text
     assert bucket in logged and "local copy is kept" in logged
     for secret in ("not-the-secret-xyz", "gdsckpt-test-secret"):

@@ -154,3 +154,71 @@ def test_a_hanging_store_answers_from_local_steps_within_the_bound(tmp_path, sil
         ck.close(wait_uploads=False)
         assert time.monotonic() - t < bound
         assert not _uploader_alive()  # the lock went only after the uploader stopped
+
+
+# ---------------------------------------------------------------- finding 9: close() and steps never uploaded
+
+
+def test_close_names_the_steps_never_uploaded(tmp_path, s3_env, monkeypatch):
+    url = f"s3://{s3_env.new_bucket()}/c"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-abc")  # the store refuses every request
+    ck = Checkpointer(tmp_path, keep=1, remote=url, remote_options={"timeout": 5}, save_options=OPTS)
+    ck.save(1, state_for(1, n=N))
+    ck.save(2, state_for(2, n=N))
+    t = time.monotonic()
+    with pytest.raises(gdsckpt.UploadIncompleteError) as e:
+        ck.close()
+    assert time.monotonic() - t < 10
+    msg = str(e.value)
+    assert e.value.steps == [2] and f"step 2 never reached {url}" in msg and "are kept" in msg, msg
+    assert "RemoteAccessError" in msg and "not-the-secret-abc" not in msg
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [_name(1), _name(2)]
+    Checkpointer(tmp_path).close()  # the lock was released
+    ck.close()  # closed already: nothing more
+
+
+def test_close_without_waiting_for_uploads_does_not_raise(tmp_path, silent_endpoint):
+    ck = Checkpointer(tmp_path, remote="s3://bkt/p", remote_options={"timeout": 2}, save_options=OPTS)
+    ck.save(1, state_for(1, n=N))
+    t = time.monotonic()
+    ck.close(wait_uploads=False)
+    assert time.monotonic() - t < 3.5 and not _uploader_alive()
+
+
+def test_close_raises_within_the_bound_when_the_store_hangs(tmp_path, silent_endpoint):
+    ck = Checkpointer(tmp_path, remote="s3://bkt/p", remote_options={"timeout": 2}, save_options=OPTS)
+    ck.save(1, state_for(1, n=N))
+    time.sleep(2.5)  # the first attempt has failed: step 1 waits for its retry (backoff)
+    t = time.monotonic()
+    with pytest.raises(gdsckpt.UploadIncompleteError, match="RemoteTimeoutError"):
+        ck.close()  # one more attempt at once, not after the backoff
+    assert time.monotonic() - t < 3.5 and not _uploader_alive()
+
+
+def test_close_keeps_the_lock_until_the_uploader_has_stopped(tmp_path, s3_env, monkeypatch):
+    import threading
+    from gdsckpt.stores.s3 import S3Store
+    url = f"s3://{s3_env.new_bucket()}/c"
+    entered, gate = threading.Event(), threading.Event()
+    real = S3Store.put_file
+
+    def slow_put(self, path, name):
+        entered.set()
+        gate.wait(60)  # a long upload in flight
+        return real(self, path, name)
+
+    monkeypatch.setattr(S3Store, "put_file", slow_put)
+    ck = Checkpointer(tmp_path, remote=url, save_options=OPTS)
+    ck.save(1, state_for(1, n=N))
+    assert entered.wait(30)
+    closer = threading.Thread(target=ck.close, kwargs={"wait_uploads": False})
+    closer.start()
+    closer.join(1.0)
+    assert closer.is_alive() and _uploader_alive()
+    with pytest.raises(gdsckpt.CheckpointLockedError):
+        Checkpointer(tmp_path)  # still held: the uploader still runs
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive() and not _uploader_alive()
+    Checkpointer(tmp_path).close()
+    assert open_store(url).list().get(_name(1) + MARKER) is None  # stopped before it counted
