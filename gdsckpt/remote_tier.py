@@ -26,8 +26,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterator
 
+from . import api
 from .errors import (
-    CheckpointFormatError, GdsckptError, RemoteStoreError, RemoteTimeoutError, UploadIncompleteError,
+    CheckpointFormatError, GdsckptError, RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError,
+    UploadIncompleteError,
 )
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
@@ -42,6 +44,14 @@ MAX_BACKOFF = 60.0
 
 class _Stopped(Exception):
     """close() asked the uploader to stop between the parts of an upload."""
+
+
+class _LocalDamage(Exception):
+    """The local copy of the step being uploaded is damaged; `error` names its file."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def marker_step(name: str) -> tuple[int, bool] | None:
@@ -92,6 +102,7 @@ class RemoteTier:
         self._queue: list[int] = []
         self._in_flight: int | None = None
         self._uploaded: set[int] | None = None  # None: not known yet (the store not reached)
+        self._damaged: set[int] = set()  # local steps found damaged: never uploaded, not retried
         self._stats = {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0,
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
@@ -180,11 +191,28 @@ class RemoteTier:
         self._known_uploaded()
 
     def doomed(self) -> list[tuple[int, Marker]]:
-        """The uploaded steps remote retention would remove now, with their markers."""
+        """The uploaded steps remote retention would remove now, with their markers: beyond the
+        policy's newest `keep_remote`, and never the newest intact one (its objects still the
+        files uploaded, by their identity), nor anything when no step is intact."""
         if self.policy.keep_remote is None:
             return []
         remote = self.remote_steps()
-        return [(s, remote[s]) for s in self.policy.doomed_remote(sorted(remote))]
+        doomed = self.policy.doomed_remote(sorted(remote))
+        if doomed:
+            intact = self._newest_intact(remote)
+            doomed = [s for s in doomed if intact is not None and s != intact]
+        return [(s, remote[s]) for s in doomed]
+
+    def _newest_intact(self, remote: dict[int, Marker]) -> int | None:
+        for step in sorted(remote, reverse=True):
+            try:
+                if all(not want.differences(object_identity(self.store, rel)) for rel, want in remote[step].files.items()):
+                    return step
+            except (CheckpointFormatError, RemoteNotFoundError):
+                pass
+            log.warning("gdsckpt: step %d on %s is not the step uploaded (its objects changed since): "
+                        "remote retention keeps an older one", step, self.store.url())
+        return None
 
     def retain(self) -> None:
         for s, marker in self.doomed():
@@ -221,6 +249,9 @@ class RemoteTier:
                 if step not in self._known_uploaded():
                     self._upload(step)
                 backoff = 0.0
+            except _LocalDamage as d:
+                self._on_local_damage(step, d.error)
+                continue
             except _Stopped:
                 with self._wake:
                     self._queue.append(step)  # never uploaded: close() names it
@@ -249,6 +280,25 @@ class RemoteTier:
                 self._in_flight = None
                 self._wake.notify_all()
 
+    def _on_local_damage(self, step: int, error: BaseException) -> None:
+        """Step `step` is damaged here: it is not uploaded, now or on any retry, and the newest
+        older intact step newer than what the store has goes instead."""
+        local = self.layout.local_steps()
+        with self._wake:
+            self._damaged.add(step)
+            self._errors.append({"step": step, "error": f"local damage: {type(error).__name__}: {error}",
+                                 "time": time.time()})
+            floor = max(self._uploaded) if self._uploaded else -1
+            older = [s for s in local if floor < s < step and s not in self._damaged]
+            instead = older[-1] if older and not any(s > step for s in self._queue) else None
+            if instead is not None:
+                self._queue.append(instead)
+            self._in_flight = None
+            self._wake.notify_all()
+        log.warning("gdsckpt: step %d is damaged in %s, not uploaded (%s: %s); %s", step,
+                    str(self.layout.directory), type(error).__name__, error,
+                    f"uploading step {instead} instead" if instead is not None else "no older step to upload instead")
+
     def _upload(self, step: int) -> None:
         name = self.layout.name(step)
         if not self.layout.committed(self.layout.path(step)):
@@ -258,14 +308,21 @@ class RemoteTier:
         total = 0
         verify_s = 0.0
         for local, rel in self.layout.files(step):
-            identity = file_identity(local, rel)
+            try:
+                identity = file_identity(local, rel)
+            except CheckpointFormatError as e:  # its footer: names the local file
+                raise _LocalDamage(e) from None
             size = identity.size
             self._stop_point()
             self.store.put_file(local, rel)
             self._stop_point()
             t = time.perf_counter()
             if rel.endswith(SUFFIX):
-                verify_object(self.store, rel, expected_size=size)
+                try:
+                    verify_object(self.store, rel, expected_size=size)
+                except CheckpointFormatError:
+                    self._verify_local(local)  # the local file's damage, if it is the local file's
+                    raise
                 self._check_identity(identity, object_identity(self.store, rel), self.store.url(rel),
                                      f"the object read back is not the file {str(local)!r} uploaded")
             elif self.store.get_bytes(rel) != local.read_bytes():
@@ -287,6 +344,15 @@ class RemoteTier:
                                  "MBps": total / secs / 1e6 if secs else 0.0}
         log.info("gdsckpt: step %d uploaded to %s and verified: %d bytes in %.2f s (%.1f MB/s)", step,
                  self.store.url(name), total, secs, total / secs / 1e6 if secs else 0.0)
+
+    @staticmethod
+    def _verify_local(path: Path) -> None:
+        """_LocalDamage naming `path` if its chunks, index or footer fail their checksums."""
+        try:
+            with api.open(path) as ck:
+                ck.verify()
+        except CheckpointFormatError as e:
+            raise _LocalDamage(e) from None
 
     def _stop_point(self) -> None:
         if self._stopping:
@@ -374,7 +440,7 @@ class RemoteTier:
                         log.warning("gdsckpt: close() is waiting for the upload of step %s to stop", self._in_flight)
         with self._mutex:
             left = set(self._queue) | ({self._in_flight} if self._in_flight is not None else set())
-            return sorted(left - (self._uploaded or set()))
+            return sorted(left - (self._uploaded or set()) - self._damaged)
 
     def incomplete_error(self, steps: list[int]) -> UploadIncompleteError:
         """The error close() raises for `steps`, never uploaded."""

@@ -222,3 +222,63 @@ def test_close_keeps_the_lock_until_the_uploader_has_stopped(tmp_path, s3_env, m
     assert not closer.is_alive() and not _uploader_alive()
     Checkpointer(tmp_path).close()
     assert open_store(url).list().get(_name(1) + MARKER) is None  # stopped before it counted
+
+
+# ---------------------------------------------------------------- finding 10: local damage; the newest intact step
+
+
+def _gated_uploads(monkeypatch):
+    import threading
+    from gdsckpt.stores.s3 import S3Store
+    gate, entered = threading.Event(), threading.Event()
+    real = S3Store.put_file
+
+    def put_file(self, path, name):
+        entered.set()
+        gate.wait(60)
+        return real(self, path, name)
+
+    monkeypatch.setattr(S3Store, "put_file", put_file)
+    return gate, entered
+
+
+@pytest.mark.parametrize("damage", ["chunk", "truncated"])
+def test_a_damaged_local_step_is_local_damage_and_the_older_intact_one_goes(tmp_path, s3_env, monkeypatch, damage):
+    url = f"s3://{s3_env.new_bucket()}/d"
+    gate, entered = _gated_uploads(monkeypatch)
+    d = tmp_path / "run"
+    with Checkpointer(d, keep=3, remote=url, save_options=OPTS) as ck:
+        ck.save(1, state_for(1, n=N))
+        assert entered.wait(30)  # step 1's upload is in flight, held
+        ck.save(2, state_for(2, n=N))
+        ck.save(3, state_for(3, n=N))
+        if damage == "chunk":
+            corrupt_chunk(d / _name(3))
+        else:
+            (d / _name(3)).write_bytes(b"")
+        gate.set()
+        ck.wait(uploads=True, timeout=60)
+        ck.wait(uploads=True, timeout=60)  # step 2, queued once step 3 was found damaged
+        st = ck.status()
+        assert st["uploaded"] == [1, 2], st
+        [err] = st["errors"]
+        assert err["step"] == 3 and err["error"].startswith("local damage: ") and str(d / _name(3)) in err["error"]
+        assert "s3://" not in err["error"], err
+        time.sleep(2)  # not retried
+        assert ck.status()["errors"] == [err] and ck.status()["queued"] == [] and ck.status()["in_flight"] is None
+    store = open_store(url)
+    assert sorted(n for n in store.list() if n.endswith(MARKER)) == [_name(1) + MARKER, _name(2) + MARKER]
+
+
+def test_remote_retention_keeps_the_newest_intact_step(tmp_path, s3_env):
+    url = f"s3://{s3_env.new_bucket()}/r"
+    _upload_steps(tmp_path / "a", url, (1, 2), save_options=RAW)
+    store = open_store(url)
+    store.put_bytes(_name(2), (tmp_path / "a" / _name(1)).read_bytes())  # step 2's object is no longer step 2
+    with Checkpointer(tmp_path / "b", remote=url, keep_remote=1, upload=False) as ck:
+        assert ck.prune() == {"local": [], "remote": []}
+    assert sorted(store.list()) == [_name(1), _name(1) + MARKER, _name(2), _name(2) + MARKER]
+    with Checkpointer(tmp_path / "c", remote=url, keep_remote=1, save_options=RAW) as ck:
+        ck.save(3, state_for(3, n=N))  # a new intact step: now the older ones may go
+        ck.wait(uploads=True, timeout=60)
+    assert sorted(store.list()) == [_name(3), _name(3) + MARKER]
