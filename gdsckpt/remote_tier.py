@@ -215,15 +215,52 @@ class RemoteTier:
         return None
 
     def retain(self) -> None:
+        """Remote retention: the doomed steps (marker first: a kill mid-way leaves objects that do
+        not count), then the orphans."""
         for s, marker in self.doomed():
             name = self.layout.name(s)
             log.info("gdsckpt: removing step %d from %s", s, self.store.url())
-            self.store.delete(name + MARKER)  # uncommit first: a kill mid-way leaves objects that do not count
+            self.store.delete(name + MARKER)
             for f in marker.files:
                 self.store.delete(f)
             with self._mutex:
                 if self._uploaded is not None:
                     self._uploaded.discard(s)
+        self.remove_orphans()
+
+    def orphans(self) -> dict[int, list[str]]:
+        """{step: its objects} of the steps on the store that have objects but no marker object
+        (an upload or a removal cut short by a kill) and that this manager is not uploading now
+        (a step in upload has no marker yet). Only names of this layout's steps: nothing else
+        under the prefix is ever touched."""
+        listing = self.store.list()
+        marked, found = set(), {}
+        for name in listing:
+            parsed = marker_step(name)
+            if parsed is not None:
+                if parsed[1] == self.layout.distributed:
+                    marked.add(parsed[0])
+                continue
+            top, _, rest = name.partition("/")
+            parsed = parse_step_name(top)
+            if parsed is None or parsed[1] != self.layout.distributed or bool(rest) != self.layout.distributed \
+                    or "/" in rest:
+                continue
+            found.setdefault(parsed[0], []).append(name)
+        # after the listing: an upload that started meanwhile is in flight, one that ended is uploaded
+        busy, uploaded = self.protected()
+        spared = marked | busy | (uploaded or set())
+        return {s: sorted(names) for s, names in sorted(found.items()) if s not in spared}
+
+    def remove_orphans(self) -> list[int]:
+        """Remove the orphans' objects; the steps they belonged to."""
+        orphans = self.orphans()
+        for step, names in orphans.items():
+            log.info("gdsckpt: removing %d object(s) of step %d from %s: no marker (an upload or a removal "
+                     "cut short)", len(names), step, self.store.url())
+            for name in names:
+                self.store.delete(name)
+        return list(orphans)
 
     # ------------------------------------------------------------ uploads
     def _uploader(self) -> None:

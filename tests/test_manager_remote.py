@@ -293,6 +293,9 @@ def test_sigkill_during_upload_or_pruning(tmp_path, s3_env, mode):
         assert_same(r.state, state_for(r.step, n=2000 if mode == "prune" else 3_000_000))
         ck.wait(uploads=True, timeout=60)  # a restarted manager uploads its newest step if the store lacks it
         assert ck.status()["uploaded"][-1] == ck.status()["local_steps"][-1]
+    # and its remote retention removed what the kill left: every step object has its marker
+    names = set(open_store(url).list())
+    assert all(n + MARKER in names for n in names if not n.endswith(MARKER)), names
 
 
 def test_cli_ls_restore_test_prune(tmp_path, s3_env, capsys):

@@ -282,3 +282,46 @@ def test_remote_retention_keeps_the_newest_intact_step(tmp_path, s3_env):
         ck.save(3, state_for(3, n=N))  # a new intact step: now the older ones may go
         ck.wait(uploads=True, timeout=60)
     assert sorted(store.list()) == [_name(3), _name(3) + MARKER]
+
+
+# ---------------------------------------------------------------- finding 13: orphan objects
+
+
+def test_orphan_objects_are_removed_by_the_next_managers_retention(tmp_path, s3_env):
+    url = f"s3://{s3_env.new_bucket()}/o"
+    d = tmp_path / "run"
+    _upload_steps(d, url, (1, 2))
+    store = open_store(url)
+    store.delete(_name(1) + MARKER)  # a remote prune killed after the marker's removal
+    store.put_file(d / _name(2), _name(5))  # an upload killed before its marker
+    store.put_bytes("notes.txt", b"the user's")  # not a step's object: never touched
+    store.put_bytes("step_00000007", b"not this layout's")
+    with Checkpointer(d, remote=url) as ck:  # restarted: uploads (or finds uploaded) its newest step, then retention
+        ck.wait(uploads=True, timeout=60)
+    assert sorted(store.list()) == ["notes.txt", _name(2), _name(2) + MARKER, "step_00000007"]
+
+
+def test_a_step_in_upload_is_not_an_orphan(tmp_path, s3_env, monkeypatch):
+    import threading
+    from gdsckpt.stores.s3 import S3Store
+    url = f"s3://{s3_env.new_bucket()}/o"
+    uploaded, gate = threading.Event(), threading.Event()
+    real = S3Store.put_file
+
+    def put_then_hold(self, path, name):
+        out = real(self, path, name)  # the object is on the store, its marker not yet
+        uploaded.set()
+        gate.wait(60)
+        return out
+
+    monkeypatch.setattr(S3Store, "put_file", put_then_hold)
+    store = open_store(url)
+    with Checkpointer(tmp_path, remote=url, keep_remote=1, save_options=OPTS) as ck:
+        ck.save(1, state_for(1, n=N))
+        assert uploaded.wait(30)
+        ck.prune()  # remote retention from the caller's thread while step 1 is in upload
+        assert _name(1) in store.list()
+        gate.set()
+        ck.wait(uploads=True, timeout=60)
+        assert ck.status()["uploaded"] == [1]
+    assert sorted(store.list()) == [_name(1), _name(1) + MARKER]
