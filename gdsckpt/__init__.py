@@ -22,6 +22,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
 )
 from .errors import RemoteTimeoutError  # a store that did not answer within its bound
 from .errors import UploadIncompleteError  # close(): steps never uploaded
+from .errors import ReadOnlyCheckpointerError
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -30,5 +31,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
-    "RemoteTimeoutError", "UploadIncompleteError",
+    "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError",
 ]

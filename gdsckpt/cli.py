@@ -84,7 +84,9 @@ def stale_temporaries(directory: Path) -> list[Path]:
 
 
 def cmd_clean(args) -> int:
-    stale = stale_temporaries(Path(args.directory))
+    from .steps import download_temporaries
+    d = Path(args.directory)
+    stale = sorted(stale_temporaries(d) + download_temporaries(d))
     for p in stale:
         print(("removing " if args.yes else "stale: ") + str(p))
         if args.yes:
@@ -284,7 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("dst")
     p.add_argument("--codec", default="zstd", choices=["zstd", "raw", "ans", "bitcomp", "auto"])
     p.set_defaults(fn=cmd_convert)
-    p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves")
+    p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves and restores")
     p.add_argument("directory")
     p.add_argument("--yes", action="store_true")
     p.set_defaults(fn=cmd_clean)

@@ -116,3 +116,7 @@ class UploadIncompleteError(GdsckptError, RuntimeError):
     def __init__(self, message: str, *, steps: list[int]):
         super().__init__(message)
         self.steps = list(steps)
+
+
+class ReadOnlyCheckpointerError(GdsckptError, PermissionError):
+    """A Checkpointer of a directory it cannot write (read-only): it restores, but does not save or prune."""

@@ -24,6 +24,8 @@ The policy:
 
 One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes a second
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
+A directory this process cannot write is opened read-only: steps(), latest_step() and
+restore() work; save, save_async and prune raise ReadOnlyCheckpointerError.
 Under torch.distributed the directory is shared by the ranks: rank 0 holds the lock, deletes and
 uploads; every rank saves and restores.
 """
@@ -31,14 +33,16 @@ uploads; every rank saves and restores.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dirlock import DirectoryLock
-from .errors import GdsckptError, NoCheckpointError, RemoteStoreError, VersionError
+from .dirlock import try_lock
+from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
@@ -86,12 +90,20 @@ class Checkpointer:
         if self.distributed:
             import torch.distributed as dist
             self.rank = dist.get_rank()
-            self.layout: StepLayout = DcpSteps(self.directory, self.save_options, self.rank)
-        else:
-            self.layout = FileSteps(self.directory, self.save_options)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._owner = self.rank == 0
-        self._lock = DirectoryLock(self.directory) if self._owner else None
+        self._lock = try_lock(self.directory) if self._owner else None
+        # A directory this process cannot write: restore only (no lock to take, nothing to guard).
+        self.read_only = self._owner and self._lock is None
+        if self.read_only:
+            log.info("gdsckpt: %s cannot be written: this Checkpointer restores only", self.directory)
+        if self.distributed:
+            self.layout: StepLayout = DcpSteps(self.directory, self.save_options, self.rank)
+        else:  # read-only: a step from the store is downloaded elsewhere
+            self.layout = FileSteps(self.directory, self.save_options,
+                                    scratch=Path(tempfile.gettempdir()) if self.read_only else None)
+        if self._lock is not None:
+            self._remove_leftovers()
         self._deleting = threading.Lock()  # one deleter at a time: the uploader's retention and a save's
         self._closed = False
         self._pending: tuple[int, Future] | None = None
@@ -100,11 +112,20 @@ class Checkpointer:
         if remote is not None:
             from .stores import open_store
             self.remote = RemoteTier(open_store(remote, **(remote_options or {})), self.layout, self.policy,
-                                     upload=self._owner and upload, after_upload=self._retain)
+                                     upload=self._owner and upload and not self.read_only,
+                                     after_upload=self._retain)
             if self.remote.uploading:
                 newest = self.layout.local_steps()
                 if newest:  # a restarted run: its newest step may never have reached the store
                     self.remote.enqueue(newest[-1])
+
+    def _remove_leftovers(self) -> None:
+        for p in self.layout.leftovers():
+            log.info("gdsckpt: removing %s, left by a restore that was killed", p)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ steps
     def remote_steps(self) -> dict[int, dict]:
@@ -130,9 +151,15 @@ class Checkpointer:
         return s[-1] if s else None
 
     # ------------------------------------------------------------ saving
-    def _check(self, step: int) -> int:
+    def _writable(self, what: str) -> None:
         if self._closed:
             raise GdsckptError(f"this Checkpointer of {str(self.directory)!r} is closed")
+        if self.read_only:
+            raise ReadOnlyCheckpointerError(f"cannot {what}: {str(self.directory)!r} cannot be written (read-only), "
+                                            "so this Checkpointer only restores")
+
+    def _check(self, step: int) -> int:
+        self._writable(f"save step {step!r}")
         step = whole_number("step", step, 0)
         local = self.layout.local_steps()
         if local and step <= local[-1]:
@@ -162,7 +189,7 @@ class Checkpointer:
         self._pending = (step, fut)
 
         def done(f):
-            if f.exception() is None:
+            if Future.exception(f) is None:  # SaveFuture.exception() would count as the caller's look
                 try:
                     self._on_commit(step)
                 except Exception as e:  # retention must not turn a good save into a failed future
@@ -171,15 +198,18 @@ class Checkpointer:
         return fut
 
     def wait(self, *, uploads: bool = False, timeout: float | None = None) -> None:
-        """Wait for the pending save_async (raising its error). uploads=True: then also until the
+        """Wait for the pending save_async (raising its error, unless the caller has seen it through
+        the future's result() or exception()). uploads=True: then also until the
         upload queue is empty and nothing is in flight, or an upload attempt fails (it stays
         queued and is retried; the error is in status()), or `timeout` seconds pass."""
         if self._pending is not None:
             step, fut = self._pending
             try:
-                fut.result()
+                err = Future.exception(fut)  # waits; not a look at the outcome: SaveFuture.observed stays
             finally:
                 self._pending = None
+            if err is not None and not getattr(fut, "observed", False):
+                fut.result()  # raises it, once: a failure the caller has seen is not raised again
         if uploads and self.remote is not None:
             self.remote.wait(timeout)
 
@@ -212,6 +242,8 @@ class Checkpointer:
     def prune(self, *, dry_run: bool = False) -> dict:
         """Apply the retention policy now (as after every save and upload); dry_run: only say
         what would go. {"local": [steps], "remote": [steps]}."""
+        if not dry_run:
+            self._writable("prune")
         if self.remote is not None:
             self.remote.refresh()
         local = self._doomed_local()
@@ -234,7 +266,9 @@ class Checkpointer:
     def restore(self, state=None, step: int | None = None, *, device=None, strict: bool = True) -> Restored:
         """Restore the newest committed, intact step (or `step`), from the local directory, else
         from the remote tier. state given: filled in place (load_into; required under
-        torch.distributed); None: a new state on `device` (None: where it was saved from).
+        torch.distributed), atomically: every chunk is verified before a byte reaches `state`, so
+        after a fall-back it holds exactly the step restored; None: a new state on `device`
+        (None: where it was saved from).
         A damaged or incomplete step is skipped for the one before it, with a warning, and listed
         in the result's `skipped`. NoCheckpointError if no step can be restored."""
         if step is not None:
@@ -282,7 +316,8 @@ class Checkpointer:
     # ------------------------------------------------------------ lifetime
     def close(self, *, wait_uploads: bool = True, timeout: float | None = None) -> None:
         """Wait for the pending save; with the remote tier, for the upload queue to drain
-        (wait_uploads, at most `timeout` seconds); then stop the uploader and release the lock.
+        (wait_uploads) and the upload in flight to end, at most `timeout` seconds in all; then
+        release the lock. An upload still running then keeps the lock until it ends.
         wait_uploads: UploadIncompleteError if a step to upload never reached the store."""
         if self._closed:
             return
@@ -293,12 +328,11 @@ class Checkpointer:
             saved = True
         finally:
             self._closed = True
-            try:
-                if self.remote is not None:
-                    never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout)
-            finally:
-                if self._lock is not None:
-                    self._lock.release()
+            release = self._lock.release if self._lock is not None else None
+            if self.remote is not None:  # the lock goes only once the uploader has ended
+                never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
+            elif release is not None:
+                release()
         if wait_uploads and never_uploaded:
             raise self.remote.incomplete_error(never_uploaded)
 

@@ -40,10 +40,9 @@ from .upload_marker import MARKER, FileIdentity, InvalidMarker, Marker, file_ide
 log = logging.getLogger("gdsckpt.manager")
 
 MAX_BACKOFF = 60.0
-
-
-class _Stopped(Exception):
-    """close() asked the uploader to stop between the parts of an upload."""
+# How long close() waits, with no timeout given, for the upload in flight before leaving it to
+# end on its own (the uploader then runs close's `then`, e.g. the lock's release, as it ends).
+CLOSE_JOIN_SECONDS = 30.0
 
 
 class _LocalDamage(Exception):
@@ -107,6 +106,8 @@ class RemoteTier:
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
         self._warned: set[tuple[str, str]] = set()  # (marker, why): each bad marker is reported once
+        self._ended = False  # the uploader has returned (or never ran)
+        self._at_end: list[Callable[[], None]] = []
         self._thread = None
         if upload:
             self._thread = threading.Thread(target=self._uploader, name="gdsckpt-uploader", daemon=True)
@@ -264,6 +265,16 @@ class RemoteTier:
 
     # ------------------------------------------------------------ uploads
     def _uploader(self) -> None:
+        try:
+            self._upload_queue()
+        finally:
+            with self._mutex:
+                self._ended = True
+                at_end, self._at_end = self._at_end, []
+            for fn in at_end:
+                fn()
+
+    def _upload_queue(self) -> None:
         backoff = 0.0
         failed_at = 0.0
         while True:
@@ -289,12 +300,6 @@ class RemoteTier:
             except _LocalDamage as d:
                 self._on_local_damage(step, d.error)
                 continue
-            except _Stopped:
-                with self._wake:
-                    self._queue.append(step)  # never uploaded: close() names it
-                    self._in_flight = None
-                    self._wake.notify_all()
-                return
             except Exception as e:  # the store down, refused, a corrupt read-back: keep the local copy, retry
                 backoff = min(MAX_BACKOFF, max(1.0, backoff * 2))
                 failed_at = time.monotonic()
@@ -350,9 +355,7 @@ class RemoteTier:
             except CheckpointFormatError as e:  # its footer: names the local file
                 raise _LocalDamage(e) from None
             size = identity.size
-            self._stop_point()
             self.store.put_file(local, rel)
-            self._stop_point()
             t = time.perf_counter()
             if rel.endswith(SUFFIX):
                 try:
@@ -390,10 +393,6 @@ class RemoteTier:
                 ck.verify()
         except CheckpointFormatError as e:
             raise _LocalDamage(e) from None
-
-    def _stop_point(self) -> None:
-        if self._stopping:
-            raise _Stopped()
 
     # ------------------------------------------------------------ restoring
     @staticmethod
@@ -458,11 +457,17 @@ class RemoteTier:
                     break
                 self._wake.wait(min(left, 1.0) if left is not None else 1.0)
 
-    def close(self, *, wait: bool, timeout: float | None = None) -> list[int]:
-        """wait: first one more attempt at once for a step waiting for its retry, then wait() for
-        the queue (at most `timeout` seconds). Then stop the uploader (at the next part of an
-        upload in flight) and join it: this returns only once it has ended. Returns the steps
-        queued or in flight that were never uploaded."""
+    def close(self, *, wait: bool, timeout: float | None = None,
+              then: Callable[[], None] | None = None) -> list[int]:
+        """wait: first one more attempt at once for a step waiting out its retry's backoff, then
+        wait() for the queue. Then stop the uploader: it ends once the upload in flight, if any,
+        ends; close waits for that too. All within
+        `timeout` seconds (None: no bound on the queue, CLOSE_JOIN_SECONDS on the upload in
+        flight). `then` runs once the uploader has ended: before close returns, or else on the
+        uploader's thread as it ends, so that what `then` releases (the directory's lock) is never
+        released while an upload runs. Returns the steps queued or in flight that were never
+        uploaded (a step found damaged locally is not one)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if wait:
                 self.wait(timeout, retry_now=True)
@@ -471,10 +476,14 @@ class RemoteTier:
                 self._stopping = True
                 self._wake.notify_all()
             if self._thread is not None:
-                while self._thread.is_alive():  # each store call it may be in ends within the store's timeout
-                    self._thread.join(timeout=30)
-                    if self._thread.is_alive():
-                        log.warning("gdsckpt: close() is waiting for the upload of step %s to stop", self._in_flight)
+                self._thread.join(CLOSE_JOIN_SECONDS if deadline is None else max(0.0, deadline - time.monotonic()))
+            if then is not None:
+                with self._mutex:
+                    now = self._thread is None or self._ended
+                    if not now:
+                        self._at_end.append(then)
+                if now:
+                    then()
         with self._mutex:
             left = set(self._queue) | ({self._in_flight} if self._in_flight is not None else set())
             return sorted(left - (self._uploaded or set()) - self._damaged)

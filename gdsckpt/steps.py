@@ -14,17 +14,22 @@ import contextlib
 import os
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from . import api
+from .dirlock import pid_alive
 from .errors import CheckpointFormatError, GdsckptError, VersionError
 from .storage import fsync_dir
 
 SUFFIX = ".gdsckpt"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"^step_(\d{8,})(\.gdsckpt)?$")
+# Where a restore puts a step from the store: a file step, named with the restoring pid
+# (FileSteps.fetched), and a DCP step's directory, renamed into place once complete (DcpSteps.fetched).
+_FILE_DOWNLOAD = re.compile(r"\.step_\d{8,}\.gdsckpt\.download\.(\d{1,10})")
+_DCP_DOWNLOAD = re.compile(r"\.step_\d{8,}\.download")
 # What restore falls back from: a step that is damaged, incomplete or unreadable. A state that
 # does not match the checkpoint, or a codec this machine lacks, is the caller's to fix: raised.
 DAMAGE = (CheckpointFormatError, OSError)
@@ -38,6 +43,17 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
     """(step, distributed) of a step's file or directory name; None for any other name."""
     m = _STEP.match(name)
     return (int(m.group(1)), not m.group(2)) if m else None
+
+
+def download_temporaries(directory: Path) -> list[Path]:
+    """Step files downloaded by a restore whose process is gone from this host (killed while
+    loading one): regular files named exactly as FileSteps.fetched names them."""
+    out = []
+    for entry in os.scandir(directory):
+        m = _FILE_DOWNLOAD.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+            out.append(Path(entry.path))
+    return sorted(out)
 
 
 def check_step(path: Path, deep: bool) -> str:
@@ -54,6 +70,25 @@ def check_step(path: Path, deep: bool) -> str:
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return "ok"
+
+
+def relayed(fut: Future) -> Future:
+    """A SaveFuture (which knows whether its outcome was looked at) with `fut`'s outcome."""
+    from .async_save import SaveFuture
+    out = SaveFuture()
+    out.set_running_or_notify_cancel()
+
+    def relay(f):
+        if f.cancelled():
+            out.set_exception(CancelledError())
+            return
+        err = f.exception()
+        if err is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(err)
+    fut.add_done_callback(relay)
+    return out
 
 
 class StepLayout(Protocol):
@@ -90,6 +125,9 @@ class StepLayout(Protocol):
         """The step brought from `store` (a gdsckpt.remote.ObjectStore): (local path, what to
         call it) while the context lasts."""
 
+    def leftovers(self) -> list[Path]:
+        """What killed restores left in the directory, for the lock holder to remove."""
+
 
 class _Steps:
     distributed: bool
@@ -118,10 +156,15 @@ class _Steps:
 
 
 class FileSteps(_Steps):
-    """One gdsckpt file per step."""
+    """One gdsckpt file per step. scratch: where a step from the store is downloaded (None: the
+    directory)."""
 
     distributed = False
     loads_in_place = False
+
+    def __init__(self, directory: Path, save_options: dict, scratch: Path | None = None):
+        super().__init__(directory, save_options)
+        self.scratch = scratch if scratch is not None else directory
 
     def committed(self, path: Path) -> bool:
         return path.is_file()
@@ -135,10 +178,9 @@ class FileSteps(_Steps):
                           **self.save_options)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
+        if state is not None:  # atomic: a damaged step leaves `state` as it was, for the fall-back
+            return state, api.load_into(path, state, strict=strict, atomic=True)
         with api.open(path) as ck:
-            if state is not None:
-                stats = ck.load_into(state, strict=strict)
-                return state, stats
             out = ck.load(device)
             return out, ck.last_stats
 
@@ -149,11 +191,14 @@ class FileSteps(_Steps):
     def files(self, step: int) -> list[tuple[Path, str]]:
         return [(self.path(step), self.name(step))]
 
+    def leftovers(self) -> list[Path]:
+        return download_temporaries(self.directory)
+
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
         # downloaded into a temporary copy, removed after
         name = self.name(step)
-        tmp = self.directory / f".{name}.download.{os.getpid()}"
+        tmp = self.scratch / f".{name}.download.{os.getpid()}"
         try:
             store.download(name, tmp)
             yield tmp, store.url(name)
@@ -187,12 +232,14 @@ class DcpSteps(_Steps):
         fut = dcp.async_save(state, storage_writer=GdsckptWriter(self.path(step), optimizer=optimizer,
                                                                  **self.save_options),
                              planner=CachedSavePlanner())
-        return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+        fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
+        return relayed(fut)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from .dcp import GdsckptReader
+        self._check_metadata(path)
         try:
             dcp.load(state, storage_reader=GdsckptReader(path))
         except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
@@ -203,6 +250,32 @@ class DcpSteps(_Steps):
                                             f"{type(first).__name__}: {first}", path=path) from None
             raise
         return state, None
+
+    @staticmethod
+    def _check_metadata(path: Path) -> None:
+        """Every rank reads the step's .metadata first, and all agree: DCP itself turns a damaged
+        one (a flipped byte, truncated, empty) into an AssertionError that names no file, after
+        logging a traceback per rank. CheckpointFormatError on every rank if one could not read
+        it (VersionError if one found a newer format), so every rank falls back alike."""
+        import torch.distributed as dist
+        from .dcp import GdsckptReader
+        try:
+            GdsckptReader(path).read_metadata()
+            mine = None
+        except VersionError as e:
+            mine = ("version", str(e))
+        except Exception as e:  # any failure to read it makes the step unusable
+            mine = ("damage", f"{type(e).__name__}: {e}")
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        failed = {rank: err for rank, err in enumerate(seen) if err is not None}
+        if not failed:
+            return
+        kind, first = next(iter(failed.values()))
+        what = f"rank(s) {sorted(failed)} could not read the step's {DCP_METADATA}: {first}"
+        if any(k == "version" for k, _ in failed.values()):
+            raise VersionError(what, path=path / DCP_METADATA)
+        raise CheckpointFormatError(what, path=path / DCP_METADATA)
 
     def delete(self, step: int) -> None:
         p = self.path(step)
@@ -218,6 +291,11 @@ class DcpSteps(_Steps):
         parts = sorted(f.name for f in p.iterdir() if f.is_file() and not f.name.startswith(".tmp"))
         parts.sort(key=lambda n: n == DCP_METADATA)  # DCP's commit point goes last
         return [(p / part, f"{name}/{part}") for part in parts]
+
+    def leftovers(self) -> list[Path]:
+        # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's
+        return sorted(Path(e.path) for e in os.scandir(self.directory)
+                      if _DCP_DOWNLOAD.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
