@@ -6,13 +6,17 @@ one object, RemoteTier:
   the step's marker, s3://bucket/prefix/step_00001000.gdsckpt.uploaded.json (gdsckpt/upload_marker.py:
   a schema, and each file's identity). A step counts as uploaded only with a valid marker, and
   only while every object the marker lists is there at its size; a marker that does not parse is
-  skipped with a warning;
+  skipped with a warning. Restore from the store checks every object against its identity;
 * an upload that a newer queued step has overtaken while it waited is skipped (coalesced);
 * a failed upload (store down, refused credentials, missing bucket) is logged and retried with
   backoff (up to a minute apart) until it succeeds or a newer step overtakes it; `status()`
-  reports the queue depth, the upload throughput and the last errors;
-* remote retention keeps the policy's newest `keep_remote` uploaded steps, removing a step's
-  marker before its objects."""
+  reports the queue depth, the upload throughput and the last errors. A step damaged locally is
+  reported as such and never retried; the newest older intact step goes instead;
+* remote retention keeps the policy's newest `keep_remote` uploaded steps and never the newest
+  intact one, removing a step's marker before its objects, then the objects of steps with no
+  marker (an upload or a removal cut short) that are not being uploaded here;
+* the listing of the store ends within the store's timeout: a store that hangs leaves the
+  manager on its local steps; close() names the steps never uploaded."""
 
 from __future__ import annotations
 
@@ -207,7 +211,8 @@ class RemoteTier:
     def _newest_intact(self, remote: dict[int, Marker]) -> int | None:
         for step in sorted(remote, reverse=True):
             try:
-                if all(not want.differences(object_identity(self.store, rel)) for rel, want in remote[step].files.items()):
+                files = remote[step].files.items()
+                if all(not want.differences(object_identity(self.store, rel)) for rel, want in files):
                     return step
             except (CheckpointFormatError, RemoteNotFoundError):
                 pass

@@ -6,7 +6,6 @@ in time against a server that accepts connections and never answers."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
@@ -269,7 +268,8 @@ def test_every_operation_bounded_against_a_store_that_never_answers(tmp_path, si
     ops = {"size": lambda: store.size("x"), "get": lambda: store.get_bytes("x"),
            "read": lambda: store.read("x", 0, 10), "list": lambda: store.list(),
            "put": lambda: store.put_bytes("x", b"x"), "delete": lambda: store.delete("x"),
-           "upload": lambda: store.put_file(tmp_path / "f", "f"), "download": lambda: store.download("x", tmp_path / "d")}
+           "upload": lambda: store.put_file(tmp_path / "f", "f"),
+           "download": lambda: store.download("x", tmp_path / "d")}
     for what, op in ops.items():
         t = time.monotonic()
         with pytest.raises(RemoteTimeoutError, match=r"did not answer within 2 s") as e:

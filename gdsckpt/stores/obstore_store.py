@@ -103,7 +103,8 @@ class ObstoreStore:
                  timeout: float = DEFAULT_TIMEOUT, secrets: Callable[[], Iterable[str]] = tuple,
                  missing_credentials: str | None = None):
         if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 5 << 20:
-            raise ValueError(f"part_bytes must be an int of at least 5 MiB (S3's minimum part size), got {part_bytes!r}")
+            raise ValueError(f"part_bytes must be an int of at least 5 MiB (S3's minimum part size), "
+                             f"got {part_bytes!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
         self.client, self.scheme, self.bucket, self.prefix = client, scheme, bucket, prefix

@@ -92,7 +92,8 @@ class S3Store(ObstoreStore):
         try:
             credentials = resolve_aws_credentials()
         except PermissionError as e:
-            raise RemoteAccessError(f"cannot configure the S3 client: {e}", bucket=bucket, code="NoCredentials") from None
+            raise RemoteAccessError(f"cannot configure the S3 client: {e}", bucket=bucket,
+                                    code="NoCredentials") from None
         config = {}
         if endpoint:
             config["endpoint"] = endpoint
