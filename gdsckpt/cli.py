@@ -237,6 +237,8 @@ def cmd_prune(args) -> int:
         gone = ck.prune(dry_run=not args.yes)
     finally:
         ck.close(wait_uploads=False)
+    for step, why in gone["damaged"].items():
+        print(f"local step {step} is damaged (kept; it does not count toward --keep): {why}")
     verb = "removed" if args.yes else "would remove"
     print(f"{verb}: local steps {gone['local'] or 'none'}; remote steps {gone['remote'] or 'none'}")
     if not args.yes and (gone["local"] or gone["remote"]):

@@ -39,7 +39,9 @@ from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
 from .store_verify import verify_object
 from .stores import Store
-from .upload_marker import MARKER, FileIdentity, InvalidMarker, Marker, file_identity, object_identity, parse_marker
+from .upload_marker import (  # noqa: F401 - MARKER and read_marker: the CLI's and the tests' names here
+    MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity, read_marker,
+)
 
 log = logging.getLogger("gdsckpt.manager")
 
@@ -57,34 +59,11 @@ class _LocalDamage(Exception):
         self.error = error
 
 
-def marker_step(name: str) -> tuple[int, bool] | None:
-    """(step, distributed) of a marker's object name; None for any other name."""
-    return parse_step_name(name[:-len(MARKER)]) if name.endswith(MARKER) else None
-
-
-def load_marker(store: Store, name: str) -> Marker:
-    """The marker object `name`, parsed (InvalidMarker if it does not parse; RemoteStoreError)."""
-    parsed = marker_step(name)
-    if parsed is None:
-        raise InvalidMarker(f"{name!r} is not a marker's name")
-    return parse_marker(store.get_bytes(name), parsed[0], name[:-len(MARKER)])
-
-
-def read_marker(store: Store, name: str) -> dict | None:
-    """The CLI's view of the marker object `name`: {"step", "files": {name: size}, "uploaded",
-    "host"}, or None if it is gone or does not parse."""
-    try:
-        m = load_marker(store, name)
-    except (RemoteStoreError, InvalidMarker):
-        return None
-    return {"step": m.step, "files": m.sizes(), "uploaded": m.uploaded, "host": m.host}
-
-
 def no_remote_status() -> dict:
     """status() of a manager without a remote tier."""
     return {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0, "skipped": [],
             "failures": 0, "last_upload": None, "queue_depth": 0, "queued": [], "in_flight": None,
-            "uploaded": None, "MBps": 0.0, "errors": []}
+            "uploaded": None, "MBps": 0.0, "errors": [], "rollback_pending": None}
 
 
 class RemoteTier:
@@ -110,6 +89,9 @@ class RemoteTier:
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
         self._warned: set[tuple[str, str]] = set()  # (marker, why): each bad marker is reported once
+        # A rollback's part here: (steps newer than this are abandoned, what to call once they are
+        # gone from the store). While set they do not count, and no upload runs before it is done.
+        self._abandon: tuple[int, Callable[[], None]] | None = None
         self._ended = False  # the uploader has returned (or never ran)
         self._at_end: list[Callable[[], None]] = []
         self._thread = None
@@ -166,7 +148,8 @@ class RemoteTier:
                 continue
             if all(listing.get(f) == size for f, size in marker.sizes().items()):
                 out[step] = marker
-        return out
+        abandon = self._abandon
+        return {s: m for s, m in out.items() if abandon is None or s <= abandon[0]}
 
     def _warn_once(self, name: str, why: str) -> None:
         with self._mutex:
@@ -268,6 +251,58 @@ class RemoteTier:
                 self.store.delete(name)
         return list(orphans)
 
+    # ------------------------------------------------------------ rollback
+    def abandon_newer_than(self, step: int, then: Callable[[], None], *, remove: bool = True) -> list[int] | None:
+        """A rollback to `step` (the lowest of those whose part here is pending): the steps newer
+        than it no longer count, and leave the store (markers first, then every object under
+        their names, those of unfinished uploads too), after the upload in flight, if newer,
+        ends; queued newer steps are dropped. `then` is called once they are gone. Returns the
+        steps removed, or None if the store could not be reached, or remove=False (a read-only
+        manager: they only stop counting); the uploader removes them before any upload."""
+        with self._wake:
+            self._abandon = (step, then)
+            self._queue = [s for s in self._queue if s <= step]
+            if self._uploaded is not None:
+                self._uploaded = {s for s in self._uploaded if s <= step}
+            while self._in_flight is not None and self._in_flight > step:
+                self._wake.wait(1.0)
+        if not remove:
+            return None
+        try:
+            return self._finish_abandon()
+        except RemoteStoreError as e:
+            with self._mutex:
+                self._errors.append({"step": step, "error": f"rollback: {type(e).__name__}: {e}", "time": time.time()})
+            log.warning("gdsckpt: rollback to step %d: cannot remove the newer steps from %s yet (they do not count "
+                        "meanwhile; removed before any upload): %s: %s", step, self.store.url(), type(e).__name__, e)
+            return None
+
+    def _finish_abandon(self) -> list[int]:
+        with self._mutex:
+            pending = self._abandon
+        if pending is None:
+            return []
+        to, then = pending
+        markers, objects, gone = [], [], set()
+        for name in self.store.list():
+            top = name.split("/", 1)[0]
+            parsed = marker_step(top) or parse_step_name(top)
+            if parsed is None or parsed[1] != self.layout.distributed or parsed[0] <= to:
+                continue
+            gone.add(parsed[0])
+            (markers if name.endswith(MARKER) else objects).append(name)
+        for name in markers + objects:  # uncommit first: a kill mid-way leaves objects that do not count
+            self.store.delete(name)
+        if gone:
+            log.info("gdsckpt: rollback to step %d: steps %s removed from %s", to, sorted(gone), self.store.url())
+        then()  # before uploads resume: should it fail, the removal is done again (nothing newer uploaded since)
+        with self._mutex:
+            if self._abandon is pending:
+                self._abandon = None
+            if self._uploaded is not None:
+                self._uploaded -= gone
+        return sorted(gone)
+
     # ------------------------------------------------------------ uploads
     def _uploader(self) -> None:
         try:
@@ -299,6 +334,7 @@ class RemoteTier:
             for s in overtaken:
                 log.info("gdsckpt: upload of step %d skipped: step %d overtook it", s, step)
             try:
+                self._finish_abandon()  # a rollback's removals come before any upload
                 if step not in self._known_uploaded():
                     self._upload(step)
                 backoff = 0.0
@@ -440,6 +476,7 @@ class RemoteTier:
             st["uploaded"] = sorted(self._uploaded) if self._uploaded is not None else None
             st["MBps"] = st["uploaded_bytes"] / st["upload_seconds"] / 1e6 if st["upload_seconds"] else 0.0
             st["errors"] = list(self._errors)
+            st["rollback_pending"] = None if self._abandon is None else self._abandon[0]
             return st
 
     # ------------------------------------------------------------ lifetime

@@ -28,7 +28,10 @@ from pathlib import Path
 
 from . import format as fmt
 from .checksum import crc64nvme
+from .errors import RemoteStoreError
+from .steps import parse_step_name
 from .storage import pread_exact
+from .stores import Store
 
 MARKER = ".uploaded.json"
 MARKER_FORMAT = "gdsckpt-upload-marker"
@@ -86,8 +89,8 @@ def file_identity(path: Path, name: str) -> FileIdentity:
         os.close(fd)
 
 
-def object_identity(store, name: str) -> FileIdentity:
-    """The identity of the object `name` in `store` (a gdsckpt.stores.Store), by ranged reads."""
+def object_identity(store: Store, name: str) -> FileIdentity:
+    """The identity of the object `name` in `store`, by ranged reads."""
     if not name.endswith(GDSCKPT_SUFFIX):
         data = store.get_bytes(name)
         return FileIdentity(len(data), sha256=hashlib.sha256(data).hexdigest())
@@ -165,3 +168,26 @@ def parse_marker(raw: bytes, step: int, step_name: str) -> Marker:
     if isinstance(uploaded, bool) or not isinstance(uploaded, (int, float)) or not isinstance(host, str):
         raise InvalidMarker("uploaded must be a number and host a string")
     return Marker(step, {n: _identity(n, d) for n, d in files.items()}, float(uploaded), host)
+
+
+def marker_step(name: str) -> tuple[int, bool] | None:
+    """(step, distributed) of a marker's object name; None for any other name."""
+    return parse_step_name(name[:-len(MARKER)]) if name.endswith(MARKER) else None
+
+
+def load_marker(store: Store, name: str) -> Marker:
+    """The marker object `name`, parsed (InvalidMarker if it does not parse; RemoteStoreError)."""
+    parsed = marker_step(name)
+    if parsed is None:
+        raise InvalidMarker(f"{name!r} is not a marker's name")
+    return parse_marker(store.get_bytes(name), parsed[0], name[:-len(MARKER)])
+
+
+def read_marker(store: Store, name: str) -> dict | None:
+    """The CLI's view of the marker object `name`: {"step", "files": {name: size}, "uploaded",
+    "host"}, or None if it is gone or does not parse."""
+    try:
+        m = load_marker(store, name)
+    except (RemoteStoreError, InvalidMarker):
+        return None
+    return {"step": m.step, "files": m.sizes(), "uploaded": m.uploaded, "host": m.host}

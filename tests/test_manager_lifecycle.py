@@ -169,7 +169,7 @@ def test_a_read_only_directory_is_opened_to_restore(tmp_path, lock_file):
     out = json.loads(r.stdout.splitlines()[-1])
     why = f"{str(d)!r} cannot be written (read-only), so this Checkpointer only restores"
     assert out == {"read_only": True, "steps": [2, 3], "latest": 3, "restored": 3,
-                   "dry_run": {"local": [], "remote": []}, "save": f"cannot save step 9: {why}",
+                   "dry_run": {"local": [], "remote": [], "damaged": {}}, "save": f"cannot save step 9: {why}",
                    "save_async": f"cannot save step 9: {why}", "prune": f"cannot prune: {why}"}, out
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # nothing written, nothing removed
 
