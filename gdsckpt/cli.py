@@ -90,8 +90,8 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
     it lives, its size and whether it is intact (committed and its footer and index valid; deep:
     every chunk checksum verified, which reads every byte)."""
-    from .remote import ObjectStore, is_remote
     from .remote_tier import MARKER, read_marker
+    from .stores import is_remote, open_store
     from .steps import check_step, parse_step_name
     rows: dict[int, dict] = {}
 
@@ -115,7 +115,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     else:
         remote = location
     if remote:
-        store = ObjectStore(remote)
+        store = open_store(remote)
         listing = store.list()
         markers = {}
         for name in listing:
@@ -151,10 +151,11 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
 def _check_remote(store, files: list[str]) -> str:
     """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
     from .steps import SUFFIX
+    from .store_verify import verify_object
     try:
         for f in files:
             if f.endswith(SUFFIX):
-                store.verify(f)
+                verify_object(store, f)
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return "ok"
@@ -163,14 +164,14 @@ def _check_remote(store, files: list[str]) -> str:
 def restore_test(location: str, *, remote: str | None = None) -> tuple[int | None, list[dict]]:
     """Verify steps newest first, every chunk checksum, until one is intact: (that step or None,
     the rows checked). What restore() would do, without loading."""
-    from .remote import ObjectStore
     from .steps import check_step
+    from .stores import open_store
     checked = []
     for r in reversed(describe(location, remote=remote)):
         if r["local"] is not None:
             r["local_state"] = check_step(Path(r["local"]), deep=True)
         if r["remote"] is not None and r["remote_state"] == "ok":
-            r["remote_state"] = _check_remote(ObjectStore(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
+            r["remote_state"] = _check_remote(open_store(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
         checked.append(r)
         if "ok" in (r["local_state"], r["remote_state"]):
             return r["step"], checked

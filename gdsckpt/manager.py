@@ -77,8 +77,8 @@ class Checkpointer:
     keep: local steps kept (>= 1). remote: "s3://bucket/prefix" or None. keep_remote: remote
     steps kept (None: all). every_remote: upload every n-th saved step. save_options: keyword
     arguments of gdsckpt.save (codec, chunk_bytes, io, ...) or of GdsckptWriter under
-    torch.distributed. remote_options: keyword arguments of gdsckpt.remote.ObjectStore
-    (part_bytes, concurrency, max_retries, retry_seconds). distributed: None = whether
+    torch.distributed. remote_options: keyword arguments of gdsckpt.stores.open_store
+    (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
     torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
     """
 
@@ -98,8 +98,8 @@ class Checkpointer:
             self.rank = dist.get_rank()
         store = None
         if remote is not None:  # before the lock: a bad URL or option is refused with nothing held
-            from .remote import ObjectStore
-            store = ObjectStore(remote, **(remote_options or {}))
+            from .stores import open_store
+            store = open_store(remote, **(remote_options or {}))
         self.directory.mkdir(parents=True, exist_ok=True)
         self._owner = self.rank == 0
         self._lock = try_lock(self.directory) if self._owner else None
@@ -431,7 +431,7 @@ class Checkpointer:
             path = self.layout.path(step)
             out, stats = self.layout.load(path, state, device, strict)
             return out, str(path), stats
-        with self.layout.fetched(step, self.remote.store) as (path, label):
+        with self.remote.fetched(step) as (path, label):  # checked against the upload's identity
             out, stats = self.layout.load(path, state, device, strict)
             return out, label, stats
 
@@ -439,10 +439,12 @@ class Checkpointer:
     def close(self, *, wait_uploads: bool = True, timeout: float | None = None) -> None:
         """Wait for the pending save; with the remote tier, for the upload queue to drain
         (wait_uploads) and the upload in flight to end, at most `timeout` seconds in all; then
-        release the lock. An upload still running then keeps the lock until it ends."""
+        release the lock. An upload still running then keeps the lock until it ends.
+        wait_uploads: UploadIncompleteError if a step to upload never reached the store."""
         if self._closed:
             return
         saved = False
+        never_uploaded: list[int] = []
         try:
             self.wait()
             saved = True
@@ -450,9 +452,11 @@ class Checkpointer:
             self._closed = True
             release = self._lock.release if self._lock is not None else None
             if self.remote is not None:  # the lock goes only once the uploader has ended
-                self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
+                never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
             elif release is not None:
                 release()
+        if wait_uploads and never_uploaded:
+            raise self.remote.incomplete_error(never_uploaded)
 
     def __enter__(self):
         return self

@@ -156,7 +156,7 @@ class StepLayout(Protocol):
         """(local file, name relative to the store's prefix) of the step, its commit point last."""
 
     def fetched(self, step: int, store) -> ContextManager[tuple[Path, str]]:
-        """The step brought from `store` (a gdsckpt.remote.ObjectStore): (local path, what to
+        """The step brought from `store` (a gdsckpt.stores.Store): (local path, what to
         call it) while the context lasts."""
 
     def leftovers(self) -> list[Path]:

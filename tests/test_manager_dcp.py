@@ -117,6 +117,6 @@ def test_two_ranks_manager(tmp_path, s3_env):
     url = f"s3://{s3_env.new_bucket()}/dcp"
     mp.start_processes(_rank_main, args=(str(tmp_path), url, s3_env.env()), nprocs=WORLD, join=True,
                        start_method="spawn")
-    from gdsckpt.remote import ObjectStore
-    names = sorted(ObjectStore(url).list())
+    from gdsckpt.stores import open_store
+    names = sorted(open_store(url).list())
     assert "step_00000003/.metadata" in names and "step_00000003.uploaded.json" in names, names

@@ -15,7 +15,7 @@ import pytest
 
 from gdsckpt.errors import NoCheckpointError
 from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.remote import ObjectStore
+from gdsckpt.stores import Store, open_store
 from gdsckpt.rollback import JOURNAL_NAME
 from conftest import assert_same
 from s3_server import SeaweedS3, s3_env, s3_server  # noqa: F401 - fixtures
@@ -23,10 +23,10 @@ from test_manager import OPTS, state_for
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-FAST = {"max_retries": 2, "retry_seconds": 5, "connect_timeout": 2}
+FAST = {"max_retries": 2, "timeout": 10}
 
 
-def _steps_on(store: ObjectStore) -> list[str]:
+def _steps_on(store: Store) -> list[str]:
     return sorted({n.split("/", 1)[0] for n in store.list()})
 
 
@@ -51,7 +51,7 @@ def test_rollback_is_not_undone_by_the_store(tmp_path, s3_env):
         ck.wait(uploads=True, timeout=60)
         assert ck.steps() == [1, 2, 3] and ck.status()["rollback_pending"] is None
     assert not (tmp_path / "a" / JOURNAL_NAME).exists()
-    store = ObjectStore(url)
+    store = open_store(url)
     assert _steps_on(store) == _uploaded(1, 2, 3)
     with Checkpointer(tmp_path / "fresh", remote=url) as ck:
         assert ck.steps() == [1, 2, 3]
@@ -100,7 +100,7 @@ def test_rollback_with_the_store_down_is_finished_before_any_upload(tmp_path, mo
             time.sleep(0.5)
         ck.close()
         assert not (tmp_path / JOURNAL_NAME).exists()
-        assert _steps_on(ObjectStore(url)) == _uploaded(1, 2, 3)
+        assert _steps_on(open_store(url)) == _uploaded(1, 2, 3)
         with Checkpointer(tmp_path / "fresh", remote=url) as ck2:
             assert_same(ck2.restore().state, state_for(33, n=2000))
     finally:
@@ -111,13 +111,13 @@ _KILLED_ROLLBACK = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
 from gdsckpt.manager import Checkpointer
-from gdsckpt.remote import ObjectStore
-real = ObjectStore.delete
+from gdsckpt.stores.s3 import S3Store
+real = S3Store.delete
 def delete(self, name):  # killed after the store's first removal
     real(self, name)
     print("deleted", name, flush=True)
     time.sleep(60)
-ObjectStore.delete = delete
+S3Store.delete = delete
 Checkpointer(sys.argv[1], remote=sys.argv[2], keep=4).rollback(2)
 """
 
@@ -137,7 +137,7 @@ def test_a_killed_rollback_is_finished_by_the_next_manager(tmp_path, s3_env):
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert (tmp_path / JOURNAL_NAME).exists()
-    store = ObjectStore(url)
+    store = open_store(url)
     assert step_name(4, False) in _steps_on(store)  # the kill left the store's part unfinished
     with Checkpointer(tmp_path, remote=url) as ck:  # finishes it as it opens, before any upload
         assert ck.steps() == [1, 2] and ck.status()["rollback_pending"] is None
