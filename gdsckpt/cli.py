@@ -90,7 +90,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
     it lives, its size and whether it is intact (committed and its footer and index valid; deep:
     every chunk checksum verified, which reads every byte)."""
-    from .remote_tier import MARKER, read_marker
+    from .upload_marker import MARKER, read_marker
     from .stores import is_remote, open_store
     from .steps import check_step, parse_step_name
     rows: dict[int, dict] = {}

@@ -39,8 +39,8 @@ from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
 from .store_verify import verify_object
 from .stores import Store
-from .upload_marker import (  # noqa: F401 - MARKER and read_marker: the CLI's and the tests' names here
-    MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity, read_marker,
+from .upload_marker import (
+    MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity,
 )
 
 log = logging.getLogger("gdsckpt.manager")

@@ -22,7 +22,7 @@ import pytest
 import gdsckpt
 from gdsckpt.errors import BucketNotFoundError, NoCheckpointError, RemoteAccessError
 from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.remote_tier import MARKER
+from gdsckpt.upload_marker import MARKER
 from gdsckpt.store_verify import verify_object
 from gdsckpt.stores import Store, open_store
 from gdsckpt.stores.s3 import S3Store

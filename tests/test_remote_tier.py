@@ -16,7 +16,7 @@ import pytest
 
 import gdsckpt
 from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.remote_tier import MARKER
+from gdsckpt.upload_marker import MARKER
 from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server, silent_endpoint  # noqa: F401 - fixtures
