@@ -68,9 +68,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from .steps import download_temporaries
     d = Path(args.directory)
-    stale = sorted(stale_temporaries(d) + download_temporaries(d))
+    stale = stale_temporaries(d)
     for p in stale:
         print(("removing " if args.yes else "stale: ") + str(p))
         if args.yes:
