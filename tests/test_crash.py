@@ -210,10 +210,12 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path):
     odd = tmp_path / f".d{TMP_MARK}99999999.x"  # a directory with a dead writer's temporary name: not ours
     odd.mkdir()
     (tmp_path / "file").write_bytes(b"x")
-    for argv in (["verify", str(tmp_path)], ["inspect", str(tmp_path / "missing")], ["clean", str(tmp_path / "nope")],
-                 ["clean", str(tmp_path), "--yes"], ["clean", str(tmp_path / "file")]):
+    # exit codes: 1 not a checkpoint, 3 not found, 0 done, 2 a file where a directory is needed
+    for argv, code in ((["verify", str(tmp_path)], 1), (["inspect", str(tmp_path / "missing")], 3),
+                       (["clean", str(tmp_path / "nope")], 3), (["clean", str(tmp_path), "--yes"], 0),
+                       (["clean", str(tmp_path / "file")], 2)):
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             rc = cli.main(argv)
-        assert rc in (0, 2) and "Traceback" not in err.getvalue(), (argv, err.getvalue())
+        assert rc == code and "Traceback" not in err.getvalue(), (argv, err.getvalue())
     assert odd.is_dir()

@@ -652,7 +652,7 @@ def test_not_a_regular_file(tmp_path):
         with pytest.raises(gdsckpt.CheckpointFormatError, match="not a regular file"):
             gdsckpt.open(p)
         rc, text = _cli("verify", str(p))
-        assert rc == 2 and "not a regular file" in text
+        assert rc == 1 and "not a regular file" in text  # 1: not a checkpoint (damaged)
 
 
 def test_file_shrinking_while_opened(base):

@@ -1,0 +1,143 @@
+"""`gdsckpt`: inspect, verify, convert, export and clean checkpoints, and look after a
+Checkpointer's directory.
+
+Exit codes (gdsckpt/cli/exitcodes.py): 0 ok; 1 damaged, failed verification or failed;
+2 usage error; 3 not found. Every command takes --json: one JSON document on stdout (an error:
+{"error": {"type", "message", "exit_code"}}, the message on stderr too). Long commands show a
+progress bar on stderr while stdout is a terminal.
+
+JSON documents, by command (fields are only ever added):
+  inspect FILE   {"kind": "file", "path", "metadata", "streams": [{dtype, codec, tensors, logical_bytes,
+                  stored_bytes, raw_chunks, ratio}], "tensors": {key: {dtype, shape, nbytes, codec, device}}}
+  inspect DIR    {"kind": "dcp", "path", "dcp": {items, tensors, bytes_items, logical_bytes,
+                  files: {rank file: [keys]}}, "files": [inspect FILE documents]}
+  verify         {"path", "kind": "file"|"dcp", "ok", "deep", "isolated", "metadata": null | {ok, items,
+                  tensors, error}, "files": [{path, ok, chunks, tensors, stored_bytes, error: null | {type,
+                  message}}]}
+  convert        {"src", "dst", "codec", "tensors", "streams", "logical_bytes", "stored_bytes", "file_bytes",
+                  "ratio", "seconds", "backend"}
+  export         {"src", "dst", "to", "tensors", "bytes"[, "values_left_out"]}
+  clean          {"directory", "stale": [paths], "removed"}
+  ls             [{step, local, local_bytes, local_state, remote, remote_bytes, remote_state, remote_files}]
+  restore-test   {"location", "remote", "step", "newest", "checked": [ls rows]}
+  prune          {"directory", "removed", "local": [steps], "remote": [steps], "damaged": {step: why}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import codecs
+from .._version import __version__
+from ..format import MAJOR, MINOR
+from .exitcodes import ExitCode, exit_code_for
+from .export import cmd_convert, cmd_export
+from .files import cmd_inspect, cmd_verify
+from .output import describe_error, emit_json, quiet_pipe
+from .views import cmd_clean, cmd_ls, cmd_prune, cmd_restore_test, describe, restore_test
+
+__all__ = ["main", "build_parser", "describe", "restore_test", "ExitCode"]
+
+EPILOG = """exit codes: 0 ok; 1 damaged, failed verification or failed (I/O, store, no decoder here);
+2 usage error; 3 not found. --json on any command prints one JSON document on stdout."""
+
+EXPORT_HELP = """write the checkpoint in another format, one tensor at a time (never the whole state in
+memory). safetensors: every key (a tied weight as a copy under each of its keys); plain values
+(step, lr) have no place there and are left out. torch: what gdsckpt.load returns, as torch.save
+writes it (NumPy arrays and bytes as tensors, so torch.load(weights_only=True) reads it). A
+torch.save file is a zip whose one pickle describes every tensor: torch.save itself writes that
+pickle and empty records (torch.serialization.skip_data), and the records are then filled one
+tensor at a time."""
+
+
+class _VersionAction(argparse.Action):
+    """--version: computed when asked (nvCOMP's version probes the GPU stack)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+
+        from ..backend import nvcomp_version
+        print(f"gdsckpt {__version__} (file format {MAJOR}.{MINOR}, torch {torch.__version__}, "
+              f"nvCOMP {nvcomp_version() or 'not available'})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gdsckpt", description=__doc__.split("\n\n")[0], epilog=EPILOG)
+    ap.add_argument("--version", action=_VersionAction, help="print the versions of gdsckpt, its file format, "
+                    "torch and nvCOMP, and exit")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, fn, help, **kw):
+        p = sub.add_parser(name, help=help, description=kw.pop("description", help), parents=[common],
+                           epilog=EPILOG, **kw)
+        p.set_defaults(fn=fn)
+        return p
+
+    p = command("inspect", cmd_inspect, "tensors, dtypes, shapes, and codec and ratio per stream, of a file "
+                "or a DCP step folder (each rank file)")
+    p.add_argument("path", help="a gdsckpt file, an s3://bucket/key object, or a DCP step folder")
+    p.add_argument("--summary", action="store_true", help="streams only, no tensor list")
+    p = command("verify", cmd_verify, "check every chunk's checksum (no GPU needed); of a DCP step folder, "
+                "its .metadata, the keys it names and every rank file")
+    p.add_argument("path", help="a gdsckpt file, an s3://bucket/key object, or a DCP step folder")
+    p.add_argument("--deep", action="store_true", help="also decode every chunk")
+    p.add_argument("--isolated", action="store_true",
+                   help="decode every chunk in a child process, none in this one (files from elsewhere: a "
+                        "forged chunk that faults a GPU decoder takes down only the child)")
+    p = command("convert", cmd_convert, "rewrite with another codec (zstd: readable on any CPU), one tensor "
+                "at a time through a scratch file beside DST (free space: the logical size)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--codec", default="zstd", choices=[*codecs.ALL_CODECS, "auto"])
+    p = command("export", cmd_export, "write as safetensors or torch.save, one tensor at a time",
+                description=EXPORT_HELP)
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=["safetensors", "torch"])
+    p = command("clean", cmd_clean, "list (and with --yes remove) temporaries left by killed saves and restores")
+    p.add_argument("directory")
+    p.add_argument("--yes", action="store_true")
+    p = command("ls", cmd_ls, "steps of a Checkpointer directory or s3:// prefix: where, size, intact")
+    p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
+    p.add_argument("--remote", help="also list this s3://bucket/prefix")
+    p.add_argument("--verify", action="store_true", help="check every chunk checksum (reads every byte)")
+    p = command("restore-test", cmd_restore_test, "verify the newest step (newest first until one is intact); "
+                "exit 0: the newest is intact, 1: it is not (an older one or none would be restored), "
+                "3: no step at all")
+    p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
+    p.add_argument("--remote", help="the directory's s3://bucket/prefix")
+    p = command("prune", cmd_prune, "apply the Checkpointer's retention now (never a step's only copy); "
+                "takes the directory's lock")
+    p.add_argument("directory")
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--remote", help="the directory's s3://bucket/prefix")
+    p.add_argument("--keep-remote", type=int, default=None)
+    p.add_argument("--yes", action="store_true", help="remove (without it: list what would go)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)  # a usage error exits 2 here (argparse)
+    with quiet_pipe():
+        try:
+            return int(args.fn(args))
+        except Exception as e:  # noqa: BLE001 - mapped to an exit code, or re-raised as the bug it is
+            try:
+                code = exit_code_for(e)
+            except TypeError:
+                raise e from None
+            print(f"gdsckpt {args.cmd}: error: {e}", file=sys.stderr)
+            if args.json:
+                emit_json({"error": {**describe_error(e), "exit_code": int(code)}})
+            return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""How the CLI writes: JSON documents, progress bars, and a reader that stops reading.
+
+- `emit_json`: one JSON document on stdout (the shapes are in gdsckpt/cli/__init__.py).
+- `progress`: a tqdm bar on stderr while stdout and stderr are both a terminal, else nothing
+  (piped or redirected output stays clean; TQDM_DISABLE=1 turns it off too).
+- `quiet_pipe`: once stdout's reader has gone (`gdsckpt inspect X | head -1`), what is left to
+  print goes nowhere and the command runs to its end: no BrokenPipeError traceback, and the exit
+  code is still the command's own (a `verify` cut short by `head` does not exit 0 unverified).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Iterator
+
+from tqdm import tqdm
+
+__all__ = ["emit_json", "progress", "quiet_pipe", "describe_error"]
+
+
+def emit_json(document) -> None:
+    json.dump(document, sys.stdout, indent=1, default=str)
+    print()
+
+
+def describe_error(error: BaseException) -> dict:
+    """An error as the JSON documents hold it: {"type": its class name, "message"}."""
+    return {"type": type(error).__name__, "message": str(error)}
+
+
+def progress(total: float | None, desc: str, unit: str = "B") -> tqdm:
+    """A progress bar (update(n) as work is done; close() at the end), shown on a terminal only.
+    unit "B": bytes, scaled in decimal units as the rest of the CLI shows them."""
+    shown = _isatty(sys.stdout) and _isatty(sys.stderr) and not os.environ.get("TQDM_DISABLE")
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1000,
+                disable=None if shown else True, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by a test, or closed
+        return False
+
+
+class _PipeGuard:
+    """stdout, until its reader goes away: then its descriptor is pointed at /dev/null, so that
+    the rest of the output (and the interpreter's last flush) is dropped without an error."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_pipe() -> Iterator[None]:
+    """Guard sys.stdout for the block (only where it is a real file: tests' StringIO are left)."""
+    stream = sys.stdout
+    try:
+        stream.fileno()
+    except (AttributeError, ValueError, OSError):
+        yield
+        return
+    guard = _PipeGuard(stream)
+    sys.stdout = guard
+    try:
+        yield
+    finally:
+        guard.flush()
+        sys.stdout = stream

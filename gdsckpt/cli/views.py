@@ -1,0 +1,208 @@
+"""The CLI's views of a Checkpointer's directory and store: ls, restore-test, prune, clean.
+
+describe and restore_test take no lock: they only read. prune takes the directory's lock (it is
+the Checkpointer's own retention, run now).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+
+from ..errors import GdsckptError
+from ..storage import stale_temporaries
+from ..units import format_bytes
+from .exitcodes import ExitCode
+from .output import emit_json
+
+__all__ = ["describe", "restore_test", "cmd_ls", "cmd_restore_test", "cmd_prune", "cmd_clean"]
+
+
+def cmd_clean(args) -> int:
+    d = Path(args.directory)
+    stale = stale_temporaries(d)
+    for p in stale:
+        if not args.json:
+            print(("removing " if args.yes else "stale: ") + str(p))
+        if args.yes:
+            p.unlink(missing_ok=True)
+    if args.json:
+        emit_json({"directory": args.directory, "stale": [str(p) for p in stale], "removed": bool(args.yes)})
+    elif stale and not args.yes:
+        print("re-run with --yes to remove them")
+    elif not stale:
+        print(f"no stale gdsckpt temporaries in {args.directory}")
+    return ExitCode.OK
+
+
+# ---------------------------------------------------------------- the checkpoint manager's directories
+# Views of a Checkpointer's directory and store that take no lock: they only read.
+
+
+def describe(location: str, *, remote: str | None = None, deep: bool = False) -> list[dict]:
+    """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
+    it lives, its size and whether it is intact (committed and its footer and index valid; deep:
+    every chunk checksum verified, which reads every byte)."""
+    from ..upload_marker import MARKER, read_marker
+    from ..stores import is_remote, open_store
+    from ..steps import check_step, parse_step_name
+    rows: dict[int, dict] = {}
+
+    def row(step):
+        return rows.setdefault(step, {"step": step, "local": None, "local_bytes": 0, "local_state": None,
+                                      "remote": None, "remote_bytes": 0, "remote_state": None,
+                                      "remote_files": []})
+
+    if not is_remote(location):
+        d = Path(location)
+        for name in sorted(os.listdir(d)):
+            parsed = parse_step_name(name)
+            if not parsed:
+                continue
+            p = d / name
+            r = row(parsed[0])
+            r["local"] = str(p)
+            r["local_bytes"] = sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() \
+                else p.stat().st_size
+            r["local_state"] = check_step(p, deep)
+    else:
+        remote = location
+    if remote:
+        store = open_store(remote)
+        listing = store.list()
+        markers = {}
+        for name in listing:
+            if name.endswith(MARKER) and parse_step_name(name[:-len(MARKER)]):
+                marker = read_marker(store, name)
+                if marker is not None:
+                    markers[name[:-len(MARKER)]] = marker
+        for name, size in listing.items():
+            top = name.split("/", 1)[0]
+            parsed = parse_step_name(top)
+            if not parsed or name.endswith(MARKER):
+                continue
+            r = row(parsed[0])
+            r["remote"] = store.url(top)
+            r["remote_bytes"] += size
+        for r in rows.values():
+            if r["remote"] is None:
+                continue
+            top = r["remote"].rsplit("/", 1)[1]
+            marker = markers.get(top)
+            r["remote_files"] = sorted(marker["files"]) if marker else []
+            if marker is None:
+                r["remote_state"] = "incomplete (no verified-upload marker)"
+            elif not all(listing.get(f) == n for f, n in marker["files"].items()):
+                r["remote_state"] = "DAMAGED: objects missing or of another size than uploaded"
+            elif deep:
+                r["remote_state"] = _check_remote(store, r["remote_files"])
+            else:
+                r["remote_state"] = "ok"
+    return [rows[k] for k in sorted(rows)]
+
+
+def _check_remote(store, files: list[str]) -> str:
+    """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
+    from ..steps import SUFFIX
+    from ..store_verify import verify_object
+    try:
+        for f in files:
+            if f.endswith(SUFFIX):
+                verify_object(store, f)
+    except (GdsckptError, OSError) as e:
+        return f"DAMAGED: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def restore_test(location: str, *, remote: str | None = None, on_step=None) -> tuple[int | None, list[dict]]:
+    """Verify steps newest first, every chunk checksum, until one is intact: (that step or None,
+    the rows checked). What restore() would do, without loading. on_step(row): after each step."""
+    from ..steps import check_step
+    from ..stores import open_store
+    checked = []
+    for r in reversed(describe(location, remote=remote)):
+        if r["local"] is not None:
+            r["local_state"] = check_step(Path(r["local"]), deep=True)
+        if r["remote"] is not None and r["remote_state"] == "ok":
+            r["remote_state"] = _check_remote(open_store(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
+        checked.append(r)
+        if on_step is not None:
+            on_step(r)
+        if "ok" in (r["local_state"], r["remote_state"]):
+            return r["step"], checked
+    return None, checked
+
+
+def _where(r) -> str:
+    return "+".join(w for w in ("local", "remote") if r[w] is not None)
+
+
+def cmd_ls(args) -> int:
+    rows = describe(args.location, remote=args.remote, deep=args.verify)
+    if args.json:
+        emit_json(rows)
+        return ExitCode.OK
+    if not rows:
+        print(f"no steps in {args.location}" + (f" or {args.remote}" if args.remote else ""))
+        return ExitCode.OK
+    print(f"{'step':>10}  {'where':<13}{'local size':>12}{'remote size':>13}  state")
+    for r in rows:
+        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
+        print(f"{r['step']:>10}  {_where(r):<13}{format_bytes(r['local_bytes']) if r['local'] else '-':>12}"
+              f"{format_bytes(r['remote_bytes']) if r['remote'] else '-':>13}  {'; '.join(states)}")
+    return ExitCode.OK
+
+
+def cmd_restore_test(args) -> int:
+    """0: the newest step is intact; 1: it is not (an older one, or none, would be restored);
+    3: there is no step at all."""
+    from .output import progress
+    bar = progress(None, "restore-test", unit="step")
+    try:
+        step, checked = restore_test(args.location, remote=args.remote, on_step=lambda r: bar.update(1))
+    finally:
+        bar.close()
+    newest = checked[0]["step"] if checked else None
+    code = ExitCode.NOT_FOUND if not checked else ExitCode.OK if step == newest else ExitCode.DAMAGED
+    if args.json:
+        emit_json({"location": args.location, "remote": args.remote, "step": step, "newest": newest,
+                   "checked": checked})
+        return code
+    for r in checked:
+        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
+        print(f"step {r['step']}: {'; '.join(states)}")
+    if not checked:
+        print(f"gdsckpt restore-test: no steps in {args.location}" + (f" or {args.remote}" if args.remote else ""),
+              file=sys.stderr)
+    elif step is None:
+        print(f"gdsckpt restore-test: no intact step in {args.location}", file=sys.stderr)
+    else:
+        print(f"restore() would use step {step}" + ("" if step == newest else f", not the newer step {newest}"))
+    return code
+
+
+def cmd_prune(args) -> int:
+    from ..manager import Checkpointer
+    if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
+        raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
+    ck = Checkpointer(args.directory, keep=args.keep, remote=args.remote, keep_remote=args.keep_remote,
+                      upload=False)
+    try:
+        gone = ck.prune(dry_run=not args.yes)
+    finally:
+        ck.close(wait_uploads=False)
+    if args.json:
+        emit_json({"directory": args.directory, "removed": bool(args.yes), "local": gone["local"],
+                   "remote": gone["remote"], "damaged": {str(k): v for k, v in gone["damaged"].items()}})
+        return ExitCode.OK
+    for step, why in gone["damaged"].items():
+        print(f"local step {step} is damaged (kept; it does not count toward --keep): {why}")
+    verb = "removed" if args.yes else "would remove"
+    print(f"{verb}: local steps {gone['local'] or 'none'}; remote steps {gone['remote'] or 'none'}")
+    if not args.yes and (gone["local"] or gone["remote"]):
+        print("re-run with --yes to remove them")
+    return ExitCode.OK
+
+
