@@ -12,10 +12,11 @@
 # Jobs (files they write):
 #   tests    pytest -m gpu over tests/ (gpu-tests.log); ARGS replace "tests/"
 #   compare  gdsckpt-bench --compare on the default state, GPT-2-small (compare.json/.txt/.png)
-#   null     gdsckpt-bench --size 4GB --target null --loops 8 (null.json/.txt)
-#   d2h      gdsckpt-bench --size 4GB --target null-d2h --loops 8 (d2h.json/.txt)
-#   disk4g   gdsckpt-bench --size 4GB --loops 3: durable saves, cold loads, disk probe (disk4g.json/.txt)
-#   scale    gdsckpt-bench --size S --loops 3 for S = 1GB 4GB 16GB 32GB (scale-S.json, scale.txt)
+#   null     gdsckpt-bench --size 4GiB --target null --loops 8 (null.json/.txt)
+#   d2h      gdsckpt-bench --size 4GiB --target null-d2h --loops 8 (d2h.json/.txt)
+#   disk4g   gdsckpt-bench --size 4GiB --loops 3: durable saves, cold loads, disk probe (disk4g.json/.txt)
+#   scale    gdsckpt-bench --size SiB --loops 3 for S = 1GB 4GB 16GB 32GB (scale-S.json, scale.txt; GiB sizes,
+#            as these jobs have always measured)
 #   train    gdsckpt-bench --train: checkpoints inside a training loop (train.json/.txt)
 #   train-ranks  the same under torchrun, one FSDP2 rank per GPU saving through DCP, every
 #            method DCP can run (train-ranks.json/.txt/.png)
@@ -97,9 +98,9 @@ for job in "$@"; do
       status tests $?
       grep -E "passed|failed" "$dir/gpu-tests.log" | tail -3 ;;
     compare) bench compare --compare --plot "$dir/compare.png" --directory "$scratch" "${args[@]}" ;;
-    null) bench null --size 4GB --target null --loops 8 "${args[@]}" ;;
-    d2h) bench d2h --size 4GB --target null-d2h --loops 8 "${args[@]}" ;;
-    disk4g) bench disk4g --size 4GB --loops 3 --directory "$scratch" "${args[@]}" ;;
+    null) bench null --size 4GiB --target null --loops 8 "${args[@]}" ;;
+    d2h) bench d2h --size 4GiB --target null-d2h --loops 8 "${args[@]}" ;;
+    disk4g) bench disk4g --size 4GiB --loops 3 --directory "$scratch" "${args[@]}" ;;
     train) bench train --train --directory "$scratch" "${args[@]}" ;;
     train-ranks)
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node "$(nvidia-smi -L | grep -c '^GPU')" \
@@ -109,7 +110,7 @@ for job in "$@"; do
       grep -v "^\[train\]" "$dir/train-ranks.txt" | tail -25 ;;
     scale)
       for s in 1GB 4GB 16GB 32GB; do
-        python3 -m gdsckpt.bench --size $s --loops 3 --directory "$scratch" "${args[@]}" \
+        python3 -m gdsckpt.bench --size "${s%B}iB" --loops 3 --directory "$scratch" "${args[@]}" \
           --output "$dir/scale-$s.json" > "$dir/scale-$s.log" 2>&1
         status "scale $s" $?
         cat "$dir/scale-$s.log" >> "$dir/scale.txt" && rm "$dir/scale-$s.log"

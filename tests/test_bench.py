@@ -3,6 +3,7 @@
 import json
 
 from gdsckpt.bench.cli import main
+from gdsckpt.bench.options import TERSE_FIELDS
 
 
 def test_bench_json_schema(tmp_path, capsys):
@@ -28,6 +29,9 @@ def test_bench_null_target_and_terse(tmp_path, capsys):
     assert main(["--size", "tiny", "--device", "cpu", "--target", "null", "--output-format", "terse"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[0].split(";")
     assert line[0] == "gdsckpt" and line[3] == "write" and line[4] == "null"
+    assert len(line) == len(TERSE_FIELDS)  # every field --help lists, in its place
+    fields = dict(zip(TERSE_FIELDS, line))
+    assert float(fields["cpu_user_s_per_gb"]) > 0 and float(fields["logical_gbps"]) > 0
 
 
 def test_bench_zeros_are_labelled(tmp_path, capsys):
@@ -42,14 +46,15 @@ def test_workload_sizes_below_and_above_the_base_state():
     shallower or deeper GPT, its AdamW state matching parameter for parameter."""
     from gdsckpt.bench.states import nbytes
     from gdsckpt.bench.workload import make_state
+    from gdsckpt.units import parse_size
     base = make_state("tiny", device="cpu")
-    for size in ("8MB", "40MB"):
+    for size in ("8MiB", "40MB"):
         state = make_state(size, device="cpu")
-        want = int(size[:-2]) << 20
+        want = parse_size(size)
         assert want <= nbytes(state) < want + nbytes(base) // 2, (size, nbytes(state))
         assert len(state["optimizer"]["state"]) == len(state["master"]) == len(state["model"])
         assert state["optimizer"]["param_groups"][0]["params"] == list(range(len(state["master"])))
-    assert len(make_state("8MB", device="cpu")["master"]) < len(base["master"]) < len(make_state("40MB", device="cpu")["master"])
+    assert len(make_state("8MiB", device="cpu")["master"]) < len(base["master"]) < len(make_state("40MB", device="cpu")["master"])
 
 
 def test_state_walks_count_what_a_save_stores_or_every_place():

@@ -13,23 +13,26 @@ import itertools
 import json
 import math
 import os
+import resource
 import shutil
+import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 import torch
 
 import gdsckpt
-from gdsckpt import api, tree
+from gdsckpt import api, tree, units
 from gdsckpt.backend import gpu_status, set_direct_io
 from gdsckpt.defaults import RING_DEPTH
 
 from . import provenance, states, train
 from .baselines import same_tensors
 from .disk import disk_probe, drop_page_cache, mean_probe
-from .workload import parse_size
+from . import options
 
 SCHEMA = 1
 SCHEMA_DOC = """
@@ -40,6 +43,9 @@ SCHEMA_DOC = """
  jobs: [{name, rw: write|read, target: file|null|null-d2h, bs, iodepth, numjobs, codec, ioengine,
          io_path: gds|compat|cpu, direct, warm, loops, logical_bytes, stored_bytes, ratio, seconds,
          logical_gbps, stored_gbps, iops, lat_ms: {p50, p90, p99, p99.9}, stages: {stage: seconds per loop},
+         per_loop_gbps: [logical GB/s of each loop], logical_gbps_mean, logical_gbps_std (over the loops),
+         logical_gibps (2^30 bytes a second), cpu: {user_s, sys_s, user_s_per_gb, sys_s_per_gb} (the whole
+         process, every thread, over the timed loops; per GB of logical state),
          stage_gbps: {"gather+compress+checksum": GB/s}, setup_s, warmup_s (the untimed first save),
          disk_bound_gbps (file jobs: the disk's O_DIRECT rate / ratio), of_disk_bound (logical_gbps over it),
          (each write loop writes a fresh file: the previous one is deleted and synced first, untimed)
@@ -47,10 +53,6 @@ SCHEMA_DOC = """
  compare: [{name, save_s, load_s, save_gbps, load_gbps, stored_bytes, logical_bytes, io_path,
             save_speedup_vs_gdsckpt, load_speedup_vs_gdsckpt, notes}] | null}
 """
-
-
-def _list(s: str | None, conv):
-    return [conv(x) for x in s.split(",")] if s else [None]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -67,15 +69,15 @@ def make_data(spec: str, size: str, device: str) -> tuple[dict, dict]:
         where = "" if device.startswith("cuda") else " (emulated on the CPU)"
         kind, desc = "realistic", f"GPT-2-shaped model after AdamW training under bf16 autocast{where}, size {size}"
     elif spec in ("random", "zeros"):
-        nbytes = parse_size(size) if size not in ("auto", "tiny", "gpt2-small") else (
+        nbytes = units.parse_size(size) if size not in ("auto", "tiny", "gpt2-small") else (
             500 << 20 if device.startswith("cuda") else 32 << 20)
         state = (workload.random_state if spec == "random" else workload.zeros_state)(nbytes, device)
         kind, desc = spec, f"{spec} tensors" + (" (ZEROS: compress unrealistically well)" if spec == "zeros" else "")
     elif spec.startswith("file:"):
         state = workload.file_state(spec[5:], device)
         kind, desc = "file", spec[5:]
-    else:
-        raise SystemExit(f"--data must be default, random, zeros or file:PATH, not {spec!r}")
+    else:  # options.data_spec refused it already
+        raise AssertionError(spec)
     by_dtype: dict[str, int] = {}
     _, leaves = tree.flatten(state)
     for leaf in leaves:
@@ -101,7 +103,8 @@ class Progress:
             sys.stderr.write("\r\x1b[K")
 
 
-def _job_result(name, rw, target, args, bs, depth, stats_list, verified=None) -> dict:
+def _job_result(name, rw, target, args, bs, depth, stats_list, cpu, verified=None) -> dict:
+    """One job's JSON row from its loops' Stats and their CPU times (cpu: [(user s, system s)])."""
     logical = sum(s.logical_bytes for s in stats_list)
     stored = sum(s.stored_bytes for s in stats_list)
     secs = sum(s.seconds for s in stats_list)
@@ -130,7 +133,14 @@ def _job_result(name, rw, target, args, bs, depth, stats_list, verified=None) ->
                                                                      ("gather", "compress", "checksum")) / 1e9
                            if rw == "write" and any(stages.get(k) for k in ("gather", "compress")) else None},
             "setup_s": (secs - sum(stages.values())) / len(stats_list),
-            "streams": last.streams, "verified": verified, "per_loop_gbps": [s.gbps for s in stats_list]}
+            "streams": last.streams, "verified": verified, "per_loop_gbps": [s.gbps for s in stats_list],
+            "logical_gibps": logical / secs / units.GIB if secs else 0.0,
+            "logical_gbps_mean": statistics.fmean(s.gbps for s in stats_list),
+            "logical_gbps_std": statistics.stdev(s.gbps for s in stats_list) if len(stats_list) > 1 else 0.0,
+            # the whole process's CPU time (every thread: codec pool, I/O threads) per GB of logical state
+            "cpu": {"user_s": sum(u for u, _ in cpu), "sys_s": sum(y for _, y in cpu),
+                    "user_s_per_gb": sum(u for u, _ in cpu) / (logical / 1e9) if logical else 0.0,
+                    "sys_s_per_gb": sum(y for _, y in cpu) / (logical / 1e9) if logical else 0.0}}
 
 
 def _same(a, b) -> bool:
@@ -144,7 +154,7 @@ def run_jobs(args, state, directory: Path, device: str, progress) -> list[dict]:
     backend = {"posix": "cpu", "gds": "gpu", "compat": "gpu", None: None}[args.ioengine]
     io = args.ioengine if args.ioengine in ("gds", "compat") else "auto"
     jobs = []
-    for bs, depth in itertools.product(_list(args.bs, parse_size), _list(args.iodepth, int)):
+    for bs, depth in itertools.product(args.bs or [None], args.iodepth or [None]):
         depth = depth or RING_DEPTH
         opts = dict(codec=args.codec, chunk_bytes=bs, ring_depth=depth, io=io, io_threads=args.numjobs,
                     backend=backend)
@@ -154,12 +164,12 @@ def run_jobs(args, state, directory: Path, device: str, progress) -> list[dict]:
             sink = NullSink() if args.target == "null" else HostCopySink(device)
             api.save_through(state, sink, **opts)  # warm-up: codecs, pinned ring, allocator
             gc.collect()  # the workload builder's garbage, not the first timed loop's
-            runs = []
+            runs, cpu = [], []
             for i in _loops(args):
                 progress(f"{label} write -> {args.target}, loop {i + 1}")
-                runs.append(api.save_through(state, sink, **opts))
+                runs.append(_cpu_timed(cpu, lambda: api.save_through(state, sink, **opts)))
                 runs[-1].memory["pinned_host_bytes"] = sink.pinned_bytes
-            jobs.append(_job_result(f"write-{args.target} {label}", "write", args.target, args, bs, depth, runs))
+            jobs.append(_job_result(f"write-{args.target} {label}", "write", args.target, args, bs, depth, runs, cpu))
             continue
         # An untimed save first, as a training job's first checkpoint: nvCOMP codecs, kernels and
         # memory pools are made once per process, and the timed loops measure the checkpoints after it.
@@ -168,27 +178,26 @@ def run_jobs(args, state, directory: Path, device: str, progress) -> list[dict]:
         warmup_s = time.perf_counter() - t
         gc.collect()
         if args.rw in ("write", "rw"):
-            runs = []
+            runs, cpu = [], []
             for i in _loops(args):
                 progress(f"{label} write {path.name}, loop {i + 1}")
                 _free(path)
-                runs.append(gdsckpt.save(state, path, **opts))
-            jobs.append(_job_result(f"write {label}", "write", "file", args, bs, depth, runs) | {"warmup_s": warmup_s})
+                runs.append(_cpu_timed(cpu, lambda: gdsckpt.save(state, path, **opts)))
+            jobs.append(_job_result(f"write {label}", "write", "file", args, bs, depth, runs, cpu)
+                        | {"warmup_s": warmup_s})
         if args.rw in ("read", "rw"):
-            runs, verified = [], None
+            runs, cpu, verified = [], [], None
             for i in _loops(args):
                 progress(f"{label} read {path.name} ({'warm' if args.warm else 'cold'}), loop {i + 1}")
                 if not args.warm:
                     drop_page_cache(path)
                 ck = gdsckpt.open(path, ring_depth=depth, io=io, io_threads=args.numjobs, backend=backend)
-                out = ck.load(device=device)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                out = _cpu_timed(cpu, lambda: _load(ck, device))
                 runs.append(ck.last_stats)
                 if verified is None and args.rw == "rw":
                     verified = _same(out, state)
                 del out
-            jobs.append(_job_result(f"read {label}", "read", "file", args, bs, depth, runs, verified))
+            jobs.append(_job_result(f"read {label}", "read", "file", args, bs, depth, runs, cpu, verified))
     progress.done()
     return jobs
 
@@ -203,11 +212,34 @@ def _free(path: Path) -> None:
 
 
 def _loops(args):
+    """Loop numbers, as fio counts them: --loops N; with --runtime S, no loop starts once S
+    seconds have passed (at least one runs); with --time_based too, loops repeat until then."""
     t0 = time.perf_counter()
     i = 0
-    while i < args.loops or (args.runtime and time.perf_counter() - t0 < args.runtime):
+    while True:
+        elapsed = time.perf_counter() - t0
+        if i and args.runtime and elapsed >= args.runtime:
+            return
+        if i >= args.loops and not args.time_based:
+            return
         yield i
         i += 1
+
+
+def _cpu_timed(cpu: list, fn):
+    """fn(), with the process's user and system CPU seconds during it appended to `cpu`."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    out = fn()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu.append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime))
+    return out
+
+
+def _load(ck, device: str):
+    out = ck.load(device=device)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
 
 
 def run_compare(args, state, directory: Path, device: str, progress) -> list[dict]:
@@ -252,8 +284,9 @@ def print_normal(result: dict, out=None) -> None:
     out = out or sys.stdout
     d = result
     print(f"gdsckpt-bench {d['date']}  device: {d['device']['name']}  data: {d['data']['kind']} "
-          f"({d['data']['description']}), {d['data']['logical_bytes'] / 1e9:.3f} GB", file=out)
-    print("  by dtype: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in d["data"]["by_dtype"].items()), file=out)
+          f"({d['data']['description']}), {units.format_bytes(d['data']['logical_bytes'])}", file=out)
+    print("  by dtype: " + ", ".join(f"{k} {units.format_bytes(v)}" for k, v in d["data"]["by_dtype"].items()),
+          file=out)
     if d.get("disk"):
         k = d["disk"]
         if "error" in k:
@@ -266,14 +299,20 @@ def print_normal(result: dict, out=None) -> None:
     for j in d["jobs"]:
         print(f"\n{j['name']}: io={j['io_path']} codec={j['codec']} loops={j['loops']}"
               + (f" ({'warm' if j['warm'] else 'cold'})" if j["rw"] == "read" else ""), file=out)
-        print(f"  bw: logical {j['logical_gbps']:.2f} GB/s, stored {j['stored_gbps']:.2f} GB/s, "
+        print(f"  bw: logical {j['logical_gbps']:.2f} GB/s ({j['logical_gibps']:.2f} GiB/s), stored "
+              f"{j['stored_gbps']:.2f} GB/s ({j['stored_gbps'] * 1e9 / units.GIB:.2f} GiB/s), "
               f"iops {j['iops']:.0f} chunks/s, ratio {j['ratio']:.3f} (saved {1 - j['ratio']:.1%})", file=out)
+        if j["loops"] > 1:
+            print(f"  per loop: {j['logical_gbps_mean']:.2f} ± {j['logical_gbps_std']:.2f} GB/s logical "
+                  f"(mean ± std of {j['loops']} loops)", file=out)
+        print(f"  cpu: user {j['cpu']['user_s_per_gb']:.3f} s/GB, system {j['cpu']['sys_s_per_gb']:.3f} s/GB "
+              f"(all threads; {j['cpu']['user_s']:.2f} s + {j['cpu']['sys_s']:.2f} s in all)", file=out)
         lat = j["lat_ms"]
         print(f"  chunk lat (ms): p50={lat['p50']:.2f} p90={lat['p90']:.2f} p99={lat['p99']:.2f} "
               f"p99.9={lat['p99.9']:.2f}", file=out)
         print("  stages (s/loop): " + ", ".join(f"{k} {v:.3f}" for k, v in j["stages"].items()), file=out)
         if j["memory"]:
-            print("  memory: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in j["memory"].items()), file=out)
+            print("  memory: " + ", ".join(f"{k} {units.format_bytes(v)}" for k, v in j["memory"].items()), file=out)
         if j.get("disk_bound_gbps"):
             print(f"  vs disk: {j['of_disk_bound']:.0%} of the disk's O_DIRECT rate / ratio "
                   f"({j['disk_bound_gbps']:.2f} GB/s logical)", file=out)
@@ -294,12 +333,14 @@ def print_normal(result: dict, out=None) -> None:
 
 
 def print_terse(result: dict, out=None) -> None:
+    """One ';'-separated line per job, the fields options.TERSE_FIELDS names, in that order."""
     out = out or sys.stdout
     for j in result["jobs"]:
         print(";".join(str(x) for x in (
             "gdsckpt", SCHEMA, j["name"], j["rw"], j["target"], j["io_path"], j["codec"], j["bs"], j["iodepth"],
             j["logical_bytes"], j["stored_bytes"], f"{j['logical_gbps']:.4f}", f"{j['stored_gbps']:.4f}",
-            f"{j['iops']:.1f}", *(f"{v:.4f}" for v in j["lat_ms"].values()))), file=out)
+            f"{j['iops']:.1f}", *(f"{v:.4f}" for v in j["lat_ms"].values()), f"{j['logical_gbps_std']:.4f}",
+            f"{j['cpu']['user_s_per_gb']:.4f}", f"{j['cpu']['sys_s_per_gb']:.4f}")), file=out)
 
 
 def plot(result: dict, path: str) -> None:
@@ -314,7 +355,8 @@ def plot(result: dict, path: str) -> None:
         panels.append("sweep")
     if not panels:
         raise SystemExit("--plot needs --compare or a --bs/--iodepth sweep (comma lists)")
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    # constrained layout keeps room for the (wrapped) title and the rotated labels
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False, layout="constrained")
     for ax, kind in zip(axes[0], panels):
         if kind == "compare":
             rows = [r for r in result["compare"] if "error" not in r]
@@ -332,10 +374,16 @@ def plot(result: dict, path: str) -> None:
             ax.set_xlabel("chunk size (MiB)")
             ax.set_ylabel("save GB/s (logical)")
             ax.legend()
-    fig.suptitle(f"gdsckpt-bench {result['date']} on {result['device']['name']}: {result['data']['description']}",
-                 fontsize=8)
-    fig.tight_layout()
+    fig.suptitle(plot_title(result, width_in=fig.get_figwidth(), fontsize=8), fontsize=8)
     fig.savefig(path, dpi=120)
+
+
+def plot_title(result: dict, *, width_in: float, fontsize: float) -> str:
+    """The chart's title, wrapped to the figure's width (a character of DejaVu Sans is about 0.6
+    of the font size wide), so that a long data description is never cut off."""
+    text = (f"gdsckpt-bench {result['date']} on {result['device']['name']}: {result['data']['description']}, "
+            f"{units.format_bytes(result['data']['logical_bytes'])}")
+    return textwrap.fill(text, width=max(20, int(width_in * 72 / (fontsize * 0.6) * 0.9)))
 
 
 def main(argv=None) -> int:
@@ -355,34 +403,16 @@ def main(argv=None) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, every argument checked (options.py) before anything runs: a bad one is
+    a usage error (exit 2) naming it."""
     ap = argparse.ArgumentParser(prog="gdsckpt-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SCHEMA_DOC)
-    ap.add_argument("--rw", choices=["write", "read", "rw"], default="rw")
-    ap.add_argument("--size", default="auto", help="state size: auto, tiny, gpt2-small, or bytes like 4GB")
-    ap.add_argument("--bs", help="chunk size, e.g. 64M; a comma list sweeps")
-    ap.add_argument("--iodepth", help="ring depth (slots in flight); a comma list sweeps")
-    ap.add_argument("--numjobs", type=int, default=None, help="I/O threads (KvikIO num_threads / host pool)")
-    ap.add_argument("--direct", type=int, choices=[0, 1], default=None,
-                    help="KvikIO O_DIRECT for compat-mode I/O (default: KvikIO's own)")
-    ap.add_argument("--filename", help="checkpoint file to write/read")
-    ap.add_argument("--directory", help="directory for the checkpoint (default: a temporary one)")
-    ap.add_argument("--loops", type=int, default=1)
-    ap.add_argument("--runtime", type=float, default=0, help="repeat each job for at least this many seconds")
-    ap.add_argument("--output-format", choices=["normal", "json", "terse"], default="normal")
-    ap.add_argument("--output", help="also write the JSON result to this file")
-    ap.add_argument("--codec", default="auto")
-    ap.add_argument("--ioengine", choices=["gds", "compat", "posix"], default=None,
-                    help="gds: cuFile (fail if absent); compat: KvikIO POSIX path; posix: the CPU path")
-    ap.add_argument("--target", choices=["file", "null", "null-d2h"], default="file",
-                    help="null: storage removed; null-d2h: plus the copy into a pinned host ring")
-    ap.add_argument("--data", default="default", help="default (realistic), random, zeros, file:PATH")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if usable)")
-    ap.add_argument("--warm", action="store_true", help="read from the page cache (labelled warm)")
-    ap.add_argument("--compare", action="store_true", help="also run torch.save, safetensors, raw KvikIO, ...")
-    ap.add_argument("--plot", help="PNG chart of the compare table and/or the sweep")
-    ap.add_argument("--no-disk-probe", action="store_true")
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=SCHEMA_DOC + options.TERSE_DOC)
+    options.add_arguments(ap)
     train.add_arguments(ap)  # --train and --cost: train.py and cost.py
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    options.check(args, ap)
+    return args
 
 
 def choose_device(args) -> str:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..units import parse_size  # noqa: F401 - also cost.py's, through here
 from .states import nbytes, to_device
 
 # name: layers, heads, d_model, vocab, context, train seq, batch, default steps, peak lr
@@ -237,13 +238,6 @@ def _steps_on_cpu(state: dict) -> dict:
     for s in state["optimizer"]["state"].values():
         s["step"] = s["step"].cpu()
     return state
-
-
-def parse_size(s: str) -> int:
-    """'512MB', '4GB', '1.5GiB', '123' -> bytes (binary units, as gdsckpt-bench uses)."""
-    t = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
 
 
 def make_state(size: str = "auto", device: str | None = None, cache_dir: str | None = None,
