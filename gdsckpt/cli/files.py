@@ -220,6 +220,8 @@ def cmd_verify(args) -> int:
         bar.close()
     errors = [e["error"] for e in [result["metadata"] or {}, *result["files"]] if e.get("error")]
     result["ok"] = not errors
+    for e in errors:  # on stderr whatever stdout holds
+        print(f"gdsckpt verify: error: {e['message']}", file=sys.stderr)
     if args.json:
         emit_json(result)
     else:
@@ -241,6 +243,5 @@ def _print_verify(result: dict, args) -> None:
             print(f"{f['path']}: OK, {f['chunks']} chunks of {f['tensors']} tensors verified{how}")
         else:
             print(f"{f['path']}: DAMAGED: {f['error']['type']}: {f['error']['message']}")
-            print(f"gdsckpt verify: error: {f['error']['message']}", file=sys.stderr)
     if result["kind"] == "dcp":
         print(f"{result['path']}: {'OK' if result['ok'] else 'DAMAGED'}")
