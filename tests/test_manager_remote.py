@@ -330,7 +330,7 @@ def test_cli_ls_restore_test_prune(tmp_path, s3_env, capsys):
     assert main(["prune", str(d), "--keep", "2", "--remote", url, "--keep-remote", "1"]) == 0
     assert "would remove: local steps [1, 2]; remote steps [1]" in capsys.readouterr().out
     with Checkpointer(d):  # a running manager holds the lock: prune refuses
-        assert main(["prune", str(d), "--keep", "1", "--yes"]) == 2
+        assert main(["prune", str(d), "--keep", "1", "--yes"]) == 1  # 1: failed (the lock is held)
         assert "in use by another Checkpointer" in capsys.readouterr().err
     assert main(["prune", str(d), "--keep", "2", "--remote", url, "--keep-remote", "1", "--yes"]) == 0
     capsys.readouterr()

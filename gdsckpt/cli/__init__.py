@@ -32,7 +32,7 @@ from .. import codecs
 from .._version import __version__
 from ..format import MAJOR, MINOR
 from .exitcodes import ExitCode, exit_code_for
-from .export import cmd_convert, cmd_export
+from .export import EXPORT_HELP, cmd_convert, cmd_export
 from .files import cmd_inspect, cmd_verify
 from .output import describe_error, emit_json, quiet_pipe
 from .views import cmd_clean, cmd_ls, cmd_prune, cmd_restore_test, describe, restore_test
@@ -41,15 +41,6 @@ __all__ = ["main", "build_parser", "describe", "restore_test", "ExitCode"]
 
 EPILOG = """exit codes: 0 ok; 1 damaged, failed verification or failed (I/O, store, no decoder here);
 2 usage error; 3 not found. --json on any command prints one JSON document on stdout."""
-
-EXPORT_HELP = """write the checkpoint in another format, one tensor at a time (never the whole state in
-memory). safetensors: every key (a tied weight as a copy under each of its keys); plain values
-(step, lr) have no place there and are left out. torch: what gdsckpt.load returns, as torch.save
-writes it (NumPy arrays and bytes as tensors, so torch.load(weights_only=True) reads it). A
-torch.save file is a zip whose one pickle describes every tensor: torch.save itself writes that
-pickle and empty records (torch.serialization.skip_data), and the records are then filled one
-tensor at a time."""
-
 
 class _VersionAction(argparse.Action):
     """--version: computed when asked (nvCOMP's version probes the GPU stack)."""
