@@ -3,7 +3,7 @@
     gdsckpt.save(state, "ckpt.gdsckpt")             # durable on return
     fut = gdsckpt.save_async(state, "ckpt.gdsckpt") # state safe to mutate on return; fut.result(): durable
     state = gdsckpt.load("ckpt.gdsckpt")            # tensors back where they were saved from
-    gdsckpt.load_into("ckpt.gdsckpt", model.state_dict())  # in place, no second copy
+    gdsckpt.load_into("ckpt.gdsckpt", state)       # in place; objects through load_state_dict()
     with gdsckpt.open("ckpt.gdsckpt") as ck: ck.get_tensor("model/wte.weight")
 """
 
@@ -18,10 +18,9 @@ from .errors import (
     UnsupportedStateError, VersionError,
 )
 from .errors import (  # the checkpoint manager and its object-store tier
-    BucketNotFoundError, CheckpointLockedError, NoCheckpointError, RemoteAccessError, RemoteNotFoundError,
-    RemoteStoreError, RemoteUnavailableError,
+    BucketNotFoundError, CheckpointLockedError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteAccessError,
+    RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
 )
-from .errors import ReadOnlyCheckpointerError
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -30,5 +29,5 @@ __all__ = [
     "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
-    "ReadOnlyCheckpointerError", "RNG",
+    "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
 ]

@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import api
+from . import api, codecs
 from .errors import GdsckptError
-from .storage import TMP_MARK
+from .storage import stale_temporaries
 
 
 def _size(n: float) -> str:
@@ -67,24 +67,10 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def stale_temporaries(directory: Path) -> list[Path]:
-    """Temporaries whose writer process is gone (a save that was killed)."""
-    out = []
-    for p in directory.iterdir():
-        if TMP_MARK not in p.name or not p.is_file():
-            continue
-        try:
-            pid = int(p.name.split(TMP_MARK, 1)[1].split(".")[0])
-            os.kill(pid, 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            out.append(p)
-        except PermissionError:
-            pass  # alive, another user's
-    return sorted(out)
-
-
 def cmd_clean(args) -> int:
-    stale = stale_temporaries(Path(args.directory))
+    from .steps import download_temporaries
+    d = Path(args.directory)
+    stale = sorted(stale_temporaries(d) + download_temporaries(d))
     for p in stale:
         print(("removing " if args.yes else "stale: ") + str(p))
         if args.yes:
@@ -104,8 +90,8 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
     it lives, its size and whether it is intact (committed and its footer and index valid; deep:
     every chunk checksum verified, which reads every byte)."""
-    from .remote import ObjectStore, is_remote
-    from .remote_tier import MARKER, read_marker
+    from .upload_marker import MARKER, read_marker
+    from .stores import is_remote, open_store
     from .steps import check_step, parse_step_name
     rows: dict[int, dict] = {}
 
@@ -129,7 +115,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     else:
         remote = location
     if remote:
-        store = ObjectStore(remote)
+        store = open_store(remote)
         listing = store.list()
         markers = {}
         for name in listing:
@@ -165,10 +151,11 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
 def _check_remote(store, files: list[str]) -> str:
     """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
     from .steps import SUFFIX
+    from .store_verify import verify_object
     try:
         for f in files:
             if f.endswith(SUFFIX):
-                store.verify(f)
+                verify_object(store, f)
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return "ok"
@@ -177,14 +164,14 @@ def _check_remote(store, files: list[str]) -> str:
 def restore_test(location: str, *, remote: str | None = None) -> tuple[int | None, list[dict]]:
     """Verify steps newest first, every chunk checksum, until one is intact: (that step or None,
     the rows checked). What restore() would do, without loading."""
-    from .remote import ObjectStore
     from .steps import check_step
+    from .stores import open_store
     checked = []
     for r in reversed(describe(location, remote=remote)):
         if r["local"] is not None:
             r["local_state"] = check_step(Path(r["local"]), deep=True)
         if r["remote"] is not None and r["remote_state"] == "ok":
-            r["remote_state"] = _check_remote(ObjectStore(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
+            r["remote_state"] = _check_remote(open_store(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
         checked.append(r)
         if "ok" in (r["local_state"], r["remote_state"]):
             return r["step"], checked
@@ -235,6 +222,8 @@ def cmd_prune(args) -> int:
         gone = ck.prune(dry_run=not args.yes)
     finally:
         ck.close(wait_uploads=False)
+    for step, why in gone["damaged"].items():
+        print(f"local step {step} is damaged (kept; it does not count toward --keep): {why}")
     verb = "removed" if args.yes else "would remove"
     print(f"{verb}: local steps {gone['local'] or 'none'}; remote steps {gone['remote'] or 'none'}")
     if not args.yes and (gone["local"] or gone["remote"]):
@@ -282,9 +271,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("convert", help="rewrite with another codec (zstd: readable on any CPU)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--codec", default="zstd", choices=["zstd", "raw", "ans", "bitcomp", "auto"])
+    p.add_argument("--codec", default="zstd", choices=[*codecs.ALL_CODECS, "auto"])
     p.set_defaults(fn=cmd_convert)
-    p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves")
+    p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves and restores")
     p.add_argument("directory")
     p.add_argument("--yes", action="store_true")
     p.set_defaults(fn=cmd_clean)

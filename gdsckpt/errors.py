@@ -105,6 +105,19 @@ class NoCheckpointError(GdsckptError, FileNotFoundError):
     """restore() found no committed, intact step (locally or on the remote tier)."""
 
 
+class RemoteTimeoutError(RemoteUnavailableError, TimeoutError):
+    """The store did not answer a request within the bound (the store's `timeout` option)."""
+
+
+class UploadIncompleteError(GdsckptError, RuntimeError):
+    """Checkpointer.close(): steps that were to go to the store never got there (their local
+    copies are kept). `steps` lists them; close(wait_uploads=False) does not raise it."""
+
+    def __init__(self, message: str, *, steps: list[int]):
+        super().__init__(message)
+        self.steps = list(steps)
+
+
 class ReadOnlyCheckpointerError(GdsckptError, PermissionError):
     """A Checkpointer of a directory it cannot write (read-only): it restores, but does not save or prune."""
 

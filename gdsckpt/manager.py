@@ -11,7 +11,8 @@ S3-compatible object store in the background, restored from the newest intact st
 
 The parts: the steps' layout in the directory (gdsckpt/steps.py: a file per step, or a DCP
 directory per step under torch.distributed), the object-store tier (gdsckpt/remote_tier.py), the
-policy (gdsckpt/policy.py), the directory lock (gdsckpt/dirlock.py). This module orchestrates.
+policy (gdsckpt/policy.py), the directory lock (gdsckpt/dirlock.py), the record of a rollback in
+progress (gdsckpt/rollback.py). This module orchestrates.
 
 The policy:
 * keep the newest `keep` steps locally;
@@ -20,7 +21,11 @@ The policy:
   on, once it or a newer step is uploaded: a step waiting for (or in) an upload is never
   deleted, so the only copy of the newest state never goes; the remote keeps the newest
   `keep_remote` uploaded steps (None: all);
+* a damaged local step (its footer or index, or a DCP step's .metadata) does not count toward
+  `keep`: retention never deletes the newest intact step (status()['local_damage']);
 * local checkpointing goes on while the store is down.
+
+rollback(step) goes back to an earlier step: the newer ones leave the directory and the store.
 
 One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes a second
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
@@ -33,17 +38,19 @@ uploads; every rank saves and restores.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import threading
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
+from .rollback import PendingRollback, RollbackJournal
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
 
 __all__ = ["Checkpointer", "Restored", "step_name"]
@@ -70,8 +77,8 @@ class Checkpointer:
     keep: local steps kept (>= 1). remote: "s3://bucket/prefix" or None. keep_remote: remote
     steps kept (None: all). every_remote: upload every n-th saved step. save_options: keyword
     arguments of gdsckpt.save (codec, chunk_bytes, io, ...) or of GdsckptWriter under
-    torch.distributed. remote_options: keyword arguments of gdsckpt.remote.ObjectStore
-    (part_bytes, concurrency, max_retries, retry_seconds). distributed: None = whether
+    torch.distributed. remote_options: keyword arguments of gdsckpt.stores.open_store
+    (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
     torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
     """
 
@@ -89,6 +96,10 @@ class Checkpointer:
         if self.distributed:
             import torch.distributed as dist
             self.rank = dist.get_rank()
+        store = None
+        if remote is not None:  # before the lock: a bad URL or option is refused with nothing held
+            from .stores import open_store
+            store = open_store(remote, **(remote_options or {}))
         self.directory.mkdir(parents=True, exist_ok=True)
         self._owner = self.rank == 0
         self._lock = try_lock(self.directory) if self._owner else None
@@ -105,16 +116,112 @@ class Checkpointer:
         self._closed = False
         self._pending: tuple[int, Future] | None = None
         self._saves = 0
+        self._reported: set[int] = set()  # damaged local steps already logged
+        self._journal = RollbackJournal(self.directory)
+        self._rolling = threading.RLock()  # the record's updates: here, and the uploader's once the store's part is done
+        self._rollback: PendingRollback | None = None
         self.remote: RemoteTier | None = None
-        if remote is not None:
-            from .remote import ObjectStore
-            self.remote = RemoteTier(ObjectStore(remote, **(remote_options or {})), self.layout, self.policy,
-                                     upload=self._owner and upload and not self.read_only,
-                                     after_upload=self._retain)
-            if self.remote.uploading:
-                newest = self.layout.local_steps()
-                if newest:  # a restarted run: its newest step may never have reached the store
-                    self.remote.enqueue(newest[-1])
+        if store is not None:
+            self.remote = RemoteTier(store, self.layout, self.policy,
+                                     upload=self._owner and upload and not self.read_only, after_upload=self._retain)
+        try:
+            self._open()
+        except BaseException:
+            if self.remote is not None:
+                self.remote.close(wait=False, timeout=0)
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _open(self) -> None:
+        """What a manager finds to finish in its directory, before its first upload."""
+        if self._lock is not None:
+            self._remove_leftovers()
+        pending = self._journal.read()
+        if pending is not None:  # a rollback killed part-way, or whose store could not be reached
+            self._resume_rollback(pending)
+        if self.remote is not None and self.remote.uploading:
+            newest = self.layout.local_steps()
+            if newest:  # a restarted run: its newest step may never have reached the store
+                self.remote.enqueue(newest[-1])
+
+    def _remove_leftovers(self) -> None:
+        for p in self.layout.leftovers():
+            log.info("gdsckpt: removing %s, left by a restore that was killed", p)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ rollback
+    def rollback(self, step: int) -> list[int]:
+        """Go back to `step`: every newer step is removed, here and on the store, so that nothing
+        brings it back (a fresh manager's restore() included), and save(step + k) works. Call it
+        on every rank under torch.distributed. Recorded before anything goes, so a manager killed
+        part-way finishes it when the directory is next opened; a store that cannot be reached
+        has its part done before any upload (meanwhile its newer steps do not count: status()'s
+        'rollback_pending'). Returns the steps removed (the store's once reached)."""
+        step = whole_number("step", step, 0)
+        self._writable(f"roll back to step {step}")
+        self.wait()
+        if step not in self.steps():
+            raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
+                                    + (f" or {self.remote.url()}" if self.remote is not None else ""))
+        gone: list[int] = []
+        if self._owner:
+            prev = self._rollback.store_to if self._rollback is not None else None
+            store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
+            # (a pending store part stays: nothing newer than `prev` has been uploaded since)
+            gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
+        self.layout.barrier()
+        return gone
+
+    def _resume_rollback(self, pending: PendingRollback) -> list[int]:
+        """Do what `pending` still has to: the directory's part at once, the store's through the
+        remote tier (a read-only manager or a rank that does not own the directory: nothing is
+        removed, the steps only stop counting)."""
+        acts = self._lock is not None
+        gone: set[int] = set()
+        with self._rolling:
+            if acts:
+                self._journal.write(pending)
+            self._rollback = pending
+            if acts and pending.local_to is not None:
+                for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
+                    log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
+                             self.layout.path(s))
+                    self.layout.delete(s)
+                    gone.add(s)
+                self._rollback_done(local=True)
+        store_to = self._rollback.store_to if self._rollback is not None else None
+        if store_to is not None and self.remote is not None:
+            removed = self.remote.abandon_newer_than(store_to, then=lambda: self._rollback_done(store_to=store_to),
+                                                     remove=acts)
+            gone |= set(removed or ())
+        return sorted(gone)
+
+    def _rollback_done(self, *, local: bool = False, store_to: int | None = None) -> None:
+        """Record a part of the pending rollback done: the directory's (local), or the store's
+        for `store_to` (unless a later rollback has replaced it)."""
+        with self._rolling:
+            p = self._rollback
+            if p is None:
+                return
+            if local:
+                p = replace(p, local_to=None)
+            if store_to is not None and p.store_to == store_to:
+                p = replace(p, store_to=None)
+            if self._lock is not None:
+                self._journal.write(p)
+            self._rollback = None if p == PendingRollback(None, None) else p
+
+    def _local_steps(self) -> list[int]:
+        """The committed local steps, less those a pending rollback abandoned (a read-only manager's view)."""
+        local = self.layout.local_steps()
+        p = self._rollback
+        if p is not None and p.local_to is not None:
+            local = [s for s in local if s <= p.local_to]
+        return local
 
     # ------------------------------------------------------------ steps
     def remote_steps(self) -> dict[int, dict]:
@@ -133,7 +240,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Committed steps, here and (remote tier on) on the store, oldest first."""
-        return sorted(set(self.layout.local_steps()) | set(self._remote_or_nothing()))
+        return sorted(set(self._local_steps()) | set(self._remote_or_nothing()))
 
     def latest_step(self) -> int | None:
         s = self.steps()
@@ -153,7 +260,8 @@ class Checkpointer:
         local = self.layout.local_steps()
         if local and step <= local[-1]:
             raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
-                             f"{str(self.directory)!r} (delete the newer steps, or use a new directory)")
+                             f"{str(self.directory)!r} (rollback(n) with n < {step} removes "
+                             "the newer steps; or use a new directory)")
         return step
 
     def save(self, step: int, state) -> object:
@@ -217,7 +325,10 @@ class Checkpointer:
                 self.layout.delete(s)
 
     def _doomed_local(self) -> list[int]:
-        """Local steps the policy lets go now."""
+        """Local steps the policy lets go now. A damaged step does not count toward `keep`
+        (footer and index checked, once per step); and before the step that would be the only
+        intact one left loses its older company, its every chunk is verified (once, a full read)
+        unless the store holds a verified copy of it."""
         local = self.layout.local_steps()
         protected: set[int] = set()
         uploaded = None
@@ -226,11 +337,32 @@ class Checkpointer:
         pending = self._pending
         if pending is not None:
             protected.add(pending[0])
-        return self.policy.doomed_local(local, protected, uploaded, remote=self.remote is not None)
+        while True:
+            damaged = self._damaged(local, deep=())
+            doomed = self.policy.doomed_local(local, set(damaged), protected, uploaded, remote=self.remote is not None)
+            left = [s for s in local if s not in damaged and s not in doomed]
+            if not doomed or len(left) != 1 or (uploaded and left[0] in uploaded):
+                return doomed
+            if not self._damaged([left[0]], deep=(left[0],)):
+                return doomed
+
+    def _damaged(self, steps: list[int], deep) -> dict[int, str]:
+        """{step: why} of `steps` that are not intact (those in `deep`: every chunk checked);
+        a newly found one is logged."""
+        out = {}
+        for s in steps:
+            why = self.layout.damage(s, deep=s in deep)
+            if why is not None:
+                out[s] = why
+                if s not in self._reported:
+                    self._reported.add(s)
+                    log.warning("gdsckpt: local step %d is damaged; it does not count toward keep=%d: %s", s,
+                                self.policy.keep, why)
+        return out
 
     def prune(self, *, dry_run: bool = False) -> dict:
         """Apply the retention policy now (as after every save and upload); dry_run: only say
-        what would go. {"local": [steps], "remote": [steps]}."""
+        what would go. {"local": [steps], "remote": [steps], "damaged": {local step: why}}."""
         if not dry_run:
             self._writable("prune")
         if self.remote is not None:
@@ -241,14 +373,15 @@ class Checkpointer:
             self._retain()
             if self.remote is not None:
                 self.remote.retain()
-        return {"local": local, "remote": remote}
+        return {"local": local, "remote": remote, "damaged": self.layout.known_damage()}
 
     def status(self) -> dict:
         """The remote tier's state: queue depth, the step in flight, uploaded steps, throughput
         (bytes / seconds of upload + verify, per upload and overall), skipped steps, last errors;
-        and the local steps."""
+        the local steps, and those found damaged ({step: why}: retention's checks)."""
         st = self.remote.status() if self.remote is not None else no_remote_status()
         st["local_steps"] = self.layout.local_steps()
+        st["local_damage"] = self.layout.known_damage()
         return st
 
     # ------------------------------------------------------------ restoring
@@ -263,7 +396,7 @@ class Checkpointer:
         if step is not None:
             step = whole_number("step", step, 0)
         self.wait()
-        local = set(self.layout.local_steps())
+        local = set(self._local_steps())
         remote = self._remote_or_nothing()
         if step is not None:
             candidates = [step]
@@ -298,7 +431,7 @@ class Checkpointer:
             path = self.layout.path(step)
             out, stats = self.layout.load(path, state, device, strict)
             return out, str(path), stats
-        with self.layout.fetched(step, self.remote.store) as (path, label):
+        with self.remote.fetched(step) as (path, label):  # checked against the upload's identity
             out, stats = self.layout.load(path, state, device, strict)
             return out, label, stats
 
@@ -306,10 +439,12 @@ class Checkpointer:
     def close(self, *, wait_uploads: bool = True, timeout: float | None = None) -> None:
         """Wait for the pending save; with the remote tier, for the upload queue to drain
         (wait_uploads) and the upload in flight to end, at most `timeout` seconds in all; then
-        release the lock. An upload still running then keeps the lock until it ends."""
+        release the lock. An upload still running then keeps the lock until it ends.
+        wait_uploads: UploadIncompleteError if a step to upload never reached the store."""
         if self._closed:
             return
         saved = False
+        never_uploaded: list[int] = []
         try:
             self.wait()
             saved = True
@@ -317,9 +452,11 @@ class Checkpointer:
             self._closed = True
             release = self._lock.release if self._lock is not None else None
             if self.remote is not None:  # the lock goes only once the uploader has ended
-                self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
+                never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
             elif release is not None:
                 release()
+        if wait_uploads and never_uploaded:
+            raise self.remote.incomplete_error(never_uploaded)
 
     def __enter__(self):
         return self

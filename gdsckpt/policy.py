@@ -36,14 +36,21 @@ class Policy:
         """Whether the manager's `nth_save` (1-based) goes to the store."""
         return (nth_save - 1) % self.every_remote == 0
 
-    def doomed_local(self, local: list[int], protected: set[int], uploaded: set[int] | None,
+    def doomed_local(self, local: list[int], damaged: set[int], protected: set[int], uploaded: set[int] | None,
                      remote: bool) -> list[int]:
-        """The local steps (oldest first in `local`) that may go now: beyond the newest `keep`,
+        """The local steps (oldest first in `local`) that may go now: older than the newest
+        `keep` intact ones (a `damaged` step does not count, and with none intact nothing goes),
         not `protected` (a save or upload waiting for it), and, with the remote tier on
         (`remote`), uploaded or older than an uploaded step: never the only copy of a step
         newer than what the store has."""
+        intact = [s for s in local if s not in damaged]
+        if not intact:
+            return []
+        oldest_kept = intact[-self.keep:][0]
         doomed = []
-        for s in local[:-self.keep]:
+        for s in local:
+            if s >= oldest_kept:
+                break
             if s in protected:
                 continue
             if remote and not (uploaded and (s in uploaded or max(uploaded) > s)):

@@ -1,68 +1,77 @@
-"""The Checkpointer's object-store tier (remote="s3://bucket/prefix"; endpoint and credentials
-from the AWS variables), as one object, RemoteTier:
+"""The Checkpointer's object-store tier (remote="s3://bucket/prefix": any gdsckpt.stores URL), as
+one object, RemoteTier:
 
 * after a step commits, a background thread uploads it (multipart, parts in parallel: see
-  gdsckpt/remote.py), reads it back against gdsckpt's own chunk checksums, and only then writes
-  the step's marker, s3://bucket/prefix/step_00001000.gdsckpt.uploaded.json. A step counts as
-  uploaded only with its marker, and only while every object the marker lists is there at its size;
+  gdsckpt/stores/), reads it back against gdsckpt's own chunk checksums, and only then writes
+  the step's marker, s3://bucket/prefix/step_00001000.gdsckpt.uploaded.json (gdsckpt/upload_marker.py:
+  a schema, and each file's identity). A step counts as uploaded only with a valid marker, and
+  only while every object the marker lists is there at its size; a marker that does not parse is
+  skipped with a warning. Restore from the store checks every object against its identity;
 * an upload that a newer queued step has overtaken while it waited is skipped (coalesced);
 * a failed upload (store down, refused credentials, missing bucket) is logged and retried with
   backoff (up to a minute apart) until it succeeds or a newer step overtakes it; `status()`
-  reports the queue depth, the upload throughput and the last errors;
-* remote retention keeps the policy's newest `keep_remote` uploaded steps, removing a step's
-  marker before its objects."""
+  reports the queue depth, the upload throughput and the last errors. A step damaged locally is
+  reported as such and never retried; the newest older intact step goes instead;
+* remote retention keeps the policy's newest `keep_remote` uploaded steps and never the newest
+  intact one, removing a step's marker before its objects, then the objects of steps with no
+  marker (an upload or a removal cut short) that are not being uploaded here;
+* the listing of the store ends within the store's timeout: a store that hangs leaves the
+  manager on its local steps; close() names the steps never uploaded."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import socket
 import threading
 import time
 from collections import deque
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Callable, Iterator
 
-from .errors import CheckpointFormatError, GdsckptError, RemoteStoreError
+from . import api
+from .errors import (
+    CheckpointFormatError, GdsckptError, RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError,
+    UploadIncompleteError,
+)
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
+from .store_verify import verify_object
+from .stores import Store
+from .upload_marker import (
+    MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity,
+)
 
 log = logging.getLogger("gdsckpt.manager")
 
-MARKER = ".uploaded.json"
 MAX_BACKOFF = 60.0
 # How long close() waits, with no timeout given, for the upload in flight before leaving it to
 # end on its own (the uploader then runs close's `then`, e.g. the lock's release, as it ends).
 CLOSE_JOIN_SECONDS = 30.0
 
 
-def marker_step(name: str) -> tuple[int, bool] | None:
-    """(step, distributed) of a marker's object name; None for any other name."""
-    return parse_step_name(name[:-len(MARKER)]) if name.endswith(MARKER) else None
+class _LocalDamage(Exception):
+    """The local copy of the step being uploaded is damaged; `error` names its file."""
 
-
-def read_marker(store, name: str) -> dict | None:
-    """The marker object `name`, or None if it is gone or not one of ours."""
-    try:
-        marker = json.loads(store.get_bytes(name))
-        marker["files"]
-    except (RemoteStoreError, ValueError, KeyError, TypeError):
-        return None
-    return marker
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def no_remote_status() -> dict:
     """status() of a manager without a remote tier."""
     return {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0, "skipped": [],
             "failures": 0, "last_upload": None, "queue_depth": 0, "queued": [], "in_flight": None,
-            "uploaded": None, "MBps": 0.0, "errors": []}
+            "uploaded": None, "MBps": 0.0, "errors": [], "rollback_pending": None}
 
 
 class RemoteTier:
-    """The store (a gdsckpt.remote.ObjectStore) of one manager's steps, laid out as `layout`.
+    """The store (a gdsckpt.stores.Store) of one manager's steps, laid out as `layout`.
     upload=True starts the uploader thread (enqueue() feeds it); after each upload it calls
     `after_upload` (the manager's local retention), then applies remote retention."""
 
-    def __init__(self, store, layout: StepLayout, policy: Policy, *, upload: bool,
+    def __init__(self, store: Store, layout: StepLayout, policy: Policy, *, upload: bool,
                  after_upload: Callable[[], None]):
         self.store = store
         self.layout = layout
@@ -71,12 +80,18 @@ class RemoteTier:
         self._mutex = threading.RLock()
         self._wake = threading.Condition(self._mutex)
         self._stopping = False
+        self._retry_now = False  # close(wait=True): one more attempt at once, without the backoff
         self._queue: list[int] = []
         self._in_flight: int | None = None
         self._uploaded: set[int] | None = None  # None: not known yet (the store not reached)
+        self._damaged: set[int] = set()  # local steps found damaged: never uploaded, not retried
         self._stats = {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0,
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
+        self._warned: set[tuple[str, str]] = set()  # (marker, why): each bad marker is reported once
+        # A rollback's part here: (steps newer than this are abandoned, what to call once they are
+        # gone from the store). While set they do not count, and no upload runs before it is done.
+        self._abandon: tuple[int, Callable[[], None]] | None = None
         self._ended = False  # the uploader has returned (or never ran)
         self._at_end: list[Callable[[], None]] = []
         self._thread = None
@@ -97,20 +112,51 @@ class RemoteTier:
             self._wake.notify_all()
 
     # ------------------------------------------------------------ what the store has
-    def remote_steps(self) -> dict[int, dict]:
-        """{step: marker} of the steps uploaded, verified and still complete on the store."""
+    def remote_steps(self) -> dict[int, Marker]:
+        """{step: marker} of the steps uploaded, verified and still complete on the store. A marker
+        that does not parse is skipped, with a warning (once per marker and reason). The listing
+        and the markers' reads together end within the store's timeout (RemoteTimeoutError)."""
+        deadline = time.monotonic() + self.store.timeout
         listing = self.store.list()
-        out = {}
+        names = {}
         for name in listing:
             parsed = marker_step(name)
-            if not parsed or parsed[1] != self.layout.distributed:
+            if parsed and parsed[1] == self.layout.distributed:
+                names[name] = parsed[0]
+        if not names:
+            return {}
+        pool = ThreadPoolExecutor(min(len(names), self.store.concurrency), thread_name_prefix="gdsckpt-markers")
+        try:
+            reads = {pool.submit(load_marker, self.store, name): name for name in names}
+            _, late = wait(reads, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a late read ends within its own bound
+        if late:
+            raise RemoteTimeoutError(f"reading {len(names)} upload markers: the store did not answer within "
+                                     f"{self.store.timeout:g} s (the store's `timeout` option)",
+                                     bucket=self.store.bucket, code="Timeout")
+        out = {}
+        for fut, name in reads.items():
+            step = names[name]
+            try:
+                marker = fut.result()
+            except RemoteStoreError:
+                continue  # removed meanwhile
+            except InvalidMarker as e:
+                self._warn_once(name, f"the marker {self.store.url(name)} is not valid ({e}): step {step} "
+                                      "does not count on the store")
                 continue
-            marker = read_marker(self.store, name)
-            if marker is None:
-                continue  # removed meanwhile, or not ours
-            if all(listing.get(f) == size for f, size in marker["files"].items()):
-                out[parsed[0]] = marker
-        return out
+            if all(listing.get(f) == size for f, size in marker.sizes().items()):
+                out[step] = marker
+        abandon = self._abandon
+        return {s: m for s, m in out.items() if abandon is None or s <= abandon[0]}
+
+    def _warn_once(self, name: str, why: str) -> None:
+        with self._mutex:
+            if (name, why) in self._warned:
+                return
+            self._warned.add((name, why))
+        log.warning("gdsckpt: %s", why)
 
     def _known_uploaded(self) -> set[int]:
         if self._uploaded is None:
@@ -132,23 +178,130 @@ class RemoteTier:
         """Learn which steps the store has, if not known yet (before a prune)."""
         self._known_uploaded()
 
-    def doomed(self) -> list[tuple[int, dict]]:
-        """The uploaded steps remote retention would remove now, with their markers."""
+    def doomed(self) -> list[tuple[int, Marker]]:
+        """The uploaded steps remote retention would remove now, with their markers: beyond the
+        policy's newest `keep_remote`, and never the newest intact one (its objects still the
+        files uploaded, by their identity), nor anything when no step is intact."""
         if self.policy.keep_remote is None:
             return []
         remote = self.remote_steps()
-        return [(s, remote[s]) for s in self.policy.doomed_remote(sorted(remote))]
+        doomed = self.policy.doomed_remote(sorted(remote))
+        if doomed:
+            intact = self._newest_intact(remote)
+            doomed = [s for s in doomed if intact is not None and s != intact]
+        return [(s, remote[s]) for s in doomed]
+
+    def _newest_intact(self, remote: dict[int, Marker]) -> int | None:
+        for step in sorted(remote, reverse=True):
+            try:
+                files = remote[step].files.items()
+                if all(not want.differences(object_identity(self.store, rel)) for rel, want in files):
+                    return step
+            except (CheckpointFormatError, RemoteNotFoundError):
+                pass
+            log.warning("gdsckpt: step %d on %s is not the step uploaded (its objects changed since): "
+                        "remote retention keeps an older one", step, self.store.url())
+        return None
 
     def retain(self) -> None:
+        """Remote retention: the doomed steps (marker first: a kill mid-way leaves objects that do
+        not count), then the orphans."""
         for s, marker in self.doomed():
             name = self.layout.name(s)
             log.info("gdsckpt: removing step %d from %s", s, self.store.url())
-            self.store.delete(name + MARKER)  # uncommit first: a kill mid-way leaves objects that do not count
-            for f in marker["files"]:
+            self.store.delete(name + MARKER)
+            for f in marker.files:
                 self.store.delete(f)
             with self._mutex:
                 if self._uploaded is not None:
                     self._uploaded.discard(s)
+        self.remove_orphans()
+
+    def orphans(self) -> dict[int, list[str]]:
+        """{step: its objects} of the steps on the store that have objects but no marker object
+        (an upload or a removal cut short by a kill) and that this manager is not uploading now
+        (a step in upload has no marker yet). Only names of this layout's steps: nothing else
+        under the prefix is ever touched."""
+        listing = self.store.list()
+        marked, found = set(), {}
+        for name in listing:
+            parsed = marker_step(name)
+            if parsed is not None:
+                if parsed[1] == self.layout.distributed:
+                    marked.add(parsed[0])
+                continue
+            top, _, rest = name.partition("/")
+            parsed = parse_step_name(top)
+            if parsed is None or parsed[1] != self.layout.distributed or bool(rest) != self.layout.distributed \
+                    or "/" in rest:
+                continue
+            found.setdefault(parsed[0], []).append(name)
+        # after the listing: an upload that started meanwhile is in flight, one that ended is uploaded
+        busy, uploaded = self.protected()
+        spared = marked | busy | (uploaded or set())
+        return {s: sorted(names) for s, names in sorted(found.items()) if s not in spared}
+
+    def remove_orphans(self) -> list[int]:
+        """Remove the orphans' objects; the steps they belonged to."""
+        orphans = self.orphans()
+        for step, names in orphans.items():
+            log.info("gdsckpt: removing %d object(s) of step %d from %s: no marker (an upload or a removal "
+                     "cut short)", len(names), step, self.store.url())
+            for name in names:
+                self.store.delete(name)
+        return list(orphans)
+
+    # ------------------------------------------------------------ rollback
+    def abandon_newer_than(self, step: int, then: Callable[[], None], *, remove: bool = True) -> list[int] | None:
+        """A rollback to `step` (the lowest of those whose part here is pending): the steps newer
+        than it no longer count, and leave the store (markers first, then every object under
+        their names, those of unfinished uploads too), after the upload in flight, if newer,
+        ends; queued newer steps are dropped. `then` is called once they are gone. Returns the
+        steps removed, or None if the store could not be reached, or remove=False (a read-only
+        manager: they only stop counting); the uploader removes them before any upload."""
+        with self._wake:
+            self._abandon = (step, then)
+            self._queue = [s for s in self._queue if s <= step]
+            if self._uploaded is not None:
+                self._uploaded = {s for s in self._uploaded if s <= step}
+            while self._in_flight is not None and self._in_flight > step:
+                self._wake.wait(1.0)
+        if not remove:
+            return None
+        try:
+            return self._finish_abandon()
+        except RemoteStoreError as e:
+            with self._mutex:
+                self._errors.append({"step": step, "error": f"rollback: {type(e).__name__}: {e}", "time": time.time()})
+            log.warning("gdsckpt: rollback to step %d: cannot remove the newer steps from %s yet (they do not count "
+                        "meanwhile; removed before any upload): %s: %s", step, self.store.url(), type(e).__name__, e)
+            return None
+
+    def _finish_abandon(self) -> list[int]:
+        with self._mutex:
+            pending = self._abandon
+        if pending is None:
+            return []
+        to, then = pending
+        markers, objects, gone = [], [], set()
+        for name in self.store.list():
+            top = name.split("/", 1)[0]
+            parsed = marker_step(top) or parse_step_name(top)
+            if parsed is None or parsed[1] != self.layout.distributed or parsed[0] <= to:
+                continue
+            gone.add(parsed[0])
+            (markers if name.endswith(MARKER) else objects).append(name)
+        for name in markers + objects:  # uncommit first: a kill mid-way leaves objects that do not count
+            self.store.delete(name)
+        if gone:
+            log.info("gdsckpt: rollback to step %d: steps %s removed from %s", to, sorted(gone), self.store.url())
+        then()  # before uploads resume: should it fail, the removal is done again (nothing newer uploaded since)
+        with self._mutex:
+            if self._abandon is pending:
+                self._abandon = None
+            if self._uploaded is not None:
+                self._uploaded -= gone
+        return sorted(gone)
 
     # ------------------------------------------------------------ uploads
     def _uploader(self) -> None:
@@ -169,7 +322,8 @@ class RemoteTier:
                 while True:
                     if self._stopping:
                         return
-                    if self._queue and time.monotonic() >= failed_at + backoff:
+                    if self._queue and (self._retry_now or time.monotonic() >= failed_at + backoff):
+                        self._retry_now = False
                         break
                     self._wake.wait(None if not self._queue else max(0.01, failed_at + backoff - time.monotonic()))
                 step = max(self._queue)
@@ -180,9 +334,13 @@ class RemoteTier:
             for s in overtaken:
                 log.info("gdsckpt: upload of step %d skipped: step %d overtook it", s, step)
             try:
+                self._finish_abandon()  # a rollback's removals come before any upload
                 if step not in self._known_uploaded():
                     self._upload(step)
                 backoff = 0.0
+            except _LocalDamage as d:
+                self._on_local_damage(step, d.error)
+                continue
             except Exception as e:  # the store down, refused, a corrupt read-back: keep the local copy, retry
                 backoff = min(MAX_BACKOFF, max(1.0, backoff * 2))
                 failed_at = time.monotonic()
@@ -205,6 +363,25 @@ class RemoteTier:
                 self._in_flight = None
                 self._wake.notify_all()
 
+    def _on_local_damage(self, step: int, error: BaseException) -> None:
+        """Step `step` is damaged here: it is not uploaded, now or on any retry, and the newest
+        older intact step newer than what the store has goes instead."""
+        local = self.layout.local_steps()
+        with self._wake:
+            self._damaged.add(step)
+            self._errors.append({"step": step, "error": f"local damage: {type(error).__name__}: {error}",
+                                 "time": time.time()})
+            floor = max(self._uploaded) if self._uploaded else -1
+            older = [s for s in local if floor < s < step and s not in self._damaged]
+            instead = older[-1] if older and not any(s > step for s in self._queue) else None
+            if instead is not None:
+                self._queue.append(instead)
+            self._in_flight = None
+            self._wake.notify_all()
+        log.warning("gdsckpt: step %d is damaged in %s, not uploaded (%s: %s); %s", step,
+                    str(self.layout.directory), type(error).__name__, error,
+                    f"uploading step {instead} instead" if instead is not None else "no older step to upload instead")
+
     def _upload(self, step: int) -> None:
         name = self.layout.name(step)
         if not self.layout.committed(self.layout.path(step)):
@@ -214,18 +391,28 @@ class RemoteTier:
         total = 0
         verify_s = 0.0
         for local, rel in self.layout.files(step):
-            size = local.stat().st_size
-            self.store.upload(local, rel)
+            try:
+                identity = file_identity(local, rel)
+            except CheckpointFormatError as e:  # its footer: names the local file
+                raise _LocalDamage(e) from None
+            size = identity.size
+            self.store.put_file(local, rel)
             t = time.perf_counter()
             if rel.endswith(SUFFIX):
-                self.store.verify(rel, expected_size=size)
+                try:
+                    verify_object(self.store, rel, expected_size=size)
+                except CheckpointFormatError:
+                    self._verify_local(local)  # the local file's damage, if it is the local file's
+                    raise
+                self._check_identity(identity, object_identity(self.store, rel), self.store.url(rel),
+                                     f"the object read back is not the file {str(local)!r} uploaded")
             elif self.store.get_bytes(rel) != local.read_bytes():
                 raise CheckpointFormatError("read-back differs from the local file", path=self.store.url(rel))
             verify_s += time.perf_counter() - t
-            files[rel] = size
+            files[rel] = identity
             total += size
-        marker = {"step": step, "files": files, "uploaded": time.time(), "host": socket.gethostname()}
-        self.store.put_bytes(name + MARKER, json.dumps(marker).encode())
+        marker = Marker(step, files, time.time(), socket.gethostname())
+        self.store.put_bytes(name + MARKER, marker.encode())
         secs = time.perf_counter() - t0
         with self._mutex:
             self._uploaded.add(step)
@@ -239,6 +426,44 @@ class RemoteTier:
         log.info("gdsckpt: step %d uploaded to %s and verified: %d bytes in %.2f s (%.1f MB/s)", step,
                  self.store.url(name), total, secs, total / secs / 1e6 if secs else 0.0)
 
+    @staticmethod
+    def _verify_local(path: Path) -> None:
+        """_LocalDamage naming `path` if its chunks, index or footer fail their checksums."""
+        try:
+            with api.open(path) as ck:
+                ck.verify()
+        except CheckpointFormatError as e:
+            raise _LocalDamage(e) from None
+
+    # ------------------------------------------------------------ restoring
+    @staticmethod
+    def _check_identity(want: FileIdentity, got: FileIdentity, where: str, what: str) -> None:
+        differ = want.differences(got)
+        if differ:
+            raise CheckpointFormatError(f"{what}: its {', '.join(differ)} differ from the upload marker's", path=where)
+
+    @contextlib.contextmanager
+    def fetched(self, step: int) -> Iterator[tuple[Path, str]]:
+        """The step brought from the store (the layout's download): (local path, what to call it)
+        while the context lasts. Every object is checked against the identity its marker
+        recorded, before the download (by ranged reads of its footer) and after it (the local
+        copy): an object replaced since its upload, even by a valid checkpoint of the same size,
+        raises CheckpointFormatError naming it, so restore falls back."""
+        name = self.layout.name(step)
+        try:
+            marker = load_marker(self.store, name + MARKER)
+        except InvalidMarker as e:
+            raise CheckpointFormatError(f"the upload marker of step {step} is not valid: {e}",
+                                        path=self.store.url(name + MARKER)) from None
+        what = f"the object is not the file uploaded as step {step} (replaced since?)"
+        for rel, want in marker.files.items():
+            self._check_identity(want, object_identity(self.store, rel), self.store.url(rel), what)
+        with self.layout.fetched(step, self.store) as (path, label):
+            for rel, want in marker.files.items():
+                local = path if rel == name else path / rel[len(name) + 1:]
+                self._check_identity(want, file_identity(local, rel), self.store.url(rel), what)
+            yield path, label
+
     def status(self) -> dict:
         """Queue depth, the step in flight, uploaded steps, throughput (bytes / seconds of upload +
         verify, per upload and overall), skipped steps, last errors."""
@@ -251,17 +476,22 @@ class RemoteTier:
             st["uploaded"] = sorted(self._uploaded) if self._uploaded is not None else None
             st["MBps"] = st["uploaded_bytes"] / st["upload_seconds"] / 1e6 if st["upload_seconds"] else 0.0
             st["errors"] = list(self._errors)
+            st["rollback_pending"] = None if self._abandon is None else self._abandon[0]
             return st
 
     # ------------------------------------------------------------ lifetime
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, retry_now: bool = False) -> None:
         """Until the queue is empty and nothing is in flight, or an upload attempt fails (it
-        stays queued and is retried; the error is in status()), or `timeout` seconds pass."""
+        stays queued and is retried; the error is in status()), or `timeout` seconds pass.
+        retry_now: a step waiting for its retry's backoff is tried at once."""
         if self._thread is None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wake:
             failures = self._stats["failures"]
+            if retry_now:
+                self._retry_now = True
+                self._wake.notify_all()
             while (self._queue or self._in_flight is not None) and not (
                     self._stats["failures"] > failures and self._in_flight is None):
                 left = None if deadline is None else deadline - time.monotonic()
@@ -271,16 +501,18 @@ class RemoteTier:
 
     def close(self, *, wait: bool, timeout: float | None = None,
               then: Callable[[], None] | None = None) -> list[int]:
-        """wait: first wait() for the queue. Then stop the uploader: it ends once the upload in
-        flight, if any, ends; close waits for that too. All within `timeout` seconds (None: no
-        bound on the queue, CLOSE_JOIN_SECONDS on the upload in flight). `then` runs once the
-        uploader has ended: before close returns, or else on the uploader's thread as it ends,
-        so that what `then` releases (the directory's lock) is never released while an upload
-        runs. Returns the steps queued or in flight that were never uploaded."""
+        """wait: first one more attempt at once for a step waiting out its retry's backoff, then
+        wait() for the queue. Then stop the uploader: it ends once the upload in flight, if any,
+        ends; close waits for that too. All within
+        `timeout` seconds (None: no bound on the queue, CLOSE_JOIN_SECONDS on the upload in
+        flight). `then` runs once the uploader has ended: before close returns, or else on the
+        uploader's thread as it ends, so that what `then` releases (the directory's lock) is never
+        released while an upload runs. Returns the steps queued or in flight that were never
+        uploaded (a step found damaged locally is not one)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if wait:
-                self.wait(timeout)
+                self.wait(timeout, retry_now=True)
         finally:
             with self._wake:
                 self._stopping = True
@@ -296,4 +528,13 @@ class RemoteTier:
                     then()
         with self._mutex:
             left = set(self._queue) | ({self._in_flight} if self._in_flight is not None else set())
-            return sorted(left - (self._uploaded or set()))
+            return sorted(left - (self._uploaded or set()) - self._damaged)
+
+    def incomplete_error(self, steps: list[int]) -> UploadIncompleteError:
+        """The error close() raises for `steps`, never uploaded."""
+        with self._mutex:
+            last = self._errors[-1]["error"] if self._errors else "no upload attempt finished"
+        return UploadIncompleteError(
+            f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} never reached {self.store.url()}: "
+            f"the local copies in {str(self.layout.directory)!r} are kept (last error: {last}); "
+            "close(wait_uploads=False) closes without them", steps=steps)

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from .errors import CheckpointFormatError, GdsckptError
-# The object-store client: the one place the reader depends on it.
-from .remote import S3Source, is_remote, parse_url
+# The object-store seam: the one place the reader depends on it.
+from .stores import is_remote, open_store, scheme_of
 from .ring import Backend, ChunkFile, Completion
 from .storage import pread_exact, user_path
 
@@ -155,15 +155,22 @@ class StoreObject:
 
     def __init__(self, url: str):
         self.label = url
-        self._object = S3Source(url)
-        self.size = self._object.size
+        where, _, self._name = url.partition("://")[2].rpartition("/")
+        if not where or not self._name:
+            raise ValueError(f"{url!r} names a bucket or a prefix, not an object")
+        self._store = open_store(url[:-len(self._name) - 1])
+        self.size = self._store.size(self._name)
 
     def pread(self, n: int, offset: int) -> bytes:
-        return self._object.pread(n, offset)
+        return self._store.read(self._name, offset, n)
 
     def open_chunks(self, backend: Backend) -> ChunkFile:
         if backend.name == "gpu":  # into device memory: KvikIO's RemoteFile, which speaks S3 itself
+            if scheme_of(self.label) != "s3":
+                raise GdsckptError(f"{self.label}: reading into GPU memory goes through KvikIO's RemoteFile, "
+                                   "which reads s3:// objects only")
             from .gpu.remote import RemoteDeviceFile
+            from .stores.s3 import parse_url
             bucket, key = parse_url(self.label)
             return RemoteDeviceFile(self.label, bucket, key, self.size)
         return RangedHostFile(self.pread, self.label)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from . import api
+from .dirlock import pid_alive
 from .errors import CheckpointFormatError, GdsckptError, VersionError
 from .stateful import dcp_view, dcp_write_back
 from .storage import fsync_dir
@@ -26,6 +27,10 @@ from .storage import fsync_dir
 SUFFIX = ".gdsckpt"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"^step_(\d{8,})(\.gdsckpt)?$")
+# Where a restore puts a step from the store: a file step, named with the restoring pid
+# (FileSteps.fetched), and a DCP step's directory, renamed into place once complete (DcpSteps.fetched).
+_FILE_DOWNLOAD = re.compile(r"\.step_\d{8,}\.gdsckpt\.download\.(\d{1,10})")
+_DCP_DOWNLOAD = re.compile(r"\.step_\d{8,}\.download")
 # What restore falls back from: a step that is damaged, incomplete or unreadable. A state that
 # does not match the checkpoint, or a codec this machine lacks, is the caller's to fix: raised.
 DAMAGE = (CheckpointFormatError, OSError)
@@ -41,12 +46,33 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
     return (int(m.group(1)), not m.group(2)) if m else None
 
 
+def download_temporaries(directory: Path) -> list[Path]:
+    """Step files downloaded by a restore whose process is gone from this host (killed while
+    loading one): regular files named exactly as FileSteps.fetched names them."""
+    out = []
+    for entry in os.scandir(directory):
+        m = _FILE_DOWNLOAD.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+            out.append(Path(entry.path))
+    return sorted(out)
+
+
 def check_step(path: Path, deep: bool) -> str:
-    """"ok" or why not: the footer and index of every gdsckpt file of a step, a file or a DCP
-    directory (deep: every chunk checksum too, which reads every byte)."""
+    """"ok" or why not (step_damage)."""
+    return step_damage(path, deep) or "ok"
+
+
+def step_damage(path: Path, deep: bool) -> str | None:
+    """Why the step at `path`, a file or a DCP directory, is not intact, or None: the footer and
+    index of each of its gdsckpt files checked against their checksums, and a DCP step's
+    .metadata read (deep: every chunk checksum too, which reads every byte)."""
+    if path.is_dir():
+        if not (path / DCP_METADATA).is_file():
+            return "incomplete (no .metadata)"
+        why = metadata_damage(path)
+        if why is not None:
+            return f"DAMAGED: {why}"
     files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
-    if path.is_dir() and not (path / DCP_METADATA).is_file():
-        return "incomplete (no .metadata)"
     try:
         for f in files:
             with api.open(f) as ck:
@@ -54,7 +80,30 @@ def check_step(path: Path, deep: bool) -> str:
                     ck.verify()
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
-    return "ok"
+    return None
+
+
+def metadata_damage(path: Path) -> str | None:
+    """Why a DCP step directory's .metadata cannot be read, or None. VersionError is raised: a
+    newer format is not damage."""
+    from .dcp import GdsckptReader
+    try:
+        GdsckptReader(path).read_metadata()
+    except VersionError:
+        raise
+    except DAMAGE as e:  # damaged, truncated, empty, a planted payload (dcp.metadata refuses it), unreadable
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _identity(path: Path) -> tuple:
+    """What changes when a step's files are replaced or written to."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((f.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def relayed(fut: Future) -> Future:
@@ -107,8 +156,21 @@ class StepLayout(Protocol):
         """(local file, name relative to the store's prefix) of the step, its commit point last."""
 
     def fetched(self, step: int, store) -> ContextManager[tuple[Path, str]]:
-        """The step brought from `store` (a gdsckpt.remote.ObjectStore): (local path, what to
+        """The step brought from `store` (a gdsckpt.stores.Store): (local path, what to
         call it) while the context lasts."""
+
+    def leftovers(self) -> list[Path]:
+        """What killed restores left in the directory, for the lock holder to remove."""
+
+    def barrier(self) -> None:
+        """Every rank reaches this point before any goes on (one process: nothing to wait for)."""
+
+    def damage(self, step: int, deep: bool = False) -> str | None:
+        """Why the committed step is not intact, or None (step_damage); each check runs once per
+        version of the step's files."""
+
+    def known_damage(self) -> dict[int, str]:
+        """{step: why} of the local steps found damaged so far."""
 
 
 class _Steps:
@@ -117,9 +179,30 @@ class _Steps:
     def __init__(self, directory: Path, save_options: dict):
         self.directory = directory
         self.save_options = save_options
+        self._checked: dict[int, tuple[tuple, bool, str | None]] = {}  # step: (identity, deep, why)
+
+    def damage(self, step: int, deep: bool = False) -> str | None:
+        path = self.path(step)
+        try:
+            ident = _identity(path)
+        except OSError as e:  # removed meanwhile, or unreadable
+            return f"DAMAGED: {type(e).__name__}: {e}"
+        known = self._checked.get(step)
+        if known is not None and known[0] == ident and (known[1] or not deep):
+            return known[2]
+        why = step_damage(path, deep)
+        self._checked[step] = (ident, deep or why is not None, why)  # damaged footer or index: damaged, deep too
+        return why
+
+    def known_damage(self) -> dict[int, str]:
+        local = set(self.local_steps())
+        return {s: why for s, (_, _, why) in sorted(self._checked.items()) if why is not None and s in local}
 
     def name(self, step: int) -> str:
         return step_name(step, self.distributed)
+
+    def barrier(self) -> None:
+        pass
 
     def path(self, step: int) -> Path:
         return self.directory / self.name(step)
@@ -167,11 +250,15 @@ class FileSteps(_Steps):
             return out, ck.last_stats
 
     def delete(self, step: int) -> None:
+        self._checked.pop(step, None)
         self.path(step).unlink(missing_ok=True)
         fsync_dir(self.directory)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         return [(self.path(step), self.name(step))]
+
+    def leftovers(self) -> list[Path]:
+        return download_temporaries(self.directory)
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
@@ -197,6 +284,10 @@ class DcpSteps(_Steps):
 
     def committed(self, path: Path) -> bool:
         return path.is_dir() and (path / DCP_METADATA).is_file()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
 
     def save(self, step: int, state) -> object:
         import torch.distributed.checkpoint as dcp
@@ -238,14 +329,11 @@ class DcpSteps(_Steps):
         logging a traceback per rank. CheckpointFormatError on every rank if one could not read
         it (VersionError if one found a newer format), so every rank falls back alike."""
         import torch.distributed as dist
-        from .dcp import GdsckptReader
         try:
-            GdsckptReader(path).read_metadata()
-            mine = None
+            why = metadata_damage(path)
+            mine = None if why is None else ("damage", why)
         except VersionError as e:
             mine = ("version", str(e))
-        except Exception as e:  # any failure to read it makes the step unusable
-            mine = ("damage", f"{type(e).__name__}: {e}")
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
         failed = {rank: err for rank, err in enumerate(seen) if err is not None}
@@ -258,6 +346,7 @@ class DcpSteps(_Steps):
         raise CheckpointFormatError(what, path=path / DCP_METADATA)
 
     def delete(self, step: int) -> None:
+        self._checked.pop(step, None)
         p = self.path(step)
         meta = p / DCP_METADATA
         if meta.exists():  # uncommit first: a kill mid-removal leaves an uncommitted directory
@@ -271,6 +360,11 @@ class DcpSteps(_Steps):
         parts = sorted(f.name for f in p.iterdir() if f.is_file() and not f.name.startswith(".tmp"))
         parts.sort(key=lambda n: n == DCP_METADATA)  # DCP's commit point goes last
         return [(p / part, f"{name}/{part}") for part in parts]
+
+    def leftovers(self) -> list[Path]:
+        # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's
+        return sorted(Path(e.path) for e in os.scandir(self.directory)
+                      if _DCP_DOWNLOAD.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:

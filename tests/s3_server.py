@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -200,6 +201,63 @@ class SeaweedS3:
         return True
 
 
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (a store that
+    hangs): each accepted socket is held open, unread, until stop().
+
+        with SilentServer() as silent:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", silent.endpoint)
+    """
+
+    def __init__(self):
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="silent-server", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed by stop()
+                return
+            self.accepted.append(conn)
+
+    def stop(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(5)
+        for conn in self.accepted:
+            conn.close()
+
+    def __enter__(self) -> "SilentServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def silent_endpoint(monkeypatch):
+    """The AWS variables pointing at a SilentServer (valid-looking credentials; nothing answers)."""
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+              "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"):
+        monkeypatch.delenv(k, raising=False)
+    with SilentServer() as silent:
+        env = {"AWS_ENDPOINT_URL": silent.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+               "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION, "AWS_DEFAULT_REGION": REGION,
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        yield silent
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A SeaweedFS S3 server for the whole session (started on first use, killed at the end)."""
@@ -213,7 +271,8 @@ def s3_server():
 @pytest.fixture
 def s3_env(s3_server, monkeypatch):
     """The AWS variables set for this test, pointing at the session server."""
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+              "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"):
         monkeypatch.delenv(k, raising=False)
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)

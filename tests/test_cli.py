@@ -6,8 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 from gdsckpt import cli
+from gdsckpt.manager import Checkpointer, step_name
+from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
+from test_manager import OPTS, state_for
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -24,3 +35,66 @@ def test_prune_of_a_missing_directory_creates_nothing(tmp_path):
         assert rc == 2 and out == "", (rc, out, err)
         assert err == f"gdsckpt prune: error: [Errno 2] No such checkpoint directory: '{typo}'\n"
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- clean
+
+_KILLED_RESTORE = r"""
+import sys, time
+sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
+from gdsckpt import api
+from gdsckpt.manager import Checkpointer
+real = api.open
+def slow_open(path, **kw):  # the step is downloaded: killed while loading it
+    print("loading", path, flush=True)
+    time.sleep(60)
+    return real(path, **kw)
+api.open = slow_open
+Checkpointer(sys.argv[1], remote=sys.argv[2]).restore()
+"""
+
+
+def _killed_restore(d: Path, url: str) -> Path:
+    """A restore from the store SIGKILLed after its download: the full-size file it leaves."""
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_RESTORE, str(d), url, str(ROOT), str(TESTS)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=os.environ.copy())
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("loading"), line + p.stderr.read()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    left = Path(line.split(None, 1)[1].strip())
+    assert left.name == f".{step_name(2, False)}.download.{p.pid}" and left.parent == d, left
+    return left
+
+
+def test_a_killed_restores_download_is_removed_by_clean_and_the_next_manager(tmp_path, s3_env):
+    url = f"s3://{s3_env.new_bucket()}/r"
+    with Checkpointer(tmp_path / "a", remote=url, save_options=OPTS) as ck:
+        ck.save(2, state_for(2))
+        ck.wait(uploads=True, timeout=60)
+    d = tmp_path / "b"
+    d.mkdir()
+    left = _killed_restore(d, url)
+    assert left.stat().st_size == (tmp_path / "a" / step_name(2, False)).stat().st_size
+    mine = d / f".{step_name(2, False)}.download.{os.getpid()}"  # a restore of a live process: not touched
+    mine.write_bytes(b"in flight")
+    rc, out, _ = run_cli("clean", d)
+    assert rc == 0 and out == f"stale: {left}\nre-run with --yes to remove them\n", out
+    rc, out, _ = run_cli("clean", d, "--yes")
+    assert rc == 0 and out == f"removing {left}\n" and not left.exists() and mine.exists()
+
+    left = _killed_restore(d, url)
+    with Checkpointer(d, remote=url) as ck:  # the next manager removes it as it opens
+        assert not left.exists() and mine.exists()
+        assert ck.restore().step == 2
+
+
+def test_clean_removes_only_the_librarys_temporaries(tmp_path):
+    user = tmp_path / "notes.gdsckpt-tmp.txt"
+    user.write_text("mine")
+    odd = tmp_path / ".x.gdsckpt-tmp.notapid.0"
+    odd.write_text("mine too")
+    rc, out, _ = run_cli("clean", tmp_path, "--yes")
+    assert rc == 0 and user.exists() and odd.exists(), out

@@ -71,7 +71,7 @@ def _scenarios(rank: int, root: Path, url: str) -> None:
     state = sharded(full_state(3), mesh)
     params = [torch.nn.Parameter(state[k]) for k in ("w", "emb")]  # FSDP2's way: DTensor parameters
     opt = torch.optim.SGD(params, lr=1.0)
-    from gdsckpt.async_save import memory_of, optimizer_memory
+    from gdsckpt.overlap import memory_of, optimizer_memory
     assert {memory_of(state["w"]), memory_of(state["emb"])} <= optimizer_memory(opt)  # read, not copied
     before = params[0].to_local().clone()
     ck.save_async(3, state, optimizer=opt)
@@ -117,6 +117,6 @@ def test_two_ranks_manager(tmp_path, s3_env):
     url = f"s3://{s3_env.new_bucket()}/dcp"
     mp.start_processes(_rank_main, args=(str(tmp_path), url, s3_env.env()), nprocs=WORLD, join=True,
                        start_method="spawn")
-    from gdsckpt.remote import ObjectStore
-    names = sorted(ObjectStore(url).list())
+    from gdsckpt.stores import open_store
+    names = sorted(open_store(url).list())
     assert "step_00000003/.metadata" in names and "step_00000003.uploaded.json" in names, names

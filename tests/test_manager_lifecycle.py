@@ -19,7 +19,7 @@ import pytest
 
 from gdsckpt.errors import CheckpointLockedError
 from gdsckpt.manager import Checkpointer
-from gdsckpt.remote import ObjectStore
+from gdsckpt.stores.s3 import S3Store
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
 
@@ -84,14 +84,14 @@ def test_close_without_waiting_keeps_the_lock_while_an_upload_runs(tmp_path, s3_
     """close(wait_uploads=False) returns within its timeout, but the directory stays locked
     until the upload in flight ends: a second manager must not prune or upload beside it."""
     gate, started = threading.Event(), threading.Event()
-    real = ObjectStore.upload
+    real = S3Store.put_file
 
     def held_upload(self, path, name):
         started.set()
         gate.wait(60)
         return real(self, path, name)
 
-    monkeypatch.setattr(ObjectStore, "upload", held_upload)
+    monkeypatch.setattr(S3Store, "put_file", held_upload)
     url = f"s3://{s3_env.new_bucket()}/p"
     ck = Checkpointer(tmp_path, remote=url, save_options=OPTS)
     ck.save(1, state_for(1, n=2000))
@@ -169,7 +169,7 @@ def test_a_read_only_directory_is_opened_to_restore(tmp_path, lock_file):
     out = json.loads(r.stdout.splitlines()[-1])
     why = f"{str(d)!r} cannot be written (read-only), so this Checkpointer only restores"
     assert out == {"read_only": True, "steps": [2, 3], "latest": 3, "restored": 3,
-                   "dry_run": {"local": [], "remote": []}, "save": f"cannot save step 9: {why}",
+                   "dry_run": {"local": [], "remote": [], "damaged": {}}, "save": f"cannot save step 9: {why}",
                    "save_async": f"cannot save step 9: {why}", "prune": f"cannot prune: {why}"}, out
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # nothing written, nothing removed
 

@@ -22,18 +22,20 @@ import pytest
 import gdsckpt
 from gdsckpt.errors import BucketNotFoundError, NoCheckpointError, RemoteAccessError
 from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.remote_tier import MARKER
-from gdsckpt.remote import ObjectStore
+from gdsckpt.upload_marker import MARKER
+from gdsckpt.store_verify import verify_object
+from gdsckpt.stores import Store, open_store
+from gdsckpt.stores.s3 import S3Store
 from conftest import assert_same
 from s3_server import SeaweedS3, s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, corrupt_chunk, state_for
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-FAST = {"max_retries": 2, "retry_seconds": 5, "connect_timeout": 2}
+FAST = {"max_retries": 2, "timeout": 10}
 
 
-def remote_names(store: ObjectStore) -> list[str]:
+def remote_names(store: Store) -> list[str]:
     return sorted(store.list())
 
 
@@ -49,7 +51,7 @@ def test_uploads_verified_and_policy(tmp_path, s3_env):
         assert st["uploads"] == 4 and st["uploaded_bytes"] > 0 and st["MBps"] > 0
         assert st["last_upload"]["step"] == 4 and st["last_upload"]["verify_seconds"] > 0
         assert ck.steps() == [3, 4]
-    store = ObjectStore(url)
+    store = open_store(url)
     names = remote_names(store)
     assert names == [step_name(3, False), step_name(3, False) + MARKER,
                      step_name(4, False), step_name(4, False) + MARKER], names
@@ -83,13 +85,13 @@ def test_restore_from_the_store_without_a_local_copy(tmp_path, s3_env):
 def test_every_remote_and_coalescing(tmp_path, s3_env, monkeypatch):
     url = f"s3://{s3_env.new_bucket()}/r"
     gate = threading.Event()
-    real = ObjectStore.upload
+    real = S3Store.put_file
 
     def slow_upload(self, path, name):
         gate.wait(60)  # the store is slow: saves pile up behind the first upload
         return real(self, path, name)
 
-    monkeypatch.setattr(ObjectStore, "upload", slow_upload)
+    monkeypatch.setattr(S3Store, "put_file", slow_upload)
     with Checkpointer(tmp_path, keep=2, remote=url, every_remote=2, save_options=OPTS) as ck:
         for s in range(1, 10):  # uploads chosen: 1, 3, 5, 7, 9; 3, 5, 7 overtaken while 1 is in flight
             ck.save(s, state_for(s, n=2000))
@@ -128,7 +130,8 @@ def test_refused_store_local_checkpointing_goes_on(tmp_path, s3_env, monkeypatch
         # local checkpointing went on, and nothing was deleted: no step has a second copy
         assert ck.steps() == [1, 2, 3] or ck.status()["local_steps"] == [1, 2, 3]
         assert ck.restore().step == 3
-        ck.close(timeout=1)
+        with pytest.raises(gdsckpt.UploadIncompleteError, match="step 3 never reached"):
+            ck.close(timeout=1)
     logged = caplog.text
     assert bucket in logged and "local copy is kept" in logged
     for secret in ("not-the-secret-xyz", "gdsckpt-test-secret"):
@@ -145,13 +148,13 @@ def test_server_killed_mid_upload_then_back(tmp_path, monkeypatch):
             monkeypatch.setenv(k, v)
         url = f"s3://{server.new_bucket()}/p"
         started = threading.Event()
-        real = ObjectStore.upload
+        real = S3Store.put_file
 
         def watched(self, path, name):
             started.set()
             return real(self, path, name)
 
-        monkeypatch.setattr(ObjectStore, "upload", watched)
+        monkeypatch.setattr(S3Store, "put_file", watched)
         opts = {"part_bytes": 5 << 20, "concurrency": 2, **FAST}
         ck = Checkpointer(tmp_path, keep=1, remote=url, remote_options=opts, save_options=OPTS)
         ck.save(1, state_for(1, n=6_000_000))  # ~36 MB: several parts
@@ -186,10 +189,10 @@ def test_partial_or_corrupt_objects_never_count(tmp_path, s3_env):
         for s in (1, 2, 3, 4):
             ck.save(s, state_for(s))
             ck.wait(uploads=True, timeout=60)
-    store = ObjectStore(url)
+    store = open_store(url)
     local = tmp_path / "a"
     # step 5: an object with no marker (an upload killed before its verify): does not count
-    store.upload(local / step_name(4, False), step_name(5, False))
+    store.put_file(local / step_name(4, False), step_name(5, False))
     # step 4: its object replaced by a truncated one: the marker's size no longer matches
     data = (local / step_name(4, False)).read_bytes()
     store.put_bytes(step_name(4, False), data[:len(data) // 2])
@@ -200,7 +203,7 @@ def test_partial_or_corrupt_objects_never_count(tmp_path, s3_env):
     store.put_bytes(step_name(3, False), p3.read_bytes())
     # the verify of an upload catches it too
     with pytest.raises(gdsckpt.ChecksumError, match=step_name(3, False)):
-        store.verify(step_name(3, False))
+        verify_object(store, step_name(3, False))
     shutil.rmtree(local)
     with Checkpointer(tmp_path / "b", remote=url) as ck:
         assert ck.steps() == [1, 2, 3]
@@ -215,31 +218,31 @@ _UPLOAD_KILL_CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
 import gdsckpt.manager as m
-from gdsckpt.remote import ObjectStore
-from gdsckpt.remote_tier import MARKER
+import gdsckpt.remote_tier as tier
+from gdsckpt.stores.s3 import S3Store
 from test_manager import state_for
 mode = sys.argv[5]
 if mode == "upload":  # killed while the multipart upload runs
-    real = ObjectStore.upload
+    real = S3Store.put_file
     def upload(self, path, name):
         print("uploading", name, flush=True)
         return real(self, path, name)
-    ObjectStore.upload = upload
+    S3Store.put_file = upload
 elif mode == "verify":  # killed with the object complete on the store, before its verify and marker
-    real_verify = ObjectStore.verify
-    def verify(self, name, **kw):
+    real_verify = tier.verify_object
+    def verify(store, name, **kw):
         print("uploading", name, flush=True)
         time.sleep(30)
-        return real_verify(self, name, **kw)
-    ObjectStore.verify = verify
+        return real_verify(store, name, **kw)
+    tier.verify_object = verify
 else:  # prune: stop between the marker's removal and the object's (the remote retention)
-    real_delete = ObjectStore.delete
+    real_delete = S3Store.delete
     def delete(self, name):
         real_delete(self, name)
-        if name.endswith(MARKER):
+        if name.endswith(tier.MARKER):
             print("pruning", name, flush=True)
             time.sleep(30)
-    ObjectStore.delete = delete
+    S3Store.delete = delete
 ck = m.Checkpointer(sys.argv[1], keep=1, remote=sys.argv[2], keep_remote=1,
                     remote_options={"part_bytes": 5 << 20, "concurrency": 2},
                     save_options={"chunk_bytes": 64 << 10})
@@ -290,6 +293,9 @@ def test_sigkill_during_upload_or_pruning(tmp_path, s3_env, mode):
         assert_same(r.state, state_for(r.step, n=2000 if mode == "prune" else 3_000_000))
         ck.wait(uploads=True, timeout=60)  # a restarted manager uploads its newest step if the store lacks it
         assert ck.status()["uploaded"][-1] == ck.status()["local_steps"][-1]
+    # and its remote retention removed what the kill left: every step object has its marker
+    names = set(open_store(url).list())
+    assert all(n + MARKER in names for n in names if not n.endswith(MARKER)), names
 
 
 def test_cli_ls_restore_test_prune(tmp_path, s3_env, capsys):

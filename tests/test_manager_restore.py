@@ -1,6 +1,6 @@
 """Checkpointer.restore's fall-back leaves the caller's state holding exactly the step it restored
 (every chunk verified before a byte reaches the caller's tensors), past damaged file steps and
-damaged DCP `.metadata` alike."""
+damaged DCP `.metadata` alike (and a rollback under torch.distributed)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,11 @@ def _dcp_rank(rank: int, root: str) -> None:
             assert ".metadata" in r.skipped[0][2], r.skipped
             assert any("restored step 1" in str(w.message) for w in seen), damage
             assert torch.equal(target["w"], torch.full((64,), 1.0)) and int(target["step"]) == 1
+        # and back to step 1 on every rank: rank 0 removes step 2, every rank saves a new one
+        assert ck.rollback(1) == ([2] if rank == 0 else [])
+        ck.save(2, {"w": torch.full((64,), 22.0), "step": torch.tensor(22)})
+        r = ck.restore(target)
+        assert r.step == 2 and r.skipped == [] and int(target["step"]) == 22
         ck.close()
     finally:
         dist.destroy_process_group()

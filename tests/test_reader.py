@@ -12,7 +12,7 @@ import torch
 
 import gdsckpt
 from gdsckpt import api, reader, sources
-from gdsckpt.remote import ObjectStore
+from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server, weed_binary  # noqa: F401 - fixtures
 
@@ -89,7 +89,7 @@ def _upload(tmp_path, s3_server, state) -> str:
     p = tmp_path / "x.gdsckpt"
     gdsckpt.save(state, p, chunk_bytes=16 << 10)
     bucket = s3_server.new_bucket("reader")
-    ObjectStore(f"s3://{bucket}/run").upload(p, "x.gdsckpt")
+    open_store(f"s3://{bucket}/run").put_file(p, "x.gdsckpt")
     return f"s3://{bucket}/run/x.gdsckpt"
 
 
@@ -138,7 +138,7 @@ def test_a_store_object_reads_into_gpu_memory(tmp_path, s3_server, s3_env):
     data = bytearray(p.read_bytes())
     data[off + 100] ^= 1
     p.write_bytes(bytes(data))
-    ObjectStore(url.rpartition("/")[0]).upload(p, "x.gdsckpt")
+    open_store(url.rpartition("/")[0]).put_file(p, "x.gdsckpt")
     with pytest.raises(gdsckpt.ChecksumError, match="chunk 0") as ei:
         gdsckpt.load(url)
     assert url in str(ei.value)

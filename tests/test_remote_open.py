@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.remote import ObjectStore, S3Source
+from gdsckpt.sources import StoreObject
+from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 
@@ -22,7 +23,7 @@ def _put(tmp_path, s3_server, state, **save_kw) -> str:
     bucket = s3_server.new_bucket("open")
     p = tmp_path / "x.gdsckpt"
     gdsckpt.save(state, p, chunk_bytes=64 << 10, **save_kw)
-    ObjectStore(f"s3://{bucket}/run").upload(p, "x.gdsckpt")
+    open_store(f"s3://{bucket}/run").put_file(p, "x.gdsckpt")
     return f"s3://{bucket}/run/x.gdsckpt"
 
 
@@ -30,8 +31,8 @@ def test_open_s3_lists_keys_and_reads_one_tensor_by_ranged_reads(tmp_path, s3_se
     state = _state()
     url = _put(tmp_path, s3_server, state)
     reads = []
-    real = S3Source.pread
-    monkeypatch.setattr(S3Source, "pread", lambda self, n, o: reads.append((o, n)) or real(self, n, o))
+    real = StoreObject.pread
+    monkeypatch.setattr(StoreObject, "pread", lambda self, n, o: reads.append((o, n)) or real(self, n, o))
     with gdsckpt.open(url) as ck:
         assert set(ck.keys()) == {"model/a", "model/b", "model/ids"}
         n_index_reads = len(reads)
@@ -55,7 +56,7 @@ def test_open_s3_detects_a_damaged_object(tmp_path, s3_server, s3_env):
     data[rec.file_offset + 100] ^= 0x04
     p.write_bytes(bytes(data))
     bucket = url[len("s3://"):].split("/")[0]
-    ObjectStore(f"s3://{bucket}/run").upload(p, "x.gdsckpt")
+    open_store(f"s3://{bucket}/run").put_file(p, "x.gdsckpt")
     with pytest.raises(gdsckpt.ChecksumError, match="chunk 1"):
         gdsckpt.load(url)
     with pytest.raises(ValueError, match="trusted=False"):

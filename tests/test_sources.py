@@ -13,7 +13,7 @@ import torch
 import gdsckpt
 from gdsckpt import sources
 from gdsckpt.backend import make_backend
-from gdsckpt.remote import ObjectStore
+from gdsckpt.stores import open_store
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 
 
@@ -122,7 +122,7 @@ def _upload(tmp_path, s3_server) -> tuple[str, bytes]:
     p = tmp_path / "x.gdsckpt"
     data = _save(p, 3.0, n=40_000)
     bucket = s3_server.new_bucket("sources")
-    ObjectStore(f"s3://{bucket}/run").upload(p, "x.gdsckpt")
+    open_store(f"s3://{bucket}/run").put_file(p, "x.gdsckpt")
     return f"s3://{bucket}/run/x.gdsckpt", data
 
 
