@@ -70,6 +70,14 @@ def cmd_convert(args) -> int:
 def cmd_clean(args) -> int:
     from .steps import download_temporaries
     d = Path(args.directory)
+    if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
+        from .memory_tier import drop_copies
+        dropped = drop_copies(d)
+        for t in dropped:
+            print(f"dropped the memory copies of rank {t['rank']} (steps {t['steps'] or 'none'}, "
+                  f"{_size(t['bytes'])}): {t['folder']}")
+        if not dropped:
+            print(f"no memory copies of {args.directory} on this host")
     stale = sorted(stale_temporaries(d) + download_temporaries(d))
     for p in stale:
         print(("removing " if args.yes else "stale: ") + str(p))
@@ -96,12 +104,19 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     rows: dict[int, dict] = {}
 
     def row(step):
-        return rows.setdefault(step, {"step": step, "local": None, "local_bytes": 0, "local_state": None,
+        return rows.setdefault(step, {"step": step, "memory": None, "memory_bytes": 0, "memory_state": None,
+                                      "local": None, "local_bytes": 0, "local_state": None,
                                       "remote": None, "remote_bytes": 0, "remote_state": None,
                                       "remote_files": []})
 
     if not is_remote(location):
         d = Path(location)
+        for c in _memory_copies(d):  # this host's memory tier (Checkpointer(memory=True))
+            r = row(c["step"])
+            r["memory"] = ",".join(filter(None, [r["memory"], f"rank {c['rank']}"]))
+            r["memory_bytes"] += c["bytes"]
+            state = _memory_state(c, deep)
+            r["memory_state"] = state if r["memory_state"] in (None, "ok") else r["memory_state"]
         for name in sorted(os.listdir(d)):
             parsed = parse_step_name(name)
             if not parsed:
@@ -148,6 +163,16 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     return [rows[k] for k in sorted(rows)]
 
 
+def _memory_copies(d: Path) -> list[dict]:
+    from .memory_tier import list_copies
+    return list_copies(d) if d.is_dir() else []
+
+
+def _memory_state(copy: dict, deep: bool) -> str:
+    from .memory_source import check_copy
+    return check_copy(copy["folder"], copy["record"], deep)
+
+
 def _check_remote(store, files: list[str]) -> str:
     """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
     from .steps import SUFFIX
@@ -168,18 +193,22 @@ def restore_test(location: str, *, remote: str | None = None) -> tuple[int | Non
     from .stores import open_store
     checked = []
     for r in reversed(describe(location, remote=remote)):
+        if r["memory"] is not None and r["memory_state"] == "ok":
+            copies = [c for c in _memory_copies(Path(location)) if c["step"] == r["step"]]
+            states = [_memory_state(c, deep=True) for c in copies]
+            r["memory_state"] = next((s for s in states if s != "ok"), "ok")
         if r["local"] is not None:
             r["local_state"] = check_step(Path(r["local"]), deep=True)
         if r["remote"] is not None and r["remote_state"] == "ok":
             r["remote_state"] = _check_remote(open_store(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
         checked.append(r)
-        if "ok" in (r["local_state"], r["remote_state"]):
+        if "ok" in (r["memory_state"], r["local_state"], r["remote_state"]):
             return r["step"], checked
     return None, checked
 
 
 def _where(r) -> str:
-    return "+".join(w for w in ("local", "remote") if r[w] is not None)
+    return "+".join(w for w in ("memory", "local", "remote") if r[w] is not None)
 
 
 def cmd_ls(args) -> int:
@@ -191,10 +220,11 @@ def cmd_ls(args) -> int:
     if not rows:
         print(f"no steps in {args.location}" + (f" or {args.remote}" if args.remote else ""))
         return 0
-    print(f"{'step':>10}  {'where':<13}{'local size':>12}{'remote size':>13}  state")
+    print(f"{'step':>10}  {'where':<20}{'memory size':>12}{'local size':>12}{'remote size':>13}  state")
     for r in rows:
-        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
-        print(f"{r['step']:>10}  {_where(r):<13}{_size(r['local_bytes']) if r['local'] else '-':>12}"
+        states = [f"{w}: {r[w + '_state']}" for w in ("memory", "local", "remote") if r[w] is not None]
+        print(f"{r['step']:>10}  {_where(r):<20}{_size(r['memory_bytes']) if r['memory'] else '-':>12}"
+              f"{_size(r['local_bytes']) if r['local'] else '-':>12}"
               f"{_size(r['remote_bytes']) if r['remote'] else '-':>13}  {'; '.join(states)}")
     return 0
 
@@ -202,7 +232,7 @@ def cmd_ls(args) -> int:
 def cmd_restore_test(args) -> int:
     step, checked = restore_test(args.location, remote=args.remote)
     for r in checked:
-        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
+        states = [f"{w}: {r[w + '_state']}" for w in ("memory", "local", "remote") if r[w] is not None]
         print(f"step {r['step']}: {'; '.join(states)}")
     if step is None:
         print(f"gdsckpt restore-test: no intact step in {args.location}", file=sys.stderr)
@@ -276,6 +306,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("clean", help="list (and with --yes remove) temporaries left by killed saves and restores")
     p.add_argument("directory")
     p.add_argument("--yes", action="store_true")
+    p.add_argument("--memory", action="store_true",
+                   help="also drop the directory's memory-tier copies on this host (refused while a manager holds them)")
     p.set_defaults(fn=cmd_clean)
     _add_manager_commands(sub)
     args = ap.parse_args(argv)

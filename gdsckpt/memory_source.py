@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+
 from .device_copy import side_stream
 from .errors import GdsckptError
 from .memory_slot import Slot
@@ -70,3 +72,25 @@ class SlotReader:
 
     def close(self) -> None:
         pass
+
+
+def check_copy(folder: Path, rec: dict, deep: bool) -> str:
+    """"ok" or why not, for a commit record of `folder` (memory_tier.read_record) read without
+    the tier's lock (the CLI): its segment ends in the committed footer (memory_tier.check_record)
+    and its footer and index are valid; deep: every chunk checksum too."""
+    from . import api
+    from .memory_tier import check_record
+    why = check_record(folder, rec)
+    if why is None:
+        slot = Slot(folder / rec["slot"])
+        try:
+            with api.open(MemorySource(slot, int(rec["bytes"]), f"memory copy in {folder / rec['slot']}")) as ck:
+                if deep:
+                    ck.verify()
+        except (GdsckptError, OSError) as e:
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            slot.close()
+        if why is not None and check_record(folder, rec) is not None:
+            why = "dropped while being read"
+    return "ok" if why is None else f"DAMAGED: {why}"

@@ -24,10 +24,11 @@ made again under the same path gets a new id, and the earlier run's copies are r
 restored into the new run.
 
 Bounded: the tier holds at most `cap_bytes` (the slots' file sizes, an upper bound of the memory
-they take; defaults.MEMORY_*), and keeps `keep` copies where it may. When a new step needs
-room, copies go in this order: the oldest copy whose step is also on disk, then the oldest
-other copy; never the newest copy while it is the newest intact step and on no disk (the only
-copy), never a copy being read (`hold`: a local write in progress). A step that finds no room
+they take; defaults.MEMORY_*), and keeps the newest `keep` copies where it may (older ones go,
+oldest first). When a new step needs room under the cap, copies go in this order: the oldest
+copy whose step is also on disk, then the oldest other copy; never the newest copy while it is
+the newest intact step and on no disk (the only copy), never a copy being read (`hold`: a local
+write in progress). A step that finds no room
 waits for such reads to end; a step larger than the cap, or one that would need the protected
 copy's room, is a MemoryTierFullError (the manager then saves it to disk the ordinary way).
 """
@@ -43,7 +44,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -174,8 +175,9 @@ def check_record(folder: Path, rec: dict) -> str | None:
 
 
 def list_copies(directory: Path, root: Path | None = None) -> list[dict]:
-    """Every rank's committed copies of `directory` on this host, read without a lock (the CLI's
-    `ls`): [{"rank", "step", "bytes", "folder", "ok": None or why not}], by rank and step."""
+    """Every rank's commit records of `directory` on this host, read without a lock (the CLI's
+    `ls`): [{"rank", "step", "bytes", "folder", "record"}], by rank and step; check them with
+    memory_source.check_copy."""
     ident = directory_id(directory, create=False)
     out = []
     for rank, folder in tier_folders(directory, root).items():
@@ -186,8 +188,8 @@ def list_copies(directory: Path, root: Path | None = None) -> list[dict]:
             rec = read_record(folder / name) if m else None
             if rec is None:
                 continue
-            out.append({"rank": rank, "step": int(rec["step"]), "bytes": int(rec["bytes"]), "folder": str(folder),
-                        "ok": check_record(folder, rec)})
+            out.append({"rank": rank, "step": int(rec["step"]), "bytes": int(rec["bytes"]), "folder": folder,
+                        "record": rec})
     return out
 
 
@@ -250,6 +252,7 @@ class MemoryTier:
         if not root.is_dir():
             raise FileNotFoundError(f"the memory tier's root {str(root)!r} is not a directory (set {ROOT_ENV})")
         self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(root)
+        self.directory.mkdir(parents=True, exist_ok=True)  # as the Checkpointer does: it holds the tier id
         self.folder = tier_folder(self.directory, rank, root)
         self.folder.mkdir(mode=0o700, exist_ok=True)
         self._lock = DirectoryLock(self.folder)
@@ -260,7 +263,7 @@ class MemoryTier:
         self._held: Counter = Counter()  # step -> readers (a local write): not dropped meanwhile
         self._next_slot = 0
         self.reclaimed: list[dict] = []  # what opening removed, and why
-        self.dropped: list[dict] = []  # copies dropped to make room or by retention
+        self.dropped: deque = deque(maxlen=100)  # the last copies dropped (room, keep_memory, release), and why
         try:
             self._open(directory_id(self.directory, create=True))
         except BaseException:
@@ -357,8 +360,8 @@ class MemoryTier:
         Makes room in the drop order; waits while only copies being read stand in the way.
         MemoryTierFullError where no room can be made."""
         if need > self.cap_bytes:
-            raise MemoryTierFullError(f"step {step} needs {need} bytes of memory, over the memory tier's cap of "
-                                      f"{self.cap_bytes} bytes ({self.folder}): raise memory_bytes=",
+            raise MemoryTierFullError(f"step {step} needs {need} bytes of memory, more than the memory tier's cap "
+                                      f"of {self.cap_bytes} bytes ({self.folder}): raise memory_bytes=",
                                       step=step, need=need, cap=self.cap_bytes)
         waited = 0.0
         with self._cond:
@@ -380,10 +383,25 @@ class MemoryTier:
             self._writing[slot.name] = (step, slot)
         return slot, waited
 
+    def room_for(self, need: int) -> str | None:
+        """None if a step of `need` bytes can be given room (at once, or once the reads in progress
+        end), else why not (what MemoryTierFullError would say)."""
+        if need > self.cap_bytes:
+            return f"{need} bytes are more than the memory tier's cap of {self.cap_bytes} bytes: raise memory_bytes="
+        with self._cond:
+            kept = set(self._copies) - set(self._drop_order(for_room=True)) - set(self._held)
+            fixed = sum(self._copies[s].slot.size() for s in kept)
+            if fixed + need > self.cap_bytes:
+                return (f"the memory tier's cap of {self.cap_bytes} bytes cannot hold {need} bytes beside step "
+                        f"{max(kept)}'s copy ({fixed} bytes), the only copy of the newest step: the cap should "
+                        "hold two steps")
+        return None
+
     def _make_room(self, step: int, need: int) -> Slot | None:
-        order = self._drop_order()
+        order = self._drop_order(for_room=False)
         while order and len(self._copies) + 1 > self.keep:
             self._drop(order.pop(0), f"more than keep_memory={self.keep} copies")
+        order = self._drop_order(for_room=True)
         fitting = min((s for s in self._free if s.mapped >= need), key=lambda s: s.mapped, default=None)
         while self._held_bytes() + (0 if fitting else need) > self.cap_bytes:
             spare = [s for s in self._free if s is not fitting]
@@ -405,15 +423,18 @@ class MemoryTier:
         self._next_slot += 1
         return Slot(self.folder / name, need)
 
-    def _drop_order(self) -> list[int]:
-        """Copies that may go, in the order they go: on disk first, oldest first; never the only
-        copy of the newest intact step, nor a copy being read."""
+    def _drop_order(self, for_room: bool) -> list[int]:
+        """Copies that may go, in the order they go: for room, those on disk first, each group
+        oldest first; beyond keep_memory, oldest first. Never the only copy of the newest
+        intact step, nor a copy being read."""
         if not self._copies:
             return []
         disk = set(self.on_disk())
         newest = max(self._copies)
         protected = {newest} if newest not in disk and newest > max(disk, default=-1) else set()
         free = [s for s in sorted(self._copies) if s not in protected and s not in self._held]
+        if not for_room:
+            return free
         return [s for s in free if s in disk] + [s for s in free if s not in disk]
 
     def commit(self, slot: Slot, step: int, nbytes: int) -> None:
@@ -443,7 +464,7 @@ class MemoryTier:
         a step reached the disk); the steps dropped."""
         out = []
         with self._cond:
-            order = self._drop_order()
+            order = self._drop_order(for_room=False)
             while order and len(self._copies) > self.keep:
                 s = order.pop(0)
                 self._drop(s, f"more than keep_memory={self.keep} copies")

@@ -1,0 +1,178 @@
+"""A Checkpointer's memory tier: Checkpointer(directory, memory=True, every_local=N).
+
+* every save lands in shared memory (gdsckpt/memory_tier.py, memory_snapshot.py): save_async's
+  compressed snapshot, taken into a slot of the tier instead of the pinned pool, committed there
+  when the snapshot ends; the step then counts, for a restore on this host;
+* the 1st, (1 + N)th, (1 + 2N)th ... step saved is also written to the directory from its memory
+  copy (gdsckpt/local_writes.py: one write at a time, the newest waiting one only: a disk that
+  cannot keep up has its writes coalesced, not queued); steps in memory only are not on disk.
+  The manager's uploads follow the steps written to the directory;
+* a step that finds no room in memory (larger than the cap, or the newest copy is the only copy
+  and there is no room beside it) is saved to the directory as without the tier, and status()
+  says so;
+* restore reads the newest copy through memory_source.MemorySource, every chunk verified, and
+  falls back to the directory and the store as for a damaged file (the damaged copy is dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import Future
+from typing import Callable, Iterator
+
+from .errors import MemoryTierFullError
+from .local_writes import LocalWrites
+from .memory_snapshot import MemoryTarget
+from .memory_source import MemorySource
+from .memory_tier import MemoryTier
+from .steps import StepLayout
+
+log = logging.getLogger("gdsckpt.manager")
+
+# A first save's room in memory is estimated from its tensors (before the plan exists): their
+# bytes, and a 4 KiB record boundary each.
+_PER_TENSOR = 4096
+
+
+class MemorySteps:
+    """The memory tier of a Checkpointer's `layout` (its directory, this rank).
+    on_local_commit(step): a step is committed in the directory (the manager's uploads and
+    retention follow)."""
+
+    def __init__(self, layout: StepLayout, *, rank: int, every_local: int, cap_bytes: int | None, keep: int,
+                 save_options: dict, on_local_commit: Callable[[int], None]):
+        self.layout = layout
+        self.every_local = every_local
+        self.save_options = save_options
+        self._on_local_commit = on_local_commit
+        self.tier = MemoryTier(layout.directory, rank=rank, cap_bytes=cap_bytes, keep=keep,
+                               on_disk=layout.local_steps)
+        self.writes = LocalWrites(self.tier, layout.path, self._written)
+        self._saves = 0
+        self._need: int | None = None  # the last step's room in memory
+        self.fallbacks: list[dict] = []
+
+    def steps(self) -> list[int]:
+        return self.tier.steps()
+
+    # ------------------------------------------------------------ saving
+    def save_async(self, step: int, state, optimizer) -> Future:
+        """`step` into memory (its future: committed there), written to the directory if due;
+        or, with no room in memory, to the directory as without the tier (its future: committed
+        there)."""
+        from .async_save import save_async
+        self._saves += 1
+        local = (self._saves - 1) % self.every_local == 0
+        why = self._no_room(state)
+        if why is None:
+            try:
+                fut = save_async(state, self.layout.path(step), overlap=optimizer is not None, optimizer=optimizer,
+                                 memory=MemoryTarget(self.tier, step), **self.save_options)
+            except MemoryTierFullError as e:  # found when the plan was known: nothing was taken
+                why = str(e)
+            else:
+                return _then(fut, lambda: self._committed(step, local))
+        self.fallbacks.append({"step": step, "why": why})
+        log.warning("gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
+        return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
+
+    def _no_room(self, state) -> str | None:
+        need = self._need
+        if need is None:  # the first save: an estimate from the tensors
+            from .tree import flatten
+            try:
+                _, leaves = flatten(state)
+            except Exception:  # noqa: BLE001 - save_async says what is wrong with the state
+                return None
+            need = sum(leaf.tensor.nbytes + _PER_TENSOR for leaf in leaves)
+        return self.tier.room_for(need)
+
+    def _committed(self, step: int, local: bool) -> None:
+        try:
+            self._need = self.tier.copy(step).slot.mapped
+        except KeyError:
+            pass
+        if local:
+            self.writes.submit(step)
+
+    def _written(self, step: int) -> None:
+        self.tier.trim()  # its copy is on disk now: it may go if beyond keep_memory
+        self._on_local_commit(step)
+
+    def wait_local(self, timeout: float | None = None) -> bool:
+        """Until every local write due has ended."""
+        return self.writes.wait(timeout)
+
+    # ------------------------------------------------------------ restoring
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[MemorySource]:
+        """`step`'s copy as a reader's source, not dropped meanwhile."""
+        copy = self.tier.hold(step)
+        try:
+            yield MemorySource(copy.slot, copy.nbytes, f"memory copy of step {step} ({copy.slot.path})")
+        finally:
+            self.tier.release(step)
+
+    def damaged(self, step: int, why: str) -> None:
+        self.tier.drop(step, f"damaged: {why}")
+
+    # ------------------------------------------------------------ letting go
+    def drop_newer_than(self, step: int) -> list[int]:
+        """A rollback: the copies of steps after `step` go (after the local writes in progress)."""
+        self.writes.wait()
+        gone = [s for s in self.tier.steps() if s > step]
+        for s in gone:
+            self.tier.drop(s, f"rollback to step {step}")
+        return gone
+
+    def release(self) -> int:
+        """Free every memory copy (after the local writes in progress); the bytes freed."""
+        self.writes.wait()
+        only = sorted(set(self.tier.steps()) - set(self.layout.local_steps()))
+        if only:
+            log.warning("gdsckpt: releasing the memory tier drops step(s) %s, which are in memory only", only)
+        return self.tier.release_all()
+
+    def close(self, flush: bool = True) -> None:
+        """Finish the local writes; flush: the newest step too, if only memory holds it and it is
+        newer than the directory's newest. Then unmap (the copies stay for the next manager)."""
+        try:
+            self.writes.wait()
+            if flush:
+                copies, local = self.tier.steps(), self.layout.local_steps()
+                if copies and copies[-1] > max(local, default=-1):
+                    self.writes.submit(copies[-1])
+                    self.writes.wait()
+        finally:
+            self.tier.close()
+
+    def status(self) -> dict:
+        st = self.tier.status()
+        writes = self.writes.status()
+        st.update(every_local=self.every_local, local_writes=writes, coalesced=writes["coalesced"],
+                  fallbacks=list(self.fallbacks))
+        return st
+
+
+def _then(fut: Future, after) -> Future:
+    """A SaveFuture with `fut`'s outcome, completed once after() has run (after a success): a
+    caller that waits for it finds the step's local write submitted. `fut`'s failure is the new
+    future's to report (async_save does not raise it again as unseen)."""
+    from .async_save import SaveFuture
+    out = SaveFuture()
+    out.set_running_or_notify_cancel()
+
+    def relay(f):
+        err = Future.exception(f)
+        if err is not None:
+            f.observed = True
+            out.set_exception(err)
+            return
+        try:
+            after()
+        except Exception as e:  # noqa: BLE001 - the step is committed: its local write is what failed
+            log.warning("gdsckpt: after committing step: %s: %s", type(e).__name__, e)
+        out.set_result(Future.result(f))
+    fut.add_done_callback(relay)
+    return out
