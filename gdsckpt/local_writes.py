@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,19 @@ class LocalWrites:
         self._bytes = 0
         self._seconds = 0.0
         self.last: dict | None = None
+        self._watched: dict[int, Future] = {}
+
+    def when_written(self, step: int) -> Future:
+        """A Future of `step`'s local write: its figures ({"step", "bytes", "seconds", "MBps"})
+        once committed in the directory, None if it was coalesced, or the write's error. Ask
+        before the step is due (its save_async returned) to be sure to see it."""
+        with self._cond:
+            return self._watched.setdefault(step, Future())
+
+    def _settle(self, step: int, result=None, error: BaseException | None = None) -> None:
+        fut = self._watched.pop(step, None)
+        if fut is not None:
+            fut.set_exception(error) if error is not None else fut.set_result(result)
 
     def submit(self, step: int) -> None:
         """`step` (committed in the tier) is due on disk: written now, or after the write in
@@ -56,6 +70,7 @@ class LocalWrites:
                 self.tier.hold(step)  # its copy stays until it is written or coalesced
             except KeyError as e:
                 self._failed(step, e)
+                self._settle(step, error=e)
                 return
             if self._in_flight is None:
                 self._start(step)
@@ -64,6 +79,7 @@ class LocalWrites:
                 old, self._waiting = self._waiting, None
                 self.coalesced.append({"step": old, "by": step, "why": self._why(old, step, now)})
                 self.coalesced_count += 1
+                self._settle(old)
                 log.info("gdsckpt: local write of step %d coalesced into step %d's: %s", old, step,
                          self.coalesced[-1]["why"])
                 self.tier.release(old)
@@ -84,12 +100,14 @@ class LocalWrites:
         except Exception as e:  # noqa: BLE001 - its copy was dropped, a bad path: the next step goes on
             self._failed(step, e)
             self.tier.release(step)
+            self._settle(step, error=e)
             return
         self._in_flight = {"step": step, "bytes": nbytes, "started": time.monotonic()}
         fut.add_done_callback(lambda f: self._finished(step, f))
 
     def _finished(self, step: int, fut) -> None:
         err = fut.exception()
+        record = None
         with self._cond:
             f, self._in_flight = self._in_flight, None
             secs = time.monotonic() - f["started"]
@@ -97,8 +115,8 @@ class LocalWrites:
                 self.written.append(step)
                 self._bytes += f["bytes"]
                 self._seconds += secs
-                self.last = {"step": step, "bytes": f["bytes"], "seconds": secs,
-                             "MBps": f["bytes"] / secs / 1e6 if secs else 0.0}
+                self.last = record = {"step": step, "bytes": f["bytes"], "seconds": secs,
+                                      "MBps": f["bytes"] / secs / 1e6 if secs else 0.0}
             else:
                 self._failed(step, err)
             self.tier.release(step)
@@ -111,6 +129,8 @@ class LocalWrites:
                 self.on_written(step)
             except Exception as e:  # noqa: BLE001 - retention must not stop the writes
                 log.warning("gdsckpt: after writing step %d to the directory: %s: %s", step, type(e).__name__, e)
+        with self._cond:
+            self._settle(step, dict(record) if record else None, err)
 
     def _failed(self, step: int, err: BaseException) -> None:
         self.errors.append({"step": step, "error": f"{type(err).__name__}: {err}", "time": time.time()})

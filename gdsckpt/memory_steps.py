@@ -100,6 +100,10 @@ class MemorySteps:
         self.tier.trim()  # its copy is on disk now: it may go if beyond keep_memory
         self._on_local_commit(step)
 
+    def when_written(self, step: int) -> Future:
+        """A Future of `step`'s write to the directory (local_writes.LocalWrites.when_written)."""
+        return self.writes.when_written(step)
+
     def wait_local(self, timeout: float | None = None) -> bool:
         """Until every local write due has ended."""
         return self.writes.wait(timeout)

@@ -502,7 +502,7 @@ class MemoryTier:
 
     def close(self) -> None:
         """Unmap everything and release the lock; the committed copies stay for the next manager,
-        slots holding nothing are removed."""
+        slots holding nothing are removed, and so is the folder if no copy is left."""
         with self._cond:
             for slot in self._free:
                 slot.delete()
@@ -512,7 +512,17 @@ class MemoryTier:
             self._writing.clear()
             for copy in self._copies.values():
                 copy.slot.close()
+            empty = not self._copies
             self._copies.clear()
+        if empty:  # nothing for a next manager: no folder left behind (the lock file last, while held)
+            for name in os.listdir(self.folder):
+                if name != self._lock.path.name:
+                    (self.folder / name).unlink(missing_ok=True)
+            self._lock.path.unlink(missing_ok=True)
+            try:
+                self.folder.rmdir()
+            except OSError:  # a manager started meanwhile made its lock file: the folder is its
+                pass
         self._lock.release()
 
 
