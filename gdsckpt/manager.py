@@ -147,8 +147,6 @@ class Checkpointer:
         try:
             if memory and self.read_only:
                 log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
-            elif memory and self.distributed:
-                raise ValueError("memory=True under torch.distributed is not built yet")
             elif memory:
                 self.memory = MemorySteps(self.layout, rank=self.rank, every_local=every_local, cap_bytes=memory_bytes,
                                           keep=keep_memory, save_options=self.save_options,
@@ -450,7 +448,7 @@ class Checkpointer:
         if step is not None:
             step = whole_number("step", step, 0)
         self.wait()
-        memory = set(self._memory_steps())
+        memory = set(self.memory.restorable()) if self.memory is not None else set()
         local = set(self._local_steps())
         remote = self._remote_or_nothing()
         if step is not None:
@@ -485,9 +483,7 @@ class Checkpointer:
 
     def _restore_one(self, step, where, state, device, strict):
         if where == "memory":
-            with self.memory.reading(step) as source:
-                out, stats = self.layout.load(source, state, device, strict)
-                return out, source.label, stats
+            return self.memory.load(step, state, device, strict)
         if where == "local":
             path = self.layout.path(step)
             out, stats = self.layout.load(path, state, device, strict)

@@ -12,6 +12,13 @@
   says so;
 * restore reads the newest copy through memory_source.MemorySource, every chunk verified, and
   falls back to the directory and the store as for a damaged file (the damaged copy is dropped).
+
+Under torch.distributed (a DcpSteps layout) each rank holds its own shards in its own tier
+(gdsckpt/memory_dcp.py); a step due in the directory is a DCP checkpoint, saved as without the
+tier and not also held in memory (one snapshot per step); a memory step is restored only when
+every rank holds it and can read it into its shards (the ranks agree, and fall back together);
+a rank without room for a step keeps none of it (a warning; no rank saves to the directory
+alone), and close() writes no memory-only step (no rank can make a DCP checkpoint of it alone).
 """
 
 from __future__ import annotations
@@ -21,12 +28,12 @@ import logging
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
-from .errors import MemoryTierFullError
+from .errors import CheckpointFormatError, MemoryTierFullError, StateMismatchError
 from .local_writes import LocalWrites
 from .memory_snapshot import MemoryTarget
 from .memory_source import MemorySource
 from .memory_tier import MemoryTier
-from .steps import StepLayout
+from .steps import DAMAGE, StepLayout
 
 log = logging.getLogger("gdsckpt.manager")
 
@@ -43,6 +50,7 @@ class MemorySteps:
     def __init__(self, layout: StepLayout, *, rank: int, every_local: int, cap_bytes: int | None, keep: int,
                  save_options: dict, on_local_commit: Callable[[int], None]):
         self.layout = layout
+        self.distributed = layout.distributed
         self.every_local = every_local
         self.save_options = save_options
         self._on_local_commit = on_local_commit
@@ -64,15 +72,26 @@ class MemorySteps:
         from .async_save import save_async
         self._saves += 1
         local = (self._saves - 1) % self.every_local == 0
-        why = self._no_room(state)
+        if self.distributed and local:  # a DCP checkpoint, every rank's
+            return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
+        why = None if self.distributed else self._no_room(state)
         if why is None:
             try:
-                fut = save_async(state, self.layout.path(step), overlap=optimizer is not None, optimizer=optimizer,
+                what = memory_dcp().snapshot(state) if self.distributed else state
+                fut = save_async(what, self.layout.path(step), overlap=optimizer is not None, optimizer=optimizer,
                                  memory=MemoryTarget(self.tier, step), **self.save_options)
             except MemoryTierFullError as e:  # found when the plan was known: nothing was taken
                 why = str(e)
             else:
                 return _then(fut, lambda: self._committed(step, local))
+        if self.distributed:  # this rank alone cannot save to the directory: the step is not kept here
+            self.fallbacks.append({"step": step, "why": f"not kept on this rank: {why}"})
+            log.warning("gdsckpt: step %d is not kept in rank %d's memory tier: %s", step, self.tier.rank, why)
+            from .async_save import SaveFuture
+            out = SaveFuture()
+            out.set_exception(MemoryTierFullError(why, step=step))
+            out.observed = True  # said here; a restore from memory of this step falls back on every rank
+            return out
         self.fallbacks.append({"step": step, "why": why})
         log.warning("gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
         return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
@@ -109,6 +128,40 @@ class MemorySteps:
         return self.writes.wait(timeout)
 
     # ------------------------------------------------------------ restoring
+    def restorable(self) -> list[int]:
+        """Steps a restore may take from memory: this process's copies; under torch.distributed,
+        those every rank holds."""
+        mine = self.tier.steps()
+        if not self.distributed:
+            return mine
+        import torch.distributed as dist
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return sorted(set.intersection(*(set(s) for s in every)))
+
+    def load(self, step: int, state, device, strict: bool) -> tuple[object, str, object]:
+        """(state, label, stats) of `step` restored from memory; DAMAGE where it cannot be (under
+        torch.distributed: on every rank, when any rank cannot)."""
+        if not self.distributed:
+            with self.reading(step) as source:
+                out, stats = self.layout.load(source, state, device, strict)
+                return out, source.label, stats
+        import torch.distributed as dist
+        label, stats, mine = f"memory copy of step {step}", None, None
+        try:
+            with self.reading(step) as source:
+                label = source.label
+                stats = memory_dcp().load_rank(source, state, strict)
+        except (*DAMAGE, StateMismatchError, KeyError) as e:
+            mine = f"{type(e).__name__}: {e}"
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = {r: why for r, why in enumerate(every) if why is not None}
+        if failed:
+            raise CheckpointFormatError(f"rank(s) {sorted(failed)} could not restore step {step} from memory: "
+                                        f"{next(iter(failed.values()))}", path=label)
+        return state, label, stats
+
     @contextlib.contextmanager
     def reading(self, step: int) -> Iterator[MemorySource]:
         """`step`'s copy as a reader's source, not dropped meanwhile."""
@@ -143,7 +196,7 @@ class MemorySteps:
         newer than the directory's newest. Then unmap (the copies stay for the next manager)."""
         try:
             self.writes.wait()
-            if flush:
+            if flush and not self.distributed:
                 copies, local = self.tier.steps(), self.layout.local_steps()
                 if copies and copies[-1] > max(local, default=-1):
                     self.writes.submit(copies[-1])
@@ -180,3 +233,10 @@ def _then(fut: Future, after) -> Future:
         out.set_result(Future.result(f))
     fut.add_done_callback(relay)
     return out
+
+
+def memory_dcp():
+    """gdsckpt.memory_dcp, imported when torch.distributed is in use (it imports its checkpoint
+    package)."""
+    from . import memory_dcp as module
+    return module

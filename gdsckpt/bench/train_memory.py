@@ -10,10 +10,10 @@ commit, the call to durable for the steps written to the directory (None where a
 coalesced), and how many steps the directory's newest step was behind the one saved.
 
 After the loops, the trained state is saved once by a Checkpointer with the memory tier (and,
-with --memory-remote, uploaded), and a NEW PROCESS restores it three ways, each timed from the
-Checkpointer's construction to the state filled on the device, each checked bit for bit against
-the state saved (a CRC-64 per tensor): from memory, from the local file cold (its page cache
-dropped first), and from the store. The targets (issue 21): from memory <= 0.5 s on a GPU, and
+with --memory-remote, uploaded), and it is restored three ways, each in a NEW PROCESS (a restart:
+each pays the same start-up), timed from the Checkpointer's construction to the state filled on
+the device, and checked bit for bit against the state saved (a CRC-64 per tensor): from memory,
+from the local file cold (its page cache dropped first), and from the store. The targets (issue 21): from memory <= 0.5 s on a GPU, and
 <= 0.5 x the cold local file on the CPU; idle time per memory checkpoint no higher than
 save_async's.
 """
@@ -160,11 +160,14 @@ def measure_restores(size: str, device: str, model, opt, directory: Path, remote
             if remote:
                 ck.wait(uploads=True)
         (d / "digests.json").write_text(json.dumps(digests(state)))
-        cmd = [sys.executable, "-m", "gdsckpt.bench.train_memory", str(d), size, device] + ([remote] if remote else [])
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            return {"error": done.stderr[-4000:]}
-        out = json.loads(done.stdout.strip().splitlines()[-1])
+        out = {}
+        for what in ("memory", "local_cold") + (("remote",) if remote else ()):
+            cmd = [sys.executable, "-m", "gdsckpt.bench.train_memory", what, str(d), size, device, remote or ""]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                out[what] = {"error": done.stderr[-4000:]}
+                continue
+            out[what] = json.loads(done.stdout.strip().splitlines()[-1])
         out["targets"] = _restore_targets(out, device)
         return out
     finally:
@@ -173,7 +176,7 @@ def measure_restores(size: str, device: str, model, opt, directory: Path, remote
 
 
 def _restore_targets(out: dict, device: str) -> dict:
-    mem, local = out.get("memory", {}).get("seconds"), out.get("local_cold", {}).get("seconds")
+    mem, local = out["memory"].get("seconds"), out["local_cold"].get("seconds")
     if device.startswith("cuda"):
         target = RESTORE_TARGET_GPU_S
     else:
@@ -193,7 +196,7 @@ def idle_target(methods: list[dict]) -> dict:
     return {"idle_s_vs_save_async": {"target": b, "measured": a, "met": None if a is None or b is None else a <= b}}
 
 
-def _restore_child(d: Path, size: str, device: str, remote: str | None) -> dict:
+def _restore_child(what: str, d: Path, size: str, device: str, remote: str | None) -> dict:
     from gdsckpt import Checkpointer
     from .disk import drop_page_cache
     from .train_loop import build
@@ -203,35 +206,27 @@ def _restore_child(d: Path, size: str, device: str, remote: str | None) -> dict:
         p.grad = torch.zeros_like(p)
     opt.step()
     state = checkpoint_state(model, opt)
-    out = {}
-
-    def timed(what: str, make):
-        for t in (x for x in _tensors(state)):
-            t.zero_()
-        sync()
-        t0 = time.perf_counter()
-        ck = make()
-        r = ck.restore(state)
-        sync()
-        seconds = time.perf_counter() - t0
-        ck.close()
-        out[what] = {"seconds": seconds, "source": r.source, "bit_exact": digests(state) == want}
-
-    def sync():
+    for t in _tensors(state):
+        t.zero_()
+    empty = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-remote-"))
+    try:
+        if what == "local_cold":
+            for p in d.glob("step_*"):
+                drop_page_cache(p)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-
-    timed("memory", lambda: Checkpointer(d, memory=True))  # first: nothing of it is cached in this process
-    for p in d.glob("step_*"):
-        drop_page_cache(p)
-    timed("local_cold", lambda: Checkpointer(d))
-    if remote:
-        empty = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-remote-"))
-        try:
-            timed("remote", lambda: Checkpointer(empty, remote=remote))
-        finally:
-            shutil.rmtree(empty, ignore_errors=True)
-    return out
+        t0 = time.perf_counter()
+        ck = (Checkpointer(d, memory=True) if what == "memory" else Checkpointer(d) if what == "local_cold"
+              else Checkpointer(empty, remote=remote))
+        r = ck.restore(state)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        ck.close()
+    finally:
+        shutil.rmtree(empty, ignore_errors=True)
+    return {"seconds": seconds, "source": r.source, "bit_exact": digests(state) == want,
+            "stats": {k: round(v, 4) for k, v in (r.stats.stages if r.stats is not None else {}).items()}}
 
 
 def _tensors(state):
@@ -249,11 +244,11 @@ def print_memory(m: dict, out=None) -> None:
               f"call to durable {_f(s['durable_s']['mean'])} s; the directory's newest step behind by "
               f"{_f(s['behind_steps']['mean'], '{:.1f}')} steps on average (max {s['behind_steps']['max']})", file=out)
     r = m.get("restore") or {}
-    if "error" in r:
-        print(f"  restore test failed: {r['error']}", file=out)
     for what in ("memory", "local_cold", "remote"):
-        if what in r:
-            x = r[what]
+        x = r.get(what)
+        if x and "error" in x:
+            print(f"  restore in a new process from {what:<10} failed: {x['error']}", file=out)
+        elif x:
             print(f"  restore in a new process from {what:<10} {x['seconds']:.3f} s (source {x['source']}, "
                   f"bit-exact: {x['bit_exact']})", file=out)
     for name, t in {**(r.get("targets") or {}), **(m.get("targets") or {})}.items():
@@ -265,6 +260,6 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
-if __name__ == "__main__":  # the restore test's new process: DIR SIZE DEVICE [REMOTE]
+if __name__ == "__main__":  # the restore test's new process: WHAT DIR SIZE DEVICE REMOTE
     a = sys.argv[1:]
-    print(json.dumps(_restore_child(Path(a[0]), a[1], a[2], a[3] if len(a) > 3 else None)))
+    print(json.dumps(_restore_child(a[0], Path(a[1]), a[2], a[3], a[4] or None)))
