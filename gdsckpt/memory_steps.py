@@ -70,8 +70,8 @@ class MemorySteps:
         or, with no room in memory, to the directory as without the tier (its future: committed
         there)."""
         from .async_save import save_async
+        local = self.next_is_local()
         self._saves += 1
-        local = (self._saves - 1) % self.every_local == 0
         if self.distributed and local:  # a DCP checkpoint, every rank's
             return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
         why = None if self.distributed else self._no_room(state)
@@ -95,6 +95,10 @@ class MemorySteps:
         self.fallbacks.append({"step": step, "why": why})
         log.warning("gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
         return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
+
+    def next_is_local(self) -> bool:
+        """Whether the next save is also written to the directory: the 1st, (1 + every_local)th, ..."""
+        return self._saves % self.every_local == 0
 
     def _no_room(self, state) -> str | None:
         need = self._need

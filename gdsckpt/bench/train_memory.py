@@ -50,33 +50,37 @@ def add_arguments(g) -> None:
 
 
 class CkptMemory(Method):
-    """Checkpointer(memory=True, every_local=N).save_async every interval; a Checkpointer per
-    loop, in a directory beside the loop's (the loop's directory is emptied between loops)."""
+    """Checkpointer(memory=True, every_local=N).save_async every interval: one Checkpointer for
+    every loop, in a directory beside the loops' (which is emptied between loops), its steps
+    numbered on across loops. Its first save (outside the loops) saves keep_memory + 1 steps, so
+    that the tier's slots exist (each new slot is allocated and, on a GPU host, page-locked, as
+    the pinned pool is by save_async's first saves) and the loops run as a long run does."""
 
     name = NAME
     asynchronous = True
+    notes = "first save: keep_memory + 1 saves, so that the loops reuse the tier's slots"
 
     def __init__(self, every_local: int = 4):
         self.every_local = every_local
         self.ck = None
-        self.tag = None
         self.root: Path | None = None
-        self.saves = 0
+        self.step = 0
         self.records: list[dict] = []
 
     def setup(self, ctx) -> None:
+        from gdsckpt import Checkpointer
         self.root = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-memory-", dir=ctx.directory.parent))
+        self.ck = Checkpointer(self.root / "ckpt", memory=True, every_local=self.every_local)
 
     def save(self, ctx, state, path):
-        from gdsckpt import Checkpointer
-        tag, _, step = path.name.partition("-step")
-        if tag != self.tag:
-            self._close()
-            self.ck = Checkpointer(self.root / tag, memory=True, every_local=self.every_local)
-            self.tag, self.saves = tag, 0
-        step = int(step or 0)
-        self.saves += 1
-        local = (self.saves - 1) % self.every_local == 0
+        tag = path.name.partition("-step")[0]
+        if tag.startswith("first"):  # outside the loops: make the slots a long run reuses
+            for _ in range(self.ck.memory.tier.keep):
+                self.step += 1
+                self.ck.save(self.step, state)
+        self.step += 1
+        step = self.step
+        local = self.ck.memory.next_is_local()
         disk = self.ck.layout.local_steps()
         rec = {"loop": tag, "step": step, "local": local, "behind_steps": step - disk[-1] if disk else None,
                "memory_s": None, "durable_s": None, "coalesced": False}
@@ -106,15 +110,11 @@ class CkptMemory(Method):
         fut.add_done_callback(committed)
         return handle
 
-    def _close(self):
-        if self.ck is not None:
-            self.ck.release_memory()  # the next loop starts with an empty tier
-            self.ck.close()
-            shutil.rmtree(self.ck.directory, ignore_errors=True)
-            self.ck = None
-
     def teardown(self) -> None:
-        self._close()
+        if self.ck is not None:
+            self.ck.release_memory()
+            self.ck.close()
+            self.ck = None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
