@@ -426,6 +426,9 @@ class Checkpointer:
         st["local_damage"] = self.layout.known_damage()
         if self.memory is not None:  # its cap, what it holds, and the local writes coalesced and why
             st["memory"] = self.memory.status()
+        if self.remote is not None:  # the uploads the uploader coalesced (its "skipped"), and why
+            st["coalesced_uploads"] = [{"step": s, "why": "a newer step was committed while it waited for the store "
+                                        f"(upload and verify at {st['MBps']:.0f} MB/s so far)"} for s in st["skipped"]]
         return st
 
     def release_memory(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
@@ -59,7 +60,7 @@ class MemorySteps:
         self.writes = LocalWrites(self.tier, layout.path, self._written)
         self._saves = 0
         self._need: int | None = None  # the last step's room in memory
-        self.fallbacks: list[dict] = []
+        self.fallbacks: deque = deque(maxlen=100)  # the last steps not held in memory, and why
 
     def steps(self) -> list[int]:
         return self.tier.steps()
@@ -93,7 +94,8 @@ class MemorySteps:
             out.observed = True  # said here; a restore from memory of this step falls back on every rank
             return out
         self.fallbacks.append({"step": step, "why": why})
-        log.warning("gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
+        (log.warning if len(self.fallbacks) == 1 else log.info)(  # said once; status() keeps saying it
+            "gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
         return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
 
     def next_is_local(self) -> bool:

@@ -419,6 +419,9 @@ class MemoryTier:
         if fitting is not None:
             self._free.remove(fitting)
             return fitting
+        for spare in self._free:  # too small for this step, as for the next ones (a state keeps its size)
+            spare.delete()
+        self._free.clear()
         name = f"slot-{self._next_slot}"
         self._next_slot += 1
         return Slot(self.folder / name, need)

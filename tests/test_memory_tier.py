@@ -534,3 +534,30 @@ def test_ls_verify_finds_a_damaged_copy(tmp_path, shm, capsys):
         with ck.memory.reading(2) as src, pytest.raises(ChecksumError):
             gdsckpt.load(src)
         ck.release_memory()
+
+
+# ---------------------------------------------------------------- uploads follow the directory's steps
+
+from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
+
+
+def test_uploads_follow_the_steps_written_to_the_directory(tmp_path, shm, s3_env):
+    url = f"s3://{s3_env.new_bucket()}/mem"
+    d = tmp_path / "run"
+    with Checkpointer(d, memory=True, every_local=2, remote=url, save_options=OPTS) as ck:
+        for s in range(1, 8):
+            ck.save(s, state_for(s))
+        ck.wait(uploads=True, timeout=120)
+        st = ck.status()
+        # steps 1, 3, 5, 7 reached the directory; the store has those of them the uploader did
+        # not coalesce (a newer one committed while it waited), the newest always
+        assert st["local_steps"][-1] == 7 and set(st["local_steps"]) <= {1, 3, 5, 7}
+        assert st["uploaded"][-1] == 7 and set(st["uploaded"]) | set(st["skipped"]) == {1, 3, 5, 7}
+        assert [c["step"] for c in st["coalesced_uploads"]] == st["skipped"]
+        assert all("a newer step was committed while it waited for the store" in c["why"]
+                   for c in st["coalesced_uploads"])
+        assert ck.memory.steps() == [6, 7]
+    with Checkpointer(tmp_path / "elsewhere", remote=url) as other:  # another host: the store's newest
+        r = other.restore()
+        assert (r.step, r.source) == (7, "remote")
+        assert_same(r.state, state_for(7))
