@@ -326,8 +326,7 @@ class MemoryTier:
             return self._held_bytes()
 
     def _held_bytes(self) -> int:
-        slots = [c.slot for c in self._copies.values()] + self._free + [s for _, s in self._writing.values()]
-        return sum(s.size() for s in slots)
+        return sum(s.size() for s in self._slots())
 
     def status(self) -> dict:
         with self._cond:
