@@ -260,6 +260,34 @@ def test_async_save_waits_before_load_and_remove(tmp_path):
     assert not (tmp_path / "b.ckpt").exists() and (tmp_path / "a.ckpt").exists()
 
 
+def test_fabric_save_and_load(tmp_path):
+    """Fabric's save / load go through the same CheckpointIO: a module, an optimizer and a plain value."""
+    _needs("lightning")
+    import torch
+    from gdsckpt.integrations.lightning import GdsckptCheckpointIO
+    from lightning.fabric import Fabric
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[GdsckptCheckpointIO()])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    fabric.backward(model(torch.randn(3, 4)).sum())
+    opt.step()
+    fabric.save(tmp_path / "f" / "state.ckpt", {"model": model, "optimizer": opt, "step": 3})
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = opt.state_dict()["state"][0]["exp_avg"].clone()
+    torch.manual_seed(1)
+    model2 = torch.nn.Linear(4, 2)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.1)
+    model2, opt2 = fabric.setup(model2, opt2)
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric.load(tmp_path / "f" / "state.ckpt", state)
+    assert state["step"] == 3
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in want.items())
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], moments)
+    assert gdsckpt_files_only(tmp_path / "f") == []
+
+
 @pytest.mark.gpu
 def test_gpu_fit_resume_with_gdsckpt_save_async(tmp_path):
     """On the GPU, GdsckptCheckpointIO(async_save=True): the snapshot is compressed on the GPU into
