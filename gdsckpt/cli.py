@@ -68,7 +68,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from .steps import download_temporaries
     d = Path(args.directory)
     if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
         from .memory_tier import drop_copies
@@ -78,7 +77,7 @@ def cmd_clean(args) -> int:
                   f"{_size(t['bytes'])}): {t['folder']}")
         if not dropped:
             print(f"no memory copies of {args.directory} on this host")
-    stale = sorted(stale_temporaries(d) + download_temporaries(d))
+    stale = stale_temporaries(d)
     for p in stale:
         print(("removing " if args.yes else "stale: ") + str(p))
         if args.yes:

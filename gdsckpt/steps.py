@@ -19,17 +19,15 @@ from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from . import api
-from .dirlock import pid_alive
 from .errors import CheckpointFormatError, GdsckptError, VersionError
 from .stateful import dcp_view, dcp_write_back
-from .storage import fsync_dir
+from .storage import fsync_dir, stale_temporaries, temp_path_for
 
 SUFFIX = ".gdsckpt"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"^step_(\d{8,})(\.gdsckpt)?$")
 # Where a restore puts a step from the store: a file step, named with the restoring pid
 # (FileSteps.fetched), and a DCP step's directory, renamed into place once complete (DcpSteps.fetched).
-_FILE_DOWNLOAD = re.compile(r"\.step_\d{8,}\.gdsckpt\.download\.(\d{1,10})")
 _DCP_DOWNLOAD = re.compile(r"\.step_\d{8,}\.download")
 # What restore falls back from: a step that is damaged, incomplete or unreadable. A state that
 # does not match the checkpoint, or a codec this machine lacks, is the caller's to fix: raised.
@@ -44,17 +42,6 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
     """(step, distributed) of a step's file or directory name; None for any other name."""
     m = _STEP.match(name)
     return (int(m.group(1)), not m.group(2)) if m else None
-
-
-def download_temporaries(directory: Path) -> list[Path]:
-    """Step files downloaded by a restore whose process is gone from this host (killed while
-    loading one): regular files named exactly as FileSteps.fetched names them."""
-    out = []
-    for entry in os.scandir(directory):
-        m = _FILE_DOWNLOAD.fullmatch(entry.name)
-        if m and entry.is_file(follow_symlinks=False) and not pid_alive(int(m.group(1))):
-            out.append(Path(entry.path))
-    return sorted(out)
 
 
 def check_step(path: Path, deep: bool) -> str:
@@ -258,13 +245,14 @@ class FileSteps(_Steps):
         return [(self.path(step), self.name(step))]
 
     def leftovers(self) -> list[Path]:
-        return download_temporaries(self.directory)
+        return stale_temporaries(self.directory)  # killed saves' and restores' (downloads) alike
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
-        # downloaded into a temporary copy, removed after
+        # downloaded into a temporary copy (named as every temporary: clean and the next manager
+        # know it), removed after
         name = self.name(step)
-        tmp = self.scratch / f".{name}.download.{os.getpid()}"
+        tmp = temp_path_for(self.scratch / name)
         try:
             store.download(name, tmp)
             yield tmp, store.url(name)

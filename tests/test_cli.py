@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gdsckpt import cli
 from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.storage import HOST_ID, TMP_MARK, temp_path_for
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
 
@@ -65,7 +66,7 @@ def _killed_restore(d: Path, url: str) -> Path:
         p.send_signal(signal.SIGKILL)
         p.wait()
     left = Path(line.split(None, 1)[1].strip())
-    assert left.name == f".{step_name(2, False)}.download.{p.pid}" and left.parent == d, left
+    assert left.name.startswith(f".{step_name(2, False)}{TMP_MARK}{p.pid}.{HOST_ID}.") and left.parent == d, left
     return left
 
 
@@ -78,7 +79,7 @@ def test_a_killed_restores_download_is_removed_by_clean_and_the_next_manager(tmp
     d.mkdir()
     left = _killed_restore(d, url)
     assert left.stat().st_size == (tmp_path / "a" / step_name(2, False)).stat().st_size
-    mine = d / f".{step_name(2, False)}.download.{os.getpid()}"  # a restore of a live process: not touched
+    mine = temp_path_for(d / step_name(2, False))  # a restore of a live process: not touched
     mine.write_bytes(b"in flight")
     rc, out, _ = run_cli("clean", d)
     assert rc == 0 and out == f"stale: {left}\nre-run with --yes to remove them\n", out

@@ -380,9 +380,6 @@ def test_a_download_killed_midway_leaves_a_temporary_that_clean_removes(tmp_path
     assert f"removing {left[0]}" in capsys.readouterr().out and not left[0].exists()
 
 
-@pytest.mark.xfail(strict=True, reason="the next manager removes only .step_N.gdsckpt.download.PID leftovers "
-                                      "(steps.download_temporaries); the store's own temporary inside it waits for "
-                                      "storage.stale_temporaries (save-seam) among the manager's leftovers")
 def test_a_download_killed_midway_leaves_nothing_after_the_next_manager(tmp_path, s3_env):
     url = f"s3://{s3_env.new_bucket()}/k"
     with Checkpointer(tmp_path / "seed", remote=url, save_options=OPTS) as ck:
