@@ -561,3 +561,43 @@ def test_uploads_follow_the_steps_written_to_the_directory(tmp_path, shm, s3_env
         r = other.restore()
         assert (r.step, r.source) == (7, "remote")
         assert_same(r.state, state_for(7))
+
+
+# ---------------------------------------------------------------- on a GPU (the lead's H100 runs these)
+
+_GPU_RESTORE = r"""
+import sys, json
+sys.path.insert(0, sys.argv[2])
+import torch
+from gdsckpt import Checkpointer
+want = {k: torch.load(sys.argv[3])[k] for k in ("w", "m")}
+target = {"model": {"w": torch.zeros(200_000, device="cuda")}, "optim": {"m": torch.zeros(100_000, device="cuda")}}
+with Checkpointer(sys.argv[1], memory=True) as ck:
+    r = ck.restore(target)
+print(json.dumps({"source": r.source, "step": r.step,
+                  "exact": torch.equal(target["model"]["w"].cpu(), want["w"]) and
+                           torch.equal(target["optim"]["m"].cpu(), want["m"])}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_snapshot_into_pinned_slots_and_restore_in_a_new_process(tmp_path, shm):
+    d = tmp_path / "run"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = {"model": {"w": torch.randn(200_000, device="cuda", generator=g)},
+             "optim": {"m": torch.randn(100_000, device="cuda", generator=g)}}
+    torch.save({"w": state["model"]["w"].cpu(), "m": state["optim"]["m"].cpu()}, tmp_path / "want.pt")
+    with Checkpointer(d, memory=True, every_local=10) as ck:
+        st = ck.save_async(1, state).result()
+        assert st.io_path == "memory" and st.backend == "gpu"
+        ck.save_async(2, state).result()
+        assert ck.status()["memory"]["pinned_bytes"] > 0  # the slots are page-locked
+        r = ck.restore(step=2)  # in this process: from page-locked memory
+        assert (r.source, r.step) == ("memory", 2)
+        assert torch.equal(r.state["model"]["w"].cpu(), state["model"]["w"].cpu())
+        ck.release_memory()
+        ck.save_async(3, state).result()
+    child = _child(_GPU_RESTORE, d, REPO / "tests", tmp_path / "want.pt", tmp=tmp_path)
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"source": "memory", "step": 3, "exact": True}
