@@ -44,5 +44,6 @@ def test_train_memory(tmp_path, shm, capsys):
     t = rest["targets"]["restore_from_memory_s"]
     assert abs(t["target"] - 0.5 * rest["local_cold"]["seconds"]) < 1e-9 and t["met"] == (t["measured"] <= t["target"])
     assert set(r["memory"]["targets"]) == {"idle_s_vs_save_async"}
+    assert loop["fallbacks"] == [] and 0 < loop["held_bytes"] <= loop["cap_bytes"]
     assert "restore in a new process from memory" in printed
     assert os.listdir(shm) == []  # every copy the bench made is gone

@@ -66,6 +66,7 @@ class CkptMemory(Method):
         self.root: Path | None = None
         self.step = 0
         self.records: list[dict] = []
+        self.tier: dict = {}  # the tier's status() at the end: cap, slots' bytes, fallbacks, coalesced
 
     def setup(self, ctx) -> None:
         from gdsckpt import Checkpointer
@@ -112,6 +113,7 @@ class CkptMemory(Method):
 
     def teardown(self) -> None:
         if self.ck is not None:
+            self.tier = {k: v for k, v in self.ck.status()["memory"].items() if k != "dropped"}
             self.ck.release_memory()
             self.ck.close()
             self.ck = None
@@ -129,6 +131,8 @@ class CkptMemory(Method):
                 "memory_commit_s": _stats(mem), "durable_s": _stats(dur),
                 "behind_steps": {"mean": sum(behind) / len(behind) if behind else None,
                                  "max": max(behind, default=None)},
+                "fallbacks": self.tier.get("fallbacks", []), "cap_bytes": self.tier.get("cap_bytes"),
+                "held_bytes": self.tier.get("held_bytes"), "pinned_bytes": self.tier.get("pinned_bytes"),
                 "per_checkpoint": recs}
 
 
@@ -242,7 +246,11 @@ def print_memory(m: dict, out=None) -> None:
               f"{s['checkpoints']} checkpoints, {s['local_writes']} local writes due, {s['coalesced']} coalesced; "
               f"call to memory commit {_f(s['memory_commit_s']['mean'])} s (max {_f(s['memory_commit_s']['max'])}), "
               f"call to durable {_f(s['durable_s']['mean'])} s; the directory's newest step behind by "
-              f"{_f(s['behind_steps']['mean'], '{:.1f}')} steps on average (max {s['behind_steps']['max']})", file=out)
+              f"{_f(s['behind_steps']['mean'], '{:.1f}')} steps on average (max {s['behind_steps']['max']}); "
+              f"held {_f(s['held_bytes'] and s['held_bytes'] / 1e9)} GB of a {_f(s['cap_bytes'] and s['cap_bytes'] / 1e9)} "
+              f"GB cap, {_f(s['pinned_bytes'] and s['pinned_bytes'] / 1e9)} GB page-locked", file=out)
+        for fb in s["fallbacks"][:3]:
+            print(f"  NOT IN MEMORY: step {fb['step']}: {fb['why']}", file=out)
     r = m.get("restore") or {}
     for what in ("memory", "local_cold", "remote"):
         x = r.get(what)
