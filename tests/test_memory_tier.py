@@ -301,7 +301,8 @@ ck.save(3, state_for(3))
 def _child(code: str, *args, tmp: Path) -> subprocess.Popen:
     script = tmp / "child.py"
     script.write_text(code)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", PYTHONUNBUFFERED="1",
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
