@@ -21,6 +21,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     BucketNotFoundError, CheckpointLockedError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteAccessError,
     RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
 )
+from .errors import MemoryTierFullError  # the checkpoint manager's memory tier
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -30,4 +31,5 @@ __all__ = [
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
     "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
+    "MemoryTierFullError",
 ]

@@ -77,7 +77,7 @@ from dataclasses import fields
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
 from .device_copy import cuda_device_of, on_device, snapshot_tensors
 from .errors import BackgroundSaveError, SaveInFlightError
-from .host_snapshot import PoolDestination
+from .host_snapshot import PoolDestination, SnapshotDestination, SnapshotTarget
 from .overlap import HookTimer, freeze_for_overlap, run_overlapped, wait_for_snapshot
 from .overlap import memory_of, optimizer_memory  # importable from here, as before
 from .pinned_pool import align_up, pools, release_pools
@@ -131,7 +131,8 @@ def default_pool_limit(plan) -> int:
 
 
 def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, optimizer=None,
-               pool_bytes: int | None = None, wait: bool = True, **save_options) -> SaveFuture:
+               pool_bytes: int | None = None, wait: bool = True, memory: SnapshotTarget | None = None,
+               **save_options) -> SaveFuture:
     """Save `state` to `path` without stopping training; returns a SaveFuture of AsyncStats,
     complete once the file is durable (fsync'd and renamed over `path`). The module docstring
     says when `state` may be mutated in each mode, what it costs, and the in-flight rules.
@@ -141,7 +142,10 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     "device" (a same-device copy); save.Snapshot. overlap=True: the earlier spelling of
     snapshot="overlap". pool_bytes: the host pool's bound for this save (None: the state's
     logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an
-    earlier save_async is unfinished. save_options: codec, chunk_bytes, ring_depth, io,
+    earlier save_async is unfinished. memory: the memory tier's target for this save (the
+    Checkpointer's, memory=True): the compressed snapshot goes into its shared memory instead of
+    the pool, the future completes once that copy is committed (io_path "memory"), and no file
+    is written (the Checkpointer writes it from the copy when a local step is due). save_options: codec, chunk_bytes, ring_depth, io,
     io_threads, backend, as for gdsckpt.save.
     Raised here: an unsupported state (before anything is copied), bad options, an earlier
     unseen background failure (BackgroundSaveError), and errors of the snapshot itself.
@@ -153,6 +157,9 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
         mode = Snapshot.OVERLAP
     check_optimizer(mode, optimizer)
+    if memory is not None and (mode is Snapshot.DEVICE or pool_bytes is not None):
+        raise ValueError("memory= takes the compressed host snapshot into the memory tier: not with "
+                         "snapshot='device' or pool_bytes=")
     if pool_bytes is not None and (not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool) or pool_bytes < 1):
         raise ValueError(f"pool_bytes must be a positive int or None, not {pool_bytes!r}")
     options = SaveOptions(**save_options)
@@ -173,7 +180,10 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             fut = _device_save(skeleton, leaves, path, options, t0)
         else:
             _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
-            dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
+            if memory is not None:
+                dest = memory.destination(target, options)
+            else:
+                dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
             if mode is Snapshot.OVERLAP:
                 fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
             else:
@@ -187,7 +197,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
 # ---------------------------------------------------------------- host snapshot (host, overlap)
 
 
-def _host_save(skeleton, leaves: list[Leaf], dest: PoolDestination, options: SaveOptions, t0: float) -> SaveFuture:
+def _host_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, options: SaveOptions, t0: float) -> SaveFuture:
     fut = _new_future()
     with on_device(cuda_device_of(l.tensor for l in leaves)):
         snap = save_flat(skeleton, leaves, dest, options)  # on error: raised here, the job aborted, the room freed
@@ -195,7 +205,7 @@ def _host_save(skeleton, leaves: list[Leaf], dest: PoolDestination, options: Sav
     return fut
 
 
-def _overlap_save(skeleton, leaves: list[Leaf], dest: PoolDestination, optimizer, options: SaveOptions,
+def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optimizer, options: SaveOptions,
                   t0: float) -> SaveFuture:
     tensors = freeze_for_overlap([l.tensor for l in leaves], optimizer)
     frozen = [Leaf(l.key, t) for l, t in zip(leaves, tensors)]
@@ -214,10 +224,10 @@ def _overlap_save(skeleton, leaves: list[Leaf], dest: PoolDestination, optimizer
     return fut
 
 
-def _link(fut: SaveFuture, dest: PoolDestination, snap: Stats, mode: Snapshot, t0: float, blocked: float,
+def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: Snapshot, t0: float, blocked: float,
           hook: HookTimer | None = None) -> None:
-    """Complete `fut` when the writer has committed the file (or failed)."""
-    file = dest.file
+    """Complete `fut` when the bytes are where they go: the file committed by the writer, or the
+    memory copy committed (or failed)."""
 
     def done(job_future):
         err = job_future.exception()
@@ -232,23 +242,22 @@ def _link(fut: SaveFuture, dest: PoolDestination, snap: Stats, mode: Snapshot, t
             fut.set_result(stats)
 
     def _stats(report) -> AsyncStats:
+        fig = dest.figures(report)
         base = _stats_fields(snap)
-        base.update(path=dest.label, io_path="pool-direct" if report.direct_io else "pool-buffered",
-                    file_bytes=dest.deferred.file_bytes, seconds=time.perf_counter() - t0,
-                    memory=dict(snap.memory, pinned_host_bytes=dest.pool.capacity if dest.pool.pinned else 0,
-                                pool_host_bytes=dest.pool.capacity))
+        base.update(path=dest.label, io_path=fig.io_path, file_bytes=fig.file_bytes, seconds=time.perf_counter() - t0,
+                    memory=dict(snap.memory, pinned_host_bytes=fig.pinned_bytes, pool_host_bytes=fig.host_bytes))
         stats = AsyncStats(**base, mode=mode.value, blocked_s=blocked, snapshot_s=snap.seconds,
                            queued_s=report.queued_s, background_s=report.background_s, write_s=report.write_s,
                            fsync_s=report.fsync_s, commit_s=report.commit_s, direct_io=report.direct_io,
-                           pool_bytes=dest.pool.capacity, pool_peak_bytes=file.peak, pool_limit_bytes=dest.limit,
-                           pool_waits=file.waits, pool_wait_s=file.wait_s, pool_alloc_s=file.alloc_s)
+                           pool_bytes=fig.host_bytes, pool_peak_bytes=fig.peak_bytes, pool_limit_bytes=fig.limit_bytes,
+                           pool_waits=fig.waits, pool_wait_s=fig.wait_s, pool_alloc_s=fig.alloc_s)
         if hook is not None:
             with hook.lock:
                 stats.hook_wait_s = hook.waited
                 hook.stats = stats
         return stats
 
-    dest.job.done.add_done_callback(done)
+    dest.done.add_done_callback(done)
 
 
 # ---------------------------------------------------------------- device snapshot (snapshot="device")

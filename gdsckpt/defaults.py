@@ -103,3 +103,13 @@ POOL_DIRECT_IO = True
 # an earlier gdsckpt that named no host. A writer touches its file with every chunk it writes, so a
 # live save never comes near it; generous, because the cost of waiting is only disk space.
 TEMP_STALE_AGE_S = 24 * 3600
+
+# The memory tier (gdsckpt/memory_tier.py: Checkpointer(memory=True)). Its default cap: a quarter
+# of the host's memory, shared by the host's ranks, and at most 80% of the shared-memory file
+# system (a container's /dev/shm may be far smaller than the host). Not measured: chosen so that
+# two copies of a state as large as the GPU's memory fit on a usual 8-GPU host (2 TB of memory,
+# 8 x 80 GB GPUs: 500 GB / 8 = 62 GB per rank) while most of the host stays for the data loaders.
+MEMORY_HOST_FRACTION = 0.25
+MEMORY_SHM_FRACTION = 0.8
+# Copies kept where the drop order allows: the newest, and one to fall back to if it is damaged.
+MEMORY_KEEP = 2

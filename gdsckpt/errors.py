@@ -120,3 +120,12 @@ class UploadIncompleteError(GdsckptError, RuntimeError):
 
 class ReadOnlyCheckpointerError(GdsckptError, PermissionError):
     """A Checkpointer of a directory it cannot write (read-only): it restores, but does not save or prune."""
+
+
+class MemoryTierFullError(GdsckptError, RuntimeError):
+    """The memory tier has no room for a step (it is larger than the cap, or only the protected
+    newest copy stands in the way): the Checkpointer saves that step to disk instead."""
+
+    def __init__(self, message: str, *, step: int | None = None, need: int | None = None, cap: int | None = None):
+        super().__init__(message)
+        self.step, self.need, self.cap = step, need, cap

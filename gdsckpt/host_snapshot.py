@@ -14,6 +14,9 @@ soon as its copy is known complete, in file order.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,8 +26,66 @@ from .defaults import CHUNK_BYTES
 from .device_copy import side_stream
 from .pinned_pool import align_up, pool_for
 from .ring import Completion
+from .save import Destination
 
 UNBOUNDED = 1 << 62
+
+
+def copy_to_host(buf: torch.Tensor, dsts: list) -> torch.cuda.Event | None:
+    """Queue the copy of a chunk record's bytes (`buf`, from its start) into the host tensors
+    `dsts`, in order: device-to-host on the GPU's copy stream, ordered after the ring's stream
+    (returns the copy's event), or a memcpy, complete on return (returns None)."""
+    event = None
+    if buf.is_cuda:
+        stream = side_stream("copy", buf.device)
+        stream.wait_stream(torch.cuda.current_stream(buf.device))  # the ring's stream: the record is ready
+        with torch.cuda.stream(stream):
+            pos = 0
+            for dst in dsts:
+                n = dst.numel()
+                dst.copy_(buf[pos:pos + n], non_blocking=True)
+                pos += n
+            event = torch.cuda.Event()
+            event.record(stream)
+    else:
+        pos = 0
+        for dst in dsts:
+            n = dst.numel()
+            dst.copy_(buf[pos:pos + n])
+            pos += n
+    return event
+
+
+@dataclass
+class HostFigures:
+    """What a compressed snapshot's host memory did, for save_async's AsyncStats."""
+
+    io_path: str  # how the bytes left host memory: "pool-direct", "pool-buffered", or "memory" (kept there)
+    file_bytes: int
+    host_bytes: int  # host memory the snapshot's store holds
+    pinned_bytes: int  # of which page-locked
+    limit_bytes: int
+    peak_bytes: int  # in use at most during the snapshot
+    waits: int  # times the snapshot waited for room
+    wait_s: float
+    alloc_s: float  # allocating (and page-locking) host memory
+
+
+class SnapshotDestination(Destination, Protocol):
+    """A save.Destination that holds the compressed snapshot in host memory, as save_async takes
+    it: `done` completes (with a background_writer.WriteReport) once the bytes are where they
+    go, `figures(report)` says what the host memory did."""
+
+    done: Future
+
+    def figures(self, report) -> HostFigures: ...
+
+
+class SnapshotTarget(Protocol):
+    """Where save_async(memory=) puts a compressed snapshot instead of the pool: the memory tier's
+    (gdsckpt/memory_snapshot.py). `target` is the checkpoint's path (it names the snapshot)."""
+
+    def destination(self, target, options) -> SnapshotDestination: ...
 
 
 class DeferredLayout(fmt.FileWriter):
@@ -77,27 +138,7 @@ class PoolFile:
 
     @staticmethod
     def _copy(buf: torch.Tensor, extent, nbytes: int):
-        """Queue the copy of the record's bytes into `extent`: device-to-host on the copy stream
-        (returns its event), or a memcpy, complete on return (returns None)."""
-        event = None
-        if buf.is_cuda:
-            stream = side_stream("copy", buf.device)
-            stream.wait_stream(torch.cuda.current_stream(buf.device))  # the ring's stream: the record is ready
-            with torch.cuda.stream(stream):
-                pos = 0
-                for dst in extent.tensors(nbytes):
-                    n = dst.numel()
-                    dst.copy_(buf[pos:pos + n], non_blocking=True)
-                    pos += n
-                event = torch.cuda.Event()
-                event.record(stream)
-        else:
-            pos = 0
-            for dst in extent.tensors(nbytes):
-                n = dst.numel()
-                dst.copy_(buf[pos:pos + n])
-                pos += n
-        return event
+        return copy_to_host(buf, extent.tensors(nbytes))
 
     def _give_back(self, extent, buf: torch.Tensor) -> None:
         """Release an extent whose copy failed part-way, once no copy into it can still land."""
@@ -211,6 +252,15 @@ class PoolDestination:
                 self.job.abort(error)
                 if self.path is None:
                     self.job.drop()
+
+    @property
+    def done(self) -> Future:
+        return self.job.done
+
+    def figures(self, report) -> HostFigures:
+        return HostFigures("pool-direct" if report.direct_io else "pool-buffered", self.deferred.file_bytes,
+                           self.pool.capacity, self.pool.capacity if self.pool.pinned else 0, self.limit,
+                           self.file.peak, self.file.waits, self.file.wait_s, self.file.alloc_s)
 
     def submit(self, path) -> Job:
         """Staged records (path=None): write them to `path` now, after earlier jobs."""

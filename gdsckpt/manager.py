@@ -27,6 +27,11 @@ The policy:
 
 rollback(step) goes back to an earlier step: the newer ones leave the directory and the store.
 
+memory=True adds the memory tier (gdsckpt/memory_steps.py): every save lands in shared memory on
+this host, where it outlives the process and restores without the disk; the 1st, (1 +
+every_local)th, ... step saved is also written to the directory (coalesced when the disk falls
+behind), and uploads follow the steps written there. restore() tries a step's memory copy first.
+
 One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes a second
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
 A directory this process cannot write is opened read-only: steps(), latest_step() and
@@ -46,8 +51,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .defaults import MEMORY_KEEP
 from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
+from .memory_steps import MemorySteps
 from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
 from .rollback import PendingRollback, RollbackJournal
@@ -61,7 +68,8 @@ log = logging.getLogger("gdsckpt.manager")
 @dataclass
 class Restored:
     """What restore() did. `state` is the caller's state (filled in place) or a new one;
-    `skipped` lists the newer steps it could not use, as (step, "local" | "remote", why)."""
+    `source` is where the step came from: "memory", "local" or "remote"; `skipped` lists the newer
+    steps (or copies) it could not use, as (step, "memory" | "local" | "remote", why)."""
 
     state: object
     step: int
@@ -80,12 +88,23 @@ class Checkpointer:
     torch.distributed. remote_options: keyword arguments of gdsckpt.stores.open_store
     (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
     torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
+    memory: hold every saved step in shared memory on this host (the memory tier); then
+    every_local: write every n-th saved step (the 1st, 1 + n, ...) to the directory, memory_bytes:
+    the tier's cap (None: defaults.MEMORY_*, status()['memory']['cap_bytes']), keep_memory: copies
+    kept where the cap allows.
     """
 
     def __init__(self, directory, *, keep: int = 3, remote: str | None = None, keep_remote: int | None = None,
                  every_remote: int = 1, save_options: dict | None = None, remote_options: dict | None = None,
-                 distributed: bool | None = None, upload: bool = True):
+                 distributed: bool | None = None, upload: bool = True, memory: bool = False, every_local: int = 1,
+                 memory_bytes: int | None = None, keep_memory: int = MEMORY_KEEP):
         self.policy = Policy(keep=keep, keep_remote=keep_remote, every_remote=every_remote)
+        every_local = whole_number("every_local", every_local, 1)
+        keep_memory = whole_number("keep_memory", keep_memory, 1)
+        if memory_bytes is not None:
+            memory_bytes = whole_number("memory_bytes", memory_bytes, 1)
+        if not memory and (every_local != 1 or memory_bytes is not None):
+            raise ValueError("every_local= and memory_bytes= configure the memory tier: pass memory=True")
         self.directory = Path(directory)
         self.save_options = dict(save_options or {})
         if distributed is None:
@@ -121,12 +140,21 @@ class Checkpointer:
         self._rolling = threading.RLock()  # the record's updates: here, and the uploader's once the store's part is done
         self._rollback: PendingRollback | None = None
         self.remote: RemoteTier | None = None
+        self.memory: MemorySteps | None = None
         if store is not None:
             self.remote = RemoteTier(store, self.layout, self.policy,
                                      upload=self._owner and upload and not self.read_only, after_upload=self._retain)
         try:
+            if memory and self.read_only:
+                log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
+            elif memory:
+                self.memory = MemorySteps(self.layout, rank=self.rank, every_local=every_local, cap_bytes=memory_bytes,
+                                          keep=keep_memory, save_options=self.save_options,
+                                          on_local_commit=self._on_commit)
             self._open()
         except BaseException:
+            if self.memory is not None:
+                self.memory.close(flush=False)
             if self.remote is not None:
                 self.remote.close(wait=False, timeout=0)
             if self._lock is not None:
@@ -186,6 +214,8 @@ class Checkpointer:
             if acts:
                 self._journal.write(pending)
             self._rollback = pending
+            if self.memory is not None and pending.local_to is not None:
+                gone.update(self.memory.drop_newer_than(pending.local_to))
             if acts and pending.local_to is not None:
                 for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
                     log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
@@ -238,9 +268,13 @@ class Checkpointer:
             log.warning("gdsckpt: cannot list %s: %s", self.remote.url(), e)
             return {}
 
+    def _memory_steps(self) -> list[int]:
+        return self.memory.steps() if self.memory is not None else []
+
     def steps(self) -> list[int]:
-        """Committed steps, here and (remote tier on) on the store, oldest first."""
-        return sorted(set(self._local_steps()) | set(self._remote_or_nothing()))
+        """Committed steps, in memory (memory tier on), here and (remote tier on) on the store,
+        oldest first."""
+        return sorted(set(self._memory_steps()) | set(self._local_steps()) | set(self._remote_or_nothing()))
 
     def latest_step(self) -> int | None:
         s = self.steps()
@@ -257,18 +291,23 @@ class Checkpointer:
     def _check(self, step: int) -> int:
         self._writable(f"save step {step!r}")
         step = whole_number("step", step, 0)
-        local = self.layout.local_steps()
+        local = sorted(set(self.layout.local_steps()) | set(self._memory_steps()))
         if local and step <= local[-1]:
             raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
-                             f"{str(self.directory)!r} (rollback(n) with n < {step} removes "
-                             "the newer steps; or use a new directory)")
+                             f"{str(self.directory)!r}{' or its memory tier' if self.memory else ''} "
+                             f"(rollback(n) with n < {step} removes the newer steps; or use a new directory)")
         return step
 
     def save(self, step: int, state) -> object:
         """Save `state` as `step`; durable and committed on return. Returns gdsckpt's Stats
-        (None under torch.distributed, where DCP returns its metadata)."""
+        (None under torch.distributed, where DCP returns its metadata). With the memory tier:
+        committed in memory on return, and durable too if this step is written to the directory."""
         self.wait()
         step = self._check(step)
+        if self.memory is not None:
+            stats = self.memory.save_async(step, state, None).result()
+            self.memory.wait_local()
+            return stats
         stats = self.layout.save(step, state)
         self._on_commit(step)
         return stats
@@ -282,6 +321,9 @@ class Checkpointer:
         for it and raises its error."""
         self.wait()
         step = self._check(step)
+        if self.memory is not None:  # committed in memory; the tier writes it to the directory if due
+            self._pending = (step, self.memory.save_async(step, state, optimizer))
+            return self._pending[1]
         fut = self.layout.save_async(step, state, optimizer)
         self._pending = (step, fut)
 
@@ -382,7 +424,20 @@ class Checkpointer:
         st = self.remote.status() if self.remote is not None else no_remote_status()
         st["local_steps"] = self.layout.local_steps()
         st["local_damage"] = self.layout.known_damage()
+        if self.memory is not None:  # its cap, what it holds, and the local writes coalesced and why
+            st["memory"] = self.memory.status()
+        if self.remote is not None:  # the uploads the uploader coalesced (its "skipped"), and why
+            st["coalesced_uploads"] = [{"step": s, "why": "a newer step was committed while it waited for the store "
+                                        f"(upload and verify at {st['MBps']:.0f} MB/s so far)"} for s in st["skipped"]]
         return st
+
+    def release_memory(self) -> int:
+        """Free the memory tier's copies (after the local writes in progress; steps held in
+        memory only are lost, with a warning); later saves use the tier again. Bytes freed."""
+        if self.memory is None:
+            return 0
+        self.wait()
+        return self.memory.release()
 
     # ------------------------------------------------------------ restoring
     def restore(self, state=None, step: int | None = None, *, device=None, strict: bool = True) -> Restored:
@@ -396,17 +451,18 @@ class Checkpointer:
         if step is not None:
             step = whole_number("step", step, 0)
         self.wait()
+        memory = set(self.memory.restorable()) if self.memory is not None else set()
         local = set(self._local_steps())
         remote = self._remote_or_nothing()
         if step is not None:
             candidates = [step]
         else:
-            candidates = sorted(local | set(remote), reverse=True)
+            candidates = sorted(memory | local | set(remote), reverse=True)
         if self.layout.loads_in_place and state is None:
             raise ValueError("under torch.distributed, restore needs the state to load into (DCP loads in place)")
         skipped = []
         for s in candidates:
-            wheres = (["local"] if s in local else []) + (["remote"] if s in remote else [])
+            wheres = [w for w, there in (("memory", memory), ("local", local), ("remote", remote)) if s in there]
             if not wheres:
                 skipped.append((s, "local", "not found"))
             for where in wheres:
@@ -416,6 +472,8 @@ class Checkpointer:
                     raise
                 except DAMAGE as e:
                     skipped.append((s, where, f"{type(e).__name__}: {e}"))
+                    if where == "memory":
+                        self.memory.damaged(s, f"{type(e).__name__}: {e}")
                     continue
                 if skipped:
                     warnings.warn(f"gdsckpt: restored step {s} ({where}), not the newer " +
@@ -427,6 +485,8 @@ class Checkpointer:
                                 + (": " + "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped) if skipped else ""))
 
     def _restore_one(self, step, where, state, device, strict):
+        if where == "memory":
+            return self.memory.load(step, state, device, strict)
         if where == "local":
             path = self.layout.path(step)
             out, stats = self.layout.load(path, state, device, strict)
@@ -450,6 +510,11 @@ class Checkpointer:
             saved = True
         finally:
             self._closed = True
+            if self.memory is not None:  # its writes to the directory first: they are uploaded next
+                try:
+                    self.memory.close(flush=saved)
+                except Exception as e:  # the lock and the uploader still go
+                    log.warning("gdsckpt: closing the memory tier of %s: %s: %s", self.directory, type(e).__name__, e)
             release = self._lock.release if self._lock is not None else None
             if self.remote is not None:  # the lock goes only once the uploader has ended
                 never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
@@ -469,4 +534,5 @@ class Checkpointer:
         p = self.policy
         return (f"Checkpointer({str(self.directory)!r}, keep={p.keep}, remote="
                 f"{self.remote.url() if self.remote else None!r}, keep_remote={p.keep_remote}, "
-                f"every_remote={p.every_remote})")
+                f"every_remote={p.every_remote}"
+                + (f", memory=True, every_local={self.memory.every_local}" if self.memory else "") + ")")

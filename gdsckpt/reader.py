@@ -233,7 +233,10 @@ class Checkpoint:
         with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
             self._check_decoders(be, chunk_ids)
             if atomic:  # every chunk checked before the first byte reaches a target
-                self._verify_chunks(chunk_ids, headers=True)
+                if kind == "gpu":  # through the ring: the GPU's checksum kernel, not one CPU core
+                    self._verify_on_backend(be, own_ids, views)
+                else:
+                    self._verify_chunks(chunk_ids, headers=True)
                 if child_ids:  # and decoded once, into scratch, by a child
                     _isolated.run(self._indexed_file(), child_ids, kind, device_index, self._io)
                 timings.add("atomic_verify", t_start)
@@ -311,6 +314,22 @@ class Checkpoint:
         return {"chunks": len(self.index.records), "tensors": len(self.index.plan.tensors),
                 "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep or isolated,
                 "isolated": isolated}
+
+    def _verify_on_backend(self, be, chunk_ids, views) -> None:
+        """atomic=True on the GPU: every chunk read into the ring and its checksum checked by the
+        GPU's kernel, nothing decoded (a chunk whose checksum passes is the bytes that were
+        written). The CPU's pass (_verify_chunks) ran at one core's CRC speed: 4.5 s for 4.1 GB
+        of a memory-tier restore on an H100 host, against ~0.1 s for the whole read."""
+        if not chunk_ids:
+            return
+        file = self.source.open_chunks(be)
+        try:
+            be.begin()
+            read_chunks(self.index, chunk_ids, views, be, file, self.ring_depth, Timings(), self.path,
+                        verify_only=True)
+            be.finish()
+        finally:
+            file.close()
 
     def _verify_chunks(self, chunk_ids, headers: bool = False) -> None:
         """Read `chunk_ids` on the CPU and check their checksums (headers=True: and their zstd frame

@@ -230,9 +230,10 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
 
 
 def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, file: ChunkFile, depth: int,
-                timings: Timings, path) -> None:
+                timings: Timings, path, *, verify_only: bool = False) -> None:
     """Read, verify and decode the chunks `chunk_ids` into the tensors' byte views `views`
-    (views[i] may be None for a tensor nobody asked for)."""
+    (views[i] may be None for a tensor nobody asked for). verify_only: read and check each
+    chunk's checksum with the backend (on the GPU, its kernel), decode and write nothing."""
     plan, records = index.plan, index.records
     if not chunk_ids:
         return
@@ -258,6 +259,11 @@ def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, fil
             stored = slot.stored[:rec.stored]
             verify_chunk(got, backend.checksum(stored, index.checksum) if got == rec.stored else 0, rec, path, key, i)
             t = timings.add("verify", t)
+            if verify_only:
+                backend.synchronize()  # the slot is free once its checksum has run
+                if j + len(slots) < len(chunk_ids):
+                    submit(slot, chunk_ids[j + len(slots)])
+                continue
             out = _target(chunk, views, staging, backend)
             spec = plan.streams[chunk.stream].codec
             try:

@@ -64,16 +64,23 @@ class ChunkSource(Protocol):
     def close(self) -> None: ...
 
 
-def locate(path) -> Path | str:
+def locate(path) -> Path | str | ChunkSource:
     """What `path` names: an object in a store (its URL, a str), else a local file (a Path);
-    a TypeError for what names neither (None, a number, a file object)."""
+    a ChunkSource as it is (a memory copy: gdsckpt/memory_source.py); a TypeError for what
+    names none of them (None, a number, a file object)."""
+    if hasattr(path, "open_chunks") and hasattr(path, "pread"):
+        return path
     return path if is_remote(path) else user_path(path, "open")
 
 
-def open_source(where: Path | str, *, trusted: bool = True) -> ChunkSource:
+def open_source(where: Path | str | ChunkSource, *, trusted: bool = True) -> ChunkSource:
     """The source of the checkpoint `where` (from `locate`). trusted=False: a local file only
     (its chunks go to a child process, which must open the same file); refused before the store
     is asked anything."""
+    if not isinstance(where, (str, Path)):  # a ChunkSource already
+        if not trusted:
+            raise ValueError(f"trusted=False reads local files only, not {where.label}")
+        return where
     if is_remote(where):
         if not trusted:
             raise ValueError("trusted=False reads local files only: download the object first")

@@ -311,7 +311,7 @@ def test_checkpoint_ids_and_keys():
 # ---------------------------------------------------------------- gdsckpt.save_async
 # _GatedSave holds back the background save of snapshot="device" (save_flat as async_save calls it,
 # which only that mode does off the calling thread): these tests pin that mode's semantics (the
-# default host snapshot: tests/test_async_stallfree.py).
+# default host snapshot: tests/test_save_async.py).
 
 
 def _state(seed: int, n: int = 4096) -> dict:

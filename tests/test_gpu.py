@@ -158,3 +158,24 @@ def test_gpt2_small_adamw_state_roundtrips_and_compresses(tmp_path, capsys):
     assert main(["inspect", "--summary", str(p)]) == 0
     out = capsys.readouterr().out
     assert "bfloat16" in out and "float32" in out and "ans" in out
+
+
+def test_atomic_load_into_verifies_on_the_gpu_and_leaves_targets_untouched_on_damage(tmp_path):
+    """load_into(atomic=True) on the GPU: the pass before any write checks every chunk with the
+    GPU's checksum kernel (the ring, nothing decoded); a damaged chunk stops it before a byte
+    reaches a target."""
+    from ckpt_tools import flip_chunk_byte
+    g = torch.Generator(device="cuda").manual_seed(7)
+    state = {"w": torch.randn(3_000_000, device="cuda", generator=g),
+             "h": torch.randn(2_000_000, device="cuda", generator=g).to(torch.bfloat16)}
+    p = tmp_path / "a.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=4 << 20)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    st = gdsckpt.load_into(p, target, atomic=True)
+    assert_same(target, state) and "atomic_verify" in st.stages
+    n = len(gdsckpt.open(p).index.records)
+    flip_chunk_byte(p, at=1000, mask=4, chunk=n - 1)
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(gdsckpt.ChecksumError):
+        gdsckpt.load_into(p, fresh, atomic=True)
+    assert not any(t.any() for t in fresh.values())  # nothing written

@@ -1,7 +1,7 @@
 """gdsckpt/isolated.py driven directly: a child process decodes chunks from a (file, index) source,
 `IndexedFile`, opening the very file the parent opened (by its inherited descriptor) or, once the
 parent has closed it, by its path, and refusing another file there. The trusted=False paths
-through `load` / `load_into` / `verify --isolated` are in test_integrity.py."""
+through `load` / `load_into` / `verify --isolated` are in test_reader_contract.py."""
 
 from __future__ import annotations
 

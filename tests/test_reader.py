@@ -142,3 +142,32 @@ def test_a_store_object_reads_into_gpu_memory(tmp_path, s3_server, s3_env):
     with pytest.raises(gdsckpt.ChecksumError, match="chunk 0") as ei:
         gdsckpt.load(url)
     assert url in str(ei.value)
+
+
+def test_the_rings_verify_only_pass_checks_every_chunk_and_writes_nothing(tmp_path):
+    """read_chunks(verify_only=True): atomic=True's pass on the GPU (here on the CPU backend, the
+    same ring): every chunk read and its checksum checked, no byte decoded into a target."""
+    from ckpt_tools import flip_chunk_byte
+    from gdsckpt.backend import make_backend
+    from gdsckpt.ring import Timings, read_chunks
+    p = tmp_path / "c.gdsckpt"
+    gdsckpt.save(_state(), p, chunk_bytes=16 << 10)
+    target = torch.zeros(30_000).reshape(-1).view(torch.uint8)
+    with gdsckpt.open(p) as ck, make_backend("cpu") as be:
+        ids = list(range(len(ck.index.records)))
+        views = [target if t.key == "model/w" else None for t in ck.index.plan.tensors]
+        file = ck.source.open_chunks(be)
+        try:
+            read_chunks(ck.index, ids, views, be, file, 2, Timings(), p, verify_only=True)
+        finally:
+            file.close()
+    assert not target.any()  # nothing decoded into it
+    flip_chunk_byte(p, at=100, mask=1, chunk=len(ids) - 1)
+    with gdsckpt.open(p) as ck, make_backend("cpu") as be:
+        file = ck.source.open_chunks(be)
+        try:
+            with pytest.raises(gdsckpt.ChecksumError, match=f"chunk {len(ids) - 1}"):
+                read_chunks(ck.index, ids, [None] * len(ck.index.plan.tensors), be, file, 2, Timings(), p,
+                            verify_only=True)
+        finally:
+            file.close()

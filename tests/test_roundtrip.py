@@ -19,7 +19,7 @@ def _state():
         "empty_bf16": torch.empty(4, 0, dtype=torch.bfloat16),
         "transposed": torch.randn(40, 30, generator=g).t(),
         # a strided view of memory no other tensor here shares (overlapping views of one tensor,
-        # big and big[5::7], are refused since issue 12: tests/test_integrity.py)
+        # big and big[5::7], are refused since issue 12: tests/test_reader_contract.py)
         "strided": torch.randn(2_000_000, generator=g)[5::7],
         "expanded": torch.randn(1, 8, generator=g).expand(6, 8),
         "conj": torch.randn(5, dtype=torch.complex64, generator=g).conj(),

@@ -7,7 +7,7 @@ sys.path.insert(0, "tests")
 import torch, gdsckpt
 from gdsckpt import isolated
 from ckpt_tools import rebuild, set_chunk, split
-from test_gpu_corruption import _state, CHUNK
+from test_gpu_reader_corruption import _state, CHUNK
 out = {}
 d = Path(tempfile.mkdtemp())
 state = _state("cuda")

@@ -47,7 +47,7 @@ import torch
 
 from gdsckpt.backend import gpu_status
 
-from . import cost, provenance, ranks, states, targets, train_report
+from . import cost, provenance, ranks, states, targets, train_memory, train_report
 from .train_loop import TRAIN_SIZES, Batches, Loop, build, n_checkpoints, run_loop, train_step
 from .train_methods import ALIASES, Ctx, NoCheckpoint, select
 
@@ -68,7 +68,10 @@ def run_train(args) -> dict:
     steps, interval, repeats = args.steps, args.interval, args.repeats
     if n_checkpoints(steps, interval) < 1:
         raise SystemExit("--steps must be at least twice --interval (every checkpoint is followed by a full interval)")
-    methods = select(args.methods)
+    memory = getattr(args, "memory", False)
+    methods = select(args.methods or ("none,async" if memory else None))
+    if memory:  # the memory tier beside them (train_memory.py), at the same interval
+        methods.append(train_memory.CkptMemory(args.every_local))
     model, opt, windows, minfo = build(size, device)
     if rk:
         opt = ranks.shard(model)
@@ -103,6 +106,7 @@ def run_train(args) -> dict:
         if rk:
             rk.barrier()
 
+    restore = None
     active = []
     for m in methods:
         why_not = m.available()
@@ -147,6 +151,9 @@ def run_train(args) -> dict:
                 except Exception as e:
                     rows[m.name].update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
                 clear()
+        if memory and not rk:  # the restores, in a new process, of the trained state
+            print("[train] memory: restore test", file=sys.stderr, flush=True)
+            restore = train_memory.measure_restores(size, device, model, opt, directory, args.memory_remote)
     finally:
         for m in active:
             try:
@@ -177,6 +184,10 @@ def run_train(args) -> dict:
         result["rank"] = rk.rank
         rk.close()
     result["targets"] = targets.check(result)
+    if memory:
+        mem = next(m for m in methods if isinstance(m, train_memory.CkptMemory))
+        result["memory"] = {"loop": mem.summary(), "restore": restore if not rk else None,
+                            "targets": train_memory.idle_target(out_methods)}
     return result
 
 
@@ -192,6 +203,7 @@ def add_arguments(ap) -> None:
     g.add_argument("--dcp-planner", choices=["cached", "default"], default="cached",
                    help="the save planner of every DCP method (--train): gdsckpt.dcp.CachedSavePlanner, "
                         "DCP's plan caching, as torchtitan-scale runs use it; or DCP's DefaultSavePlanner")
+    train_memory.add_arguments(g)
     g.add_argument("--methods", default=None,
                    help="comma list (--train): " + ", ".join(ALIASES) + " (default: all that run here)")
     cost.add_arguments(ap)
@@ -217,6 +229,8 @@ def main(args) -> int:
         print()
     elif args.train:
         train_report.print_train(result)
+        if result.get("memory"):
+            train_memory.print_memory(result["memory"])
     else:
         cost.print_cost(result["cost"])
     if args.plot and args.train:

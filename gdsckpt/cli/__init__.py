@@ -17,8 +17,9 @@ JSON documents, by command (fields are only ever added):
   convert        {"src", "dst", "codec", "tensors", "streams", "logical_bytes", "stored_bytes", "file_bytes",
                   "ratio", "seconds", "backend"}
   export         {"src", "dst", "to", "tensors", "bytes"[, "values_left_out"]}
-  clean          {"directory", "stale": [paths], "removed"}
-  ls             [{step, local, local_bytes, local_state, remote, remote_bytes, remote_state, remote_files}]
+  clean          {"directory", "stale": [paths], "removed", "memory_dropped": [{rank, steps, bytes, folder, ...}]}
+  ls             [{step, memory, memory_bytes, memory_state, local, local_bytes, local_state, remote,
+                  remote_bytes, remote_state, remote_files}]
   restore-test   {"location", "remote", "step", "newest", "checked": [ls rows]}
   prune          {"directory", "removed", "local": [steps], "remote": [steps], "damaged": {step: why}}
 """
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("clean", cmd_clean, "list (and with --yes remove) temporaries left by killed saves and restores")
     p.add_argument("directory")
     p.add_argument("--yes", action="store_true")
+    p.add_argument("--memory", action="store_true",
+                   help="also drop the directory's memory-tier copies on this host (refused while a manager holds them)")
     p = command("ls", cmd_ls, "steps of a Checkpointer directory or s3:// prefix: where, size, intact")
     p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
     p.add_argument("--remote", help="also list this s3://bucket/prefix")

@@ -19,9 +19,21 @@ from .output import emit_json
 
 __all__ = ["describe", "restore_test", "cmd_ls", "cmd_restore_test", "cmd_prune", "cmd_clean"]
 
+WHERE = ("memory", "local", "remote")  # the tiers a step may be in, fastest first
+
 
 def cmd_clean(args) -> int:
     d = Path(args.directory)
+    dropped = []
+    if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
+        from ..memory_tier import drop_copies
+        dropped = drop_copies(d)
+        if not args.json:
+            for t in dropped:
+                print(f"dropped the memory copies of rank {t['rank']} (steps {t['steps'] or 'none'}, "
+                      f"{format_bytes(t['bytes'])}): {t['folder']}")
+            if not dropped:
+                print(f"no memory copies of {args.directory} on this host")
     stale = stale_temporaries(d)
     for p in stale:
         if not args.json:
@@ -29,7 +41,9 @@ def cmd_clean(args) -> int:
         if args.yes:
             p.unlink(missing_ok=True)
     if args.json:
-        emit_json({"directory": args.directory, "stale": [str(p) for p in stale], "removed": bool(args.yes)})
+        emit_json({"directory": args.directory, "stale": [str(p) for p in stale], "removed": bool(args.yes),
+                   "memory_dropped": [{k: str(v) if isinstance(v, Path) else v for k, v in t.items()}
+                                      for t in dropped]})
     elif stale and not args.yes:
         print("re-run with --yes to remove them")
     elif not stale:
@@ -51,12 +65,19 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     rows: dict[int, dict] = {}
 
     def row(step):
-        return rows.setdefault(step, {"step": step, "local": None, "local_bytes": 0, "local_state": None,
+        return rows.setdefault(step, {"step": step, "memory": None, "memory_bytes": 0, "memory_state": None,
+                                      "local": None, "local_bytes": 0, "local_state": None,
                                       "remote": None, "remote_bytes": 0, "remote_state": None,
                                       "remote_files": []})
 
     if not is_remote(location):
         d = Path(location)
+        for c in _memory_copies(d):  # this host's memory tier (Checkpointer(memory=True))
+            r = row(c["step"])
+            r["memory"] = ",".join(filter(None, [r["memory"], f"rank {c['rank']}"]))
+            r["memory_bytes"] += c["bytes"]
+            state = _memory_state(c, deep)
+            r["memory_state"] = state if r["memory_state"] in (None, "ok") else r["memory_state"]
         for name in sorted(os.listdir(d)):
             parsed = parse_step_name(name)
             if not parsed:
@@ -103,6 +124,16 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     return [rows[k] for k in sorted(rows)]
 
 
+def _memory_copies(d: Path) -> list[dict]:
+    from ..memory_tier import list_copies
+    return list_copies(d) if d.is_dir() else []
+
+
+def _memory_state(copy: dict, deep: bool) -> str:
+    from ..memory_source import check_copy
+    return check_copy(copy["folder"], copy["record"], deep)
+
+
 def _check_remote(store, files: list[str]) -> str:
     """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
     from ..steps import SUFFIX
@@ -123,6 +154,10 @@ def restore_test(location: str, *, remote: str | None = None, on_step=None) -> t
     from ..stores import open_store
     checked = []
     for r in reversed(describe(location, remote=remote)):
+        if r["memory"] is not None and r["memory_state"] == "ok":
+            copies = [c for c in _memory_copies(Path(location)) if c["step"] == r["step"]]
+            states = [_memory_state(c, deep=True) for c in copies]
+            r["memory_state"] = next((s for s in states if s != "ok"), "ok")
         if r["local"] is not None:
             r["local_state"] = check_step(Path(r["local"]), deep=True)
         if r["remote"] is not None and r["remote_state"] == "ok":
@@ -130,13 +165,13 @@ def restore_test(location: str, *, remote: str | None = None, on_step=None) -> t
         checked.append(r)
         if on_step is not None:
             on_step(r)
-        if "ok" in (r["local_state"], r["remote_state"]):
+        if "ok" in (r["memory_state"], r["local_state"], r["remote_state"]):
             return r["step"], checked
     return None, checked
 
 
 def _where(r) -> str:
-    return "+".join(w for w in ("local", "remote") if r[w] is not None)
+    return "+".join(w for w in WHERE if r[w] is not None)
 
 
 def cmd_ls(args) -> int:
@@ -147,10 +182,11 @@ def cmd_ls(args) -> int:
     if not rows:
         print(f"no steps in {args.location}" + (f" or {args.remote}" if args.remote else ""))
         return ExitCode.OK
-    print(f"{'step':>10}  {'where':<13}{'local size':>12}{'remote size':>13}  state")
+    print(f"{'step':>10}  {'where':<20}{'memory size':>12}{'local size':>12}{'remote size':>13}  state")
     for r in rows:
-        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
-        print(f"{r['step']:>10}  {_where(r):<13}{format_bytes(r['local_bytes']) if r['local'] else '-':>12}"
+        states = [f"{w}: {r[w + '_state']}" for w in WHERE if r[w] is not None]
+        print(f"{r['step']:>10}  {_where(r):<20}{format_bytes(r['memory_bytes']) if r['memory'] else '-':>12}"
+              f"{format_bytes(r['local_bytes']) if r['local'] else '-':>12}"
               f"{format_bytes(r['remote_bytes']) if r['remote'] else '-':>13}  {'; '.join(states)}")
     return ExitCode.OK
 
@@ -171,7 +207,7 @@ def cmd_restore_test(args) -> int:
                    "checked": checked})
         return code
     for r in checked:
-        states = [f"{w}: {r[w + '_state']}" for w in ("local", "remote") if r[w] is not None]
+        states = [f"{w}: {r[w + '_state']}" for w in WHERE if r[w] is not None]
         print(f"step {r['step']}: {'; '.join(states)}")
     if not checked:
         print(f"gdsckpt restore-test: no steps in {args.location}" + (f" or {args.remote}" if args.remote else ""),

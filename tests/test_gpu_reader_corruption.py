@@ -2,7 +2,7 @@
 (gdsckpt.save of CUDA tensors), read back through the GPU pipeline (KvikIO, device checksum,
 nvCOMP). Every damage that touches a byte the reader reads must be a CheckpointFormatError naming
 the file (and the key and chunk, for chunk damage) raised before the chunk reaches nvCOMP; never a
-wrong tensor. Run on the H100 host: `pytest -m gpu tests/test_gpu_corruption.py -s` (the -s shows
+wrong tensor. Run on the H100 host: `pytest -m gpu tests/test_gpu_reader_corruption.py -s` (the -s shows
 the counts and the all-zero expansion ratios). GDSCKPT_GPU_DAMAGES sets damages per codec.
 
 test_damage_loop_on_the_cpu runs the same loop on a CPU file here, so that the loop itself is
@@ -22,7 +22,7 @@ from gdsckpt import format as fmt
 from gdsckpt.checksum import checksum
 from conftest import assert_same
 from ckpt_tools import rebuild, set_chunk, split
-from test_corruption import _cli, _damage, _first_damaged_chunk, _touches_read_bytes
+from test_reader_corruption import _cli, _damage, _first_damaged_chunk, _touches_read_bytes
 
 N_DAMAGES = int(os.environ.get("GDSCKPT_GPU_DAMAGES", "100"))
 CHUNK = 1536 << 10  # GPU zstd frames are 1 MiB: two frames per chunk
@@ -172,7 +172,7 @@ def test_gpu_decoder_on_garbage_with_valid_checksums(codec, trusted, tmp_path, m
     }
     orig = data[rec["file_offset"]:rec["file_offset"] + rec["stored"]]
     variants["shuffled-halves"] = orig[len(orig) // 2:] + orig[:len(orig) // 2]
-    if codec != "zstd":  # zstd would need its frame list rewritten: covered on the CPU by test_hostile
+    if codec != "zstd":  # zstd would need its frame list rewritten: covered on the CPU by test_reader_hostile
         variants["truncated"] = orig[:len(orig) // 2]
     decoded_here = []  # checksums of the stored bytes this process's nvCOMP was given
     real = GpuBackend.decode

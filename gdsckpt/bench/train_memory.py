@@ -1,0 +1,273 @@
+"""gdsckpt-bench --train --memory: the memory tier in the training loop, and its restores.
+
+    gdsckpt-bench --train --memory --interval 10 --every-local 4 [--memory-remote s3://bucket/prefix]
+
+adds the method "gdsckpt Checkpointer memory" (Checkpointer(memory=True, every_local=N): a copy in
+shared memory every --interval steps, every N-th also written to the directory) to the loop's
+methods (with --methods unset: none and gdsckpt.save_async beside it, at the same interval). Per
+checkpoint it reports, beside the loop's idle time and blocked time: the call to the memory
+commit, the call to durable for the steps written to the directory (None where a write was
+coalesced), and how many steps the directory's newest step was behind the one saved.
+
+After the loops, the trained state is saved once by a Checkpointer with the memory tier (and,
+with --memory-remote, uploaded), and it is restored three ways, each in a NEW PROCESS (a restart:
+each pays the same start-up), timed from the Checkpointer's construction to the state filled on
+the device, and checked bit for bit against the state saved (a CRC-64 per tensor): from memory,
+from the local file cold (its page cache dropped first), and from the store. The targets (issue 21): from memory <= 0.5 s on a GPU, and
+<= 0.5 x the cold local file on the CPU; idle time per memory checkpoint no higher than
+save_async's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from .train_methods import Method, checkpoint_state
+
+NAME = "gdsckpt Checkpointer memory"
+RESTORE_TARGET_GPU_S = 0.5
+RESTORE_TARGET_CPU_X = 0.5
+
+
+def add_arguments(g) -> None:
+    g.add_argument("--memory", action="store_true",
+                   help="--train: add the memory tier (Checkpointer(memory=True)) and time its restores in a new "
+                        "process (memory, cold local file, --memory-remote store)")
+    g.add_argument("--every-local", type=int, default=4,
+                   help="--memory: write every N-th memory checkpoint to the directory (default 4)")
+    g.add_argument("--memory-remote", default=None,
+                   help="--memory: also upload the restore test's step to this s3://bucket/prefix and time its restore")
+
+
+class CkptMemory(Method):
+    """Checkpointer(memory=True, every_local=N).save_async every interval: one Checkpointer for
+    every loop, in a directory beside the loops' (which is emptied between loops), its steps
+    numbered on across loops. Its first save (outside the loops) saves keep_memory + 1 steps, so
+    that the tier's slots exist (each new slot is allocated and, on a GPU host, page-locked, as
+    the pinned pool is by save_async's first saves) and the loops run as a long run does."""
+
+    name = NAME
+    asynchronous = True
+    notes = "first save: keep_memory + 1 saves, so that the loops reuse the tier's slots"
+
+    def __init__(self, every_local: int = 4):
+        self.every_local = every_local
+        self.ck = None
+        self.root: Path | None = None
+        self.step = 0
+        self.records: list[dict] = []
+        self.tier: dict = {}  # the tier's status() at the end: cap, slots' bytes, fallbacks, coalesced
+
+    def setup(self, ctx) -> None:
+        from gdsckpt import Checkpointer
+        self.root = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-memory-", dir=ctx.directory.parent))
+        self.ck = Checkpointer(self.root / "ckpt", memory=True, every_local=self.every_local)
+
+    def save(self, ctx, state, path):
+        tag = path.name.partition("-step")[0]
+        if tag.startswith("first"):  # outside the loops: make the slots a long run reuses
+            for _ in range(self.ck.memory.tier.keep):
+                self.step += 1
+                self.ck.save(self.step, state)
+        self.step += 1
+        step = self.step
+        local = self.ck.memory.next_is_local()
+        disk = self.ck.layout.local_steps()
+        rec = {"loop": tag, "step": step, "local": local, "behind_steps": step - disk[-1] if disk else None,
+               "memory_s": None, "durable_s": None, "coalesced": False}
+        self.records.append(rec)
+        durable = self.ck.memory.when_written(step) if local else None
+        t = time.perf_counter()
+        fut = self.ck.save_async(step, state)
+        handle = Future()
+
+        def committed(f):
+            rec["memory_s"] = time.perf_counter() - t
+            if f.exception() is not None:
+                handle.set_exception(f.exception())
+            elif durable is None:
+                ctx.stored_bytes = f.result().file_bytes
+                handle.set_result(None)
+            else:
+                durable.add_done_callback(written)
+
+        def written(f):
+            if f.exception() is not None:
+                handle.set_exception(f.exception())
+                return
+            rec["durable_s"] = time.perf_counter() - t if f.result() is not None else None
+            rec["coalesced"] = f.result() is None
+            handle.set_result(None)
+        fut.add_done_callback(committed)
+        return handle
+
+    def teardown(self) -> None:
+        if self.ck is not None:
+            self.tier = {k: v for k, v in self.ck.status()["memory"].items() if k != "dropped"}
+            self.ck.release_memory()
+            self.ck.close()
+            self.ck = None
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def summary(self) -> dict:
+        """Per checkpoint, over the timed loops (the first save apart)."""
+        recs = [r for r in self.records if not r["loop"].startswith("first")]
+        mem = [r["memory_s"] for r in recs if r["memory_s"] is not None]
+        dur = [r["durable_s"] for r in recs if r["durable_s"] is not None]
+        behind = [r["behind_steps"] for r in recs if r["behind_steps"] is not None]
+        return {"every_local": self.every_local, "checkpoints": len(recs),
+                "local_writes": sum(r["local"] for r in recs), "coalesced": sum(r["coalesced"] for r in recs),
+                "memory_commit_s": _stats(mem), "durable_s": _stats(dur),
+                "behind_steps": {"mean": sum(behind) / len(behind) if behind else None,
+                                 "max": max(behind, default=None)},
+                "fallbacks": self.tier.get("fallbacks", []), "cap_bytes": self.tier.get("cap_bytes"),
+                "held_bytes": self.tier.get("held_bytes"), "pinned_bytes": self.tier.get("pinned_bytes"),
+                "per_checkpoint": recs}
+
+
+def _stats(xs: list) -> dict:
+    return {"mean": sum(xs) / len(xs) if xs else None, "max": max(xs, default=None), "each": [round(x, 4) for x in xs]}
+
+
+# ---------------------------------------------------------------- restores in a new process
+
+
+def digests(state) -> dict[str, str]:
+    """A CRC-64/NVME of every tensor's bytes, by key (host copies, one tensor at a time)."""
+    from gdsckpt.checksum import crc64nvme
+    from gdsckpt.tree import flatten
+    _, leaves = flatten(state)
+    return {l.key: f"{crc64nvme(l.tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()):016x}"
+            for l in leaves}
+
+
+def measure_restores(size: str, device: str, model, opt, directory: Path, remote: str | None) -> dict:
+    """Save the trained state once (memory tier on), then restore it in a new process."""
+    from gdsckpt import Checkpointer
+    from gdsckpt.memory_tier import drop_copies
+    d = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-restore-", dir=directory))
+    try:
+        state = checkpoint_state(model, opt)
+        with Checkpointer(d, memory=True, remote=remote) as ck:
+            ck.save(1, state)
+            if remote:
+                ck.wait(uploads=True)
+        (d / "digests.json").write_text(json.dumps(digests(state)))
+        out = {}
+        for what in ("memory", "local_cold") + (("remote",) if remote else ()):
+            cmd = [sys.executable, "-m", "gdsckpt.bench.train_memory", what, str(d), size, device, remote or ""]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                out[what] = {"error": done.stderr[-4000:]}
+                continue
+            out[what] = json.loads(done.stdout.strip().splitlines()[-1])
+        out["targets"] = _restore_targets(out, device)
+        return out
+    finally:
+        drop_copies(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _restore_targets(out: dict, device: str) -> dict:
+    mem, local = out["memory"].get("seconds"), out["local_cold"].get("seconds")
+    if device.startswith("cuda"):
+        target = RESTORE_TARGET_GPU_S
+    else:
+        target = RESTORE_TARGET_CPU_X * local if local else None
+    return {"restore_from_memory_s": {"target": target, "measured": mem,
+                                      "met": None if target is None or mem is None else mem <= target}}
+
+
+def idle_target(methods: list[dict]) -> dict:
+    """Idle time per memory checkpoint against save_async's in the same run."""
+    by = {m["name"]: m for m in methods}
+    mem, ref = by.get(NAME), by.get("gdsckpt.save_async")
+
+    def idle(m):
+        return (m or {}).get("overhead_per_ckpt_s", {}).get("mean")
+    a, b = idle(mem), idle(ref)
+    return {"idle_s_vs_save_async": {"target": b, "measured": a, "met": None if a is None or b is None else a <= b}}
+
+
+def _restore_child(what: str, d: Path, size: str, device: str, remote: str | None) -> dict:
+    from gdsckpt import Checkpointer
+    from .disk import drop_page_cache
+    from .train_loop import build
+    want = json.loads((d / "digests.json").read_text())
+    model, opt, _, _ = build(size, device)
+    for p in model.parameters():  # AdamW's state, as a restarted run has it after its first step
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = checkpoint_state(model, opt)
+    for t in _tensors(state):
+        t.zero_()
+    empty = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-remote-"))
+    try:
+        if what == "local_cold":
+            for p in d.glob("step_*"):
+                drop_page_cache(p)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ck = (Checkpointer(d, memory=True) if what == "memory" else Checkpointer(d) if what == "local_cold"
+              else Checkpointer(empty, remote=remote))
+        r = ck.restore(state)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        ck.close()
+    finally:
+        shutil.rmtree(empty, ignore_errors=True)
+    return {"seconds": seconds, "source": r.source, "bit_exact": digests(state) == want,
+            "stats": {k: round(v, 4) for k, v in (r.stats.stages if r.stats is not None else {}).items()}}
+
+
+def _tensors(state):
+    from gdsckpt.tree import flatten
+    return [l.tensor for l in flatten(state)[1]]
+
+
+def print_memory(m: dict, out=None) -> None:
+    out = out or sys.stdout
+    s = m.get("loop") or {}
+    if s:
+        print(f"\nmemory tier (every {s['every_local']}th memory checkpoint written to the directory): "
+              f"{s['checkpoints']} checkpoints, {s['local_writes']} local writes due, {s['coalesced']} coalesced; "
+              f"call to memory commit {_f(s['memory_commit_s']['mean'])} s (max {_f(s['memory_commit_s']['max'])}), "
+              f"call to durable {_f(s['durable_s']['mean'])} s; the directory's newest step behind by "
+              f"{_f(s['behind_steps']['mean'], '{:.1f}')} steps on average (max {s['behind_steps']['max']}); "
+              f"held {_f(s['held_bytes'] and s['held_bytes'] / 1e9)} GB of a {_f(s['cap_bytes'] and s['cap_bytes'] / 1e9)} "
+              f"GB cap, {_f(s['pinned_bytes'] and s['pinned_bytes'] / 1e9)} GB page-locked", file=out)
+        for fb in s["fallbacks"][:3]:
+            print(f"  NOT IN MEMORY: step {fb['step']}: {fb['why']}", file=out)
+    r = m.get("restore") or {}
+    for what in ("memory", "local_cold", "remote"):
+        x = r.get(what)
+        if x and "error" in x:
+            print(f"  restore in a new process from {what:<10} failed: {x['error']}", file=out)
+        elif x:
+            print(f"  restore in a new process from {what:<10} {x['seconds']:.3f} s (source {x['source']}, "
+                  f"bit-exact: {x['bit_exact']})", file=out)
+    for name, t in {**(r.get("targets") or {}), **(m.get("targets") or {})}.items():
+        print(f"  target {name}: {_f(t['target'])} measured {_f(t['measured'])} -> "
+              f"{'met' if t['met'] else 'not met' if t['met'] is not None else '-'}", file=out)
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+if __name__ == "__main__":  # the restore test's new process: WHAT DIR SIZE DEVICE REMOTE
+    a = sys.argv[1:]
+    print(json.dumps(_restore_child(a[0], Path(a[1]), a[2], a[3], a[4] or None)))

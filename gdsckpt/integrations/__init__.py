@@ -1,0 +1,9 @@
+"""gdsckpt inside the training frameworks people already use. Each module imports its framework
+and is an optional extra; `import gdsckpt` imports none of them.
+
+    gdsckpt.integrations.lightning     GdsckptCheckpointIO, a Lightning CheckpointIO  (gdsckpt[lightning])
+    gdsckpt.integrations.accelerate    save_state / load_state for an Accelerator       (gdsckpt[accelerate])
+    gdsckpt.integrations.transformers  GdsckptTrainer, a transformers.Trainer           (gdsckpt[transformers])
+    gdsckpt.integrations.torchtitan    GdsckptCheckpointManager, torchtitan's DCP checkpointer through
+                                       GdsckptWriter / GdsckptReader                    (gdsckpt[torchtitan])
+"""

@@ -1,0 +1,201 @@
+"""Hugging Face Accelerate: `Accelerator.save_state` / `load_state` with gdsckpt files.
+
+    from gdsckpt.integrations.accelerate import save_state, load_state
+    save_state(accelerator, "ckpt/step_1000")   # instead of accelerator.save_state(...)
+    load_state(accelerator, "ckpt/step_1000")   # instead of accelerator.load_state(...)
+
+The same contract as Accelerate's own: the prepared models, optimizers, LR schedulers and
+GradScaler, the objects registered with `register_for_checkpointing`, `accelerator.step`, every
+process's random generators (Python, NumPy, torch, CUDA) and each prepared data loader's
+position: a StatefulDataLoader's state (`use_stateful_dataloader=True`: it resumes mid-epoch by
+itself), else its epoch (`iteration`), a seedable sampler's epoch and seed, and the sampler's
+generator; hooks registered with `register_save_state_pre_hook` / `register_load_state_pre_hook`
+run as Accelerate runs them (a hook that removes a model from the list saves and loads it
+itself); `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` names and
+prunes the folders as Accelerate does, except that old folders are removed only after the new
+one is saved. Nothing is pickled: a folder holds `accelerator_state.gdsckpt` (written by the
+main process, or by each node's with `save_on_each_node`) and one `process_{i}.gdsckpt` per
+process. Each file is atomic and durable on return; `save_state` returns once every process's
+files are.
+
+As with Accelerate, a mid-epoch resume of an ordinary data loader is the caller's: skip the
+batches already seen (`accelerator.skip_first_batches`) and call `set_epoch(epoch)` each epoch;
+a RandomSampler without `use_seedable_sampler` draws each epoch's order from its generator,
+restored as it was at the save, so only a resume at an epoch boundary sees the same order.
+
+Accelerate keeps the prepared objects and the hooks in attributes with no public accessor
+(`_models`, `_optimizers`, `_schedulers`, `_dataloaders`, `_custom_objects`,
+`_save_model_state_pre_hook`, `_load_model_state_pre_hook`): they are read here, and nothing of
+Accelerate is changed. FSDP, DeepSpeed, Megatron-LM and XLA checkpoints are their own formats:
+refused (NotImplementedError); save FSDP2 models through torch.distributed.checkpoint with
+`gdsckpt.dcp.GdsckptWriter`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from accelerate.data_loader import get_sampler
+
+import gdsckpt
+
+__all__ = ["save_state", "load_state", "STATE_FILE", "process_file"]
+
+STATE_FILE = "accelerator_state.gdsckpt"
+_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+
+
+def process_file(index: int) -> str:
+    """The file of process `index`: its generators, `accelerator.step`, its data loaders' positions."""
+    return f"process_{index}.gdsckpt"
+
+
+def save_state(accelerator, output_dir: str | os.PathLike | None = None, **save_options: Any) -> Path:
+    """Save what `accelerator.save_state(output_dir)` saves, as gdsckpt files; returns the folder.
+    save_options (codec=, ...) reach gdsckpt.save. Call it on every process."""
+    _check_supported(accelerator)
+    folder = _folder_to_save(accelerator, output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    models = list(accelerator._models)
+    weights = [accelerator.get_state_dict(m, unwrap=False) for m in models]
+    for hook in accelerator._save_model_state_pre_hook.values():
+        hook(models, weights, str(folder))  # may remove entries of `weights`: those it saved itself
+    config = accelerator.project_configuration
+    if accelerator.is_main_process or (config.save_on_each_node and accelerator.is_local_main_process):
+        gdsckpt.save(_shared(accelerator, weights), folder / STATE_FILE, **save_options)
+    gdsckpt.save(_own(accelerator), folder / process_file(accelerator.process_index), **save_options)
+    config.iteration += 1
+    accelerator.wait_for_everyone()
+    if config.automatic_checkpoint_naming and accelerator.is_main_process:
+        _prune(folder.parent, config.total_limit, keep=folder)
+    return folder
+
+
+def load_state(accelerator, input_dir: str | os.PathLike | None = None, *, strict: bool = True,
+               **load_options: Any) -> Path:
+    """Restore what `save_state` saved into `accelerator`'s prepared objects; returns the folder.
+    input_dir=None with automatic_checkpoint_naming: the newest folder. strict=False: keys missing on
+    either side are left alone (nn.Module.load_state_dict(strict=False)). load_options (atomic=True,
+    trusted=False, ...) reach gdsckpt.load_into. Call it on every process."""
+    _check_supported(accelerator)
+    folder = _folder_to_load(accelerator, input_dir)
+    models = list(accelerator._models)
+    for hook in accelerator._load_model_state_pre_hook.values():
+        hook(models, str(folder))  # may remove models: those it loaded itself
+    gdsckpt.load_into(folder / STATE_FILE, _shared(accelerator, models), strict=strict, **load_options)
+    own = _own(accelerator)
+    gdsckpt.load_into(folder / process_file(accelerator.process_index), own, strict=strict, **load_options)
+    accelerator.step = own["step"]
+    return folder
+
+
+def _shared(accelerator, models: list) -> dict:
+    """The state every process holds alike: saved once (state dicts), restored by every process
+    (into the objects)."""
+    state = {"models": models, "optimizers": list(accelerator._optimizers),
+             "schedulers": list(accelerator._schedulers), "custom": list(accelerator._custom_objects)}
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    return state
+
+
+def _own(accelerator) -> dict:
+    """The state of this process alone."""
+    return {"step": accelerator.step, "rng": gdsckpt.RNG(),
+            "dataloaders": [_LoaderPosition(dl) for dl in accelerator._dataloaders]}
+
+
+class _LoaderPosition:
+    """A prepared data loader's position, as a Stateful: a StatefulDataLoader's own state; else the
+    epoch counter Accelerate passes to set_epoch, a seedable sampler's epoch and seed, and the
+    sampler's generator (a RandomSampler's order comes from it)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def state_dict(self) -> dict:
+        dl, state = self.loader, {}
+        if hasattr(dl, "iteration"):
+            state["iteration"] = dl.iteration
+        if getattr(dl, "use_stateful_dataloader", False):
+            state["loader"] = dl.state_dict()  # the sampler's generator, as the loader restores it
+            return state
+        sampler = get_sampler(dl)
+        if hasattr(sampler, "initial_seed") and hasattr(sampler, "epoch"):  # accelerate's SeedableRandomSampler
+            state["sampler"] = {"epoch": sampler.epoch, "initial_seed": sampler.initial_seed}
+        generator = getattr(sampler, "generator", None)
+        if generator is not None:
+            state["generator"] = generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        dl = self.loader
+        if "iteration" in state:
+            dl.set_epoch(state["iteration"])  # the loader's epoch counter and its sampler's epoch
+        if "loader" in state:
+            dl.load_state_dict(state["loader"])
+            return
+        sampler = get_sampler(dl)
+        if "sampler" in state:
+            sampler.epoch, sampler.initial_seed = state["sampler"]["epoch"], state["sampler"]["initial_seed"]
+        if "generator" in state and getattr(sampler, "generator", None) is not None:
+            sampler.generator.set_state(state["generator"])
+
+
+def _check_supported(accelerator) -> None:
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind in _UNSUPPORTED:
+        raise NotImplementedError(
+            f"gdsckpt.integrations.accelerate: {kind} checkpoints are written by {kind} itself (its sharded model "
+            "and optimizer formats); use accelerator.save_state for them, or save FSDP2 models through "
+            "torch.distributed.checkpoint with gdsckpt.dcp.GdsckptWriter")
+
+
+_ITERATION = re.compile(r"[\/]?([0-9]+)(?=[^\/]*$)")  # Accelerate's: the last number in the folder name
+
+
+def _folder_to_save(accelerator, output_dir) -> Path:
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise ValueError("save_state: output_dir is needed unless ProjectConfiguration(automatic_checkpoint_naming=True)")
+        return Path(os.path.expanduser(os.fspath(output_dir)))
+    folder = Path(accelerator.project_dir) / "checkpoints" / f"checkpoint_{accelerator.save_iteration}"
+    if folder.exists():
+        raise ValueError(f"Checkpoint directory {folder} ({accelerator.save_iteration}) already exists. Please manually "
+                         "override `self.save_iteration` with what iteration to start with.")
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def _folder_to_load(accelerator, input_dir) -> Path:
+    if input_dir is not None:
+        folder = Path(os.path.expanduser(os.fspath(input_dir)))
+        if not folder.is_dir():
+            raise ValueError(f"Tried to find {folder} but folder does not exist")
+        return folder
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    folders = _numbered(Path(accelerator.project_dir) / "checkpoints")
+    if not folders:
+        raise FileNotFoundError(f"no checkpoint folder in {Path(accelerator.project_dir) / 'checkpoints'}")
+    return folders[-1]
+
+
+def _numbered(root: Path) -> list[Path]:
+    """The folders in `root` whose names end in a number, by that number."""
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() for m in [_ITERATION.search(p.name)] if m]
+    return [p for _, p in sorted(found)]
+
+
+def _prune(root: Path, total_limit: int | None, *, keep: Path) -> None:
+    if total_limit is None:
+        return
+    folders = _numbered(root)
+    for old in folders[:max(0, len(folders) - total_limit)]:
+        if old != keep:
+            shutil.rmtree(old)

@@ -1,0 +1,102 @@
+"""torchtitan: its DCP checkpointer, saving and loading through GdsckptWriter / GdsckptReader.
+
+In a torchtitan trainer config, put gdsckpt's checkpoint manager where torchtitan's goes:
+
+    from gdsckpt.integrations.torchtitan import GdsckptCheckpointManager
+    config.checkpoint = GdsckptCheckpointManager.Config(enable=True, folder="checkpoint", interval=500,
+                                                        async_mode="async")
+
+It is torchtitan's CheckpointManager (folders `step-N`, interval, keep_latest_k, load_step,
+exclude_from_loading, the model-only last save, async modes), with the two methods that call
+torch.distributed.checkpoint replaced: `dcp_save` passes `GdsckptWriter(checkpoint_id)` (with
+DCP's plan caching, `CachedSavePlanner`) and `dcp_load` passes `GdsckptReader(checkpoint_id)`.
+Each rank compresses and writes its own shards; DCP's `.metadata` stays the commit point, which
+is what torchtitan looks for when it picks the step to resume from.
+
+async_mode: "async" and "async_with_pinned_mem" both compress each rank's shards into gdsckpt's
+host pool (pinned memory on the GPU) before `dcp.async_save` returns, so the state may change at
+once; the write and fsync run on DCP's background thread. torchtitan's pinned-memory stager
+(DCP's DefaultStager) and its process executor are not used: the manager's `stager` is gdsckpt's
+own, so torchtitan does not build one (DefaultStager also refuses to be built without an
+accelerator, which would stop "async_with_pinned_mem" on the CPU). "disabled": `dcp.save`,
+durable on return.
+
+Left to torchtitan, unchanged: Hugging Face safetensors export and import (`last_save_in_hf`,
+`initial_load_in_hf`), and loading a folder that holds no gdsckpt files (a checkpoint torchtitan
+wrote with its FileSystemWriter, e.g. an `initial_load_path`), which goes through DCP's own reader.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+from torchtitan.tools.utils import GarbageCollection
+
+from gdsckpt.dcp import SUFFIX, CachedSavePlanner, GdsckptReader, GdsckptWriter
+
+__all__ = ["GdsckptCheckpointManager"]
+
+
+class GdsckptCheckpointManager(CheckpointManager):
+    """torchtitan's CheckpointManager writing gdsckpt DCP checkpoints (module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        codec: str = "auto"
+        """gdsckpt codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw"."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.codec = config.codec
+        if self.enable:
+            self.stager = _WriterStages()  # torchtitan builds a DefaultStager only where this is None
+
+    @torch.no_grad()
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | AsyncSaveResponse | None:
+        if to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        writer = GdsckptWriter(checkpoint_id, codec=self.codec)
+        if async_mode == AsyncMode.DISABLED:
+            dcp.save(state_dict, storage_writer=writer, planner=CachedSavePlanner())
+            ret = None
+        else:
+            upload = dcp.async_save(state_dict, storage_writer=writer, planner=CachedSavePlanner(),
+                                    process_group=self.pg)
+            # the writer staged (compressed into the host pool) before async_save returned
+            ret = upload if async_mode == AsyncMode.ASYNC else AsyncSaveResponse(
+                staging_completion=_done(), upload_completion=upload)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return ret
+
+    @torch.no_grad()
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf or not any(Path(checkpoint_id).glob(f"*{SUFFIX}")):
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, storage_reader=GdsckptReader(checkpoint_id))
+        # as torchtitan's dcp_load: the model's states are flattened into state_dict, so the
+        # model wrapper is given them explicitly
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
+
+
+class _WriterStages:
+    """Stands in the manager's `stager`: GdsckptWriter stages each save itself (gdsckpt's compressed
+    host snapshot), so there is nothing to hold between saves or to close."""
+
+    def close(self) -> None:
+        pass
+
+
+def _done() -> Future:
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut

@@ -1,0 +1,248 @@
+"""A Checkpointer's memory tier: Checkpointer(directory, memory=True, every_local=N).
+
+* every save lands in shared memory (gdsckpt/memory_tier.py, memory_snapshot.py): save_async's
+  compressed snapshot, taken into a slot of the tier instead of the pinned pool, committed there
+  when the snapshot ends; the step then counts, for a restore on this host;
+* the 1st, (1 + N)th, (1 + 2N)th ... step saved is also written to the directory from its memory
+  copy (gdsckpt/local_writes.py: one write at a time, the newest waiting one only: a disk that
+  cannot keep up has its writes coalesced, not queued); steps in memory only are not on disk.
+  The manager's uploads follow the steps written to the directory;
+* a step that finds no room in memory (larger than the cap, or the newest copy is the only copy
+  and there is no room beside it) is saved to the directory as without the tier, and status()
+  says so;
+* restore reads the newest copy through memory_source.MemorySource, every chunk verified, and
+  falls back to the directory and the store as for a damaged file (the damaged copy is dropped).
+
+Under torch.distributed (a DcpSteps layout) each rank holds its own shards in its own tier
+(gdsckpt/memory_dcp.py); a step due in the directory is a DCP checkpoint, saved as without the
+tier and not also held in memory (one snapshot per step); a memory step is restored only when
+every rank holds it and can read it into its shards (the ranks agree, and fall back together);
+a rank without room for a step keeps none of it (a warning; no rank saves to the directory
+alone), and close() writes no memory-only step (no rank can make a DCP checkpoint of it alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, Iterator
+
+from .errors import CheckpointFormatError, MemoryTierFullError, StateMismatchError
+from .local_writes import LocalWrites
+from .memory_snapshot import MemoryTarget
+from .memory_source import MemorySource
+from .memory_tier import MemoryTier
+from .steps import DAMAGE, StepLayout
+
+log = logging.getLogger("gdsckpt.manager")
+
+# A first save's room in memory is estimated from its tensors (before the plan exists): their
+# bytes, and a 4 KiB record boundary each.
+_PER_TENSOR = 4096
+
+
+class MemorySteps:
+    """The memory tier of a Checkpointer's `layout` (its directory, this rank).
+    on_local_commit(step): a step is committed in the directory (the manager's uploads and
+    retention follow)."""
+
+    def __init__(self, layout: StepLayout, *, rank: int, every_local: int, cap_bytes: int | None, keep: int,
+                 save_options: dict, on_local_commit: Callable[[int], None]):
+        self.layout = layout
+        self.distributed = layout.distributed
+        self.every_local = every_local
+        self.save_options = save_options
+        self._on_local_commit = on_local_commit
+        self.tier = MemoryTier(layout.directory, rank=rank, cap_bytes=cap_bytes, keep=keep,
+                               on_disk=layout.local_steps)
+        self.writes = LocalWrites(self.tier, layout.path, self._written)
+        self._saves = 0
+        self._need: int | None = None  # the last step's room in memory
+        self.fallbacks: deque = deque(maxlen=100)  # the last steps not held in memory, and why
+
+    def steps(self) -> list[int]:
+        return self.tier.steps()
+
+    # ------------------------------------------------------------ saving
+    def save_async(self, step: int, state, optimizer) -> Future:
+        """`step` into memory (its future: committed there), written to the directory if due;
+        or, with no room in memory, to the directory as without the tier (its future: committed
+        there)."""
+        from .async_save import save_async
+        local = self.next_is_local()
+        self._saves += 1
+        if self.distributed and local:  # a DCP checkpoint, every rank's
+            return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
+        why = None if self.distributed else self._no_room(state)
+        if why is None:
+            try:
+                what = memory_dcp().snapshot(state) if self.distributed else state
+                fut = save_async(what, self.layout.path(step), overlap=optimizer is not None, optimizer=optimizer,
+                                 memory=MemoryTarget(self.tier, step), **self.save_options)
+            except MemoryTierFullError as e:  # found when the plan was known: nothing was taken
+                why = str(e)
+            else:
+                return _then(fut, lambda: self._committed(step, local))
+        if self.distributed:  # this rank alone cannot save to the directory: the step is not kept here
+            self.fallbacks.append({"step": step, "why": f"not kept on this rank: {why}"})
+            log.warning("gdsckpt: step %d is not kept in rank %d's memory tier: %s", step, self.tier.rank, why)
+            from .async_save import SaveFuture
+            out = SaveFuture()
+            out.set_exception(MemoryTierFullError(why, step=step))
+            out.observed = True  # said here; a restore from memory of this step falls back on every rank
+            return out
+        self.fallbacks.append({"step": step, "why": why})
+        (log.warning if len(self.fallbacks) == 1 else log.info)(  # said once; status() keeps saying it
+            "gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
+        return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
+
+    def next_is_local(self) -> bool:
+        """Whether the next save is also written to the directory: the 1st, (1 + every_local)th, ..."""
+        return self._saves % self.every_local == 0
+
+    def _no_room(self, state) -> str | None:
+        need = self._need
+        if need is None:  # the first save: an estimate from the tensors
+            from .tree import flatten
+            try:
+                _, leaves = flatten(state)
+            except Exception:  # noqa: BLE001 - save_async says what is wrong with the state
+                return None
+            need = sum(leaf.tensor.nbytes + _PER_TENSOR for leaf in leaves)
+        return self.tier.room_for(need)
+
+    def _committed(self, step: int, local: bool) -> None:
+        try:
+            self._need = self.tier.copy(step).slot.mapped
+        except KeyError:
+            pass
+        if local:
+            self.writes.submit(step)
+
+    def _written(self, step: int) -> None:
+        self.tier.trim()  # its copy is on disk now: it may go if beyond keep_memory
+        self._on_local_commit(step)
+
+    def when_written(self, step: int) -> Future:
+        """A Future of `step`'s write to the directory (local_writes.LocalWrites.when_written)."""
+        return self.writes.when_written(step)
+
+    def wait_local(self, timeout: float | None = None) -> bool:
+        """Until every local write due has ended."""
+        return self.writes.wait(timeout)
+
+    # ------------------------------------------------------------ restoring
+    def restorable(self) -> list[int]:
+        """Steps a restore may take from memory: this process's copies; under torch.distributed,
+        those every rank holds."""
+        mine = self.tier.steps()
+        if not self.distributed:
+            return mine
+        import torch.distributed as dist
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return sorted(set.intersection(*(set(s) for s in every)))
+
+    def load(self, step: int, state, device, strict: bool) -> tuple[object, str, object]:
+        """(state, label, stats) of `step` restored from memory; DAMAGE where it cannot be (under
+        torch.distributed: on every rank, when any rank cannot)."""
+        if not self.distributed:
+            with self.reading(step) as source:
+                out, stats = self.layout.load(source, state, device, strict)
+                return out, source.label, stats
+        import torch.distributed as dist
+        label, stats, mine = f"memory copy of step {step}", None, None
+        try:
+            with self.reading(step) as source:
+                label = source.label
+                stats = memory_dcp().load_rank(source, state, strict)
+        except (*DAMAGE, StateMismatchError, KeyError) as e:
+            mine = f"{type(e).__name__}: {e}"
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = {r: why for r, why in enumerate(every) if why is not None}
+        if failed:
+            raise CheckpointFormatError(f"rank(s) {sorted(failed)} could not restore step {step} from memory: "
+                                        f"{next(iter(failed.values()))}", path=label)
+        return state, label, stats
+
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[MemorySource]:
+        """`step`'s copy as a reader's source, not dropped meanwhile."""
+        copy = self.tier.hold(step)
+        try:
+            yield MemorySource(copy.slot, copy.nbytes, f"memory copy of step {step} ({copy.slot.path})")
+        finally:
+            self.tier.release(step)
+
+    def damaged(self, step: int, why: str) -> None:
+        self.tier.drop(step, f"damaged: {why}")
+
+    # ------------------------------------------------------------ letting go
+    def drop_newer_than(self, step: int) -> list[int]:
+        """A rollback: the copies of steps after `step` go (after the local writes in progress)."""
+        self.writes.wait()
+        gone = [s for s in self.tier.steps() if s > step]
+        for s in gone:
+            self.tier.drop(s, f"rollback to step {step}")
+        return gone
+
+    def release(self) -> int:
+        """Free every memory copy (after the local writes in progress); the bytes freed."""
+        self.writes.wait()
+        only = sorted(set(self.tier.steps()) - set(self.layout.local_steps()))
+        if only:
+            log.warning("gdsckpt: releasing the memory tier drops step(s) %s, which are in memory only", only)
+        return self.tier.release_all()
+
+    def close(self, flush: bool = True) -> None:
+        """Finish the local writes; flush: the newest step too, if only memory holds it and it is
+        newer than the directory's newest. Then unmap (the copies stay for the next manager)."""
+        try:
+            self.writes.wait()
+            if flush and not self.distributed:
+                copies, local = self.tier.steps(), self.layout.local_steps()
+                if copies and copies[-1] > max(local, default=-1):
+                    self.writes.submit(copies[-1])
+                    self.writes.wait()
+        finally:
+            self.tier.close()
+
+    def status(self) -> dict:
+        st = self.tier.status()
+        writes = self.writes.status()
+        st.update(every_local=self.every_local, local_writes=writes, coalesced=writes["coalesced"],
+                  fallbacks=list(self.fallbacks))
+        return st
+
+
+def _then(fut: Future, after) -> Future:
+    """A SaveFuture with `fut`'s outcome, completed once after() has run (after a success): a
+    caller that waits for it finds the step's local write submitted. `fut`'s failure is the new
+    future's to report (async_save does not raise it again as unseen)."""
+    from .async_save import SaveFuture
+    out = SaveFuture()
+    out.set_running_or_notify_cancel()
+
+    def relay(f):
+        err = Future.exception(f)
+        if err is not None:
+            f.observed = True
+            out.set_exception(err)
+            return
+        try:
+            after()
+        except Exception as e:  # noqa: BLE001 - the step is committed: its local write is what failed
+            log.warning("gdsckpt: after committing step: %s: %s", type(e).__name__, e)
+        out.set_result(Future.result(f))
+    fut.add_done_callback(relay)
+    return out
+
+
+def memory_dcp():
+    """gdsckpt.memory_dcp, imported when torch.distributed is in use (it imports its checkpoint
+    package)."""
+    from . import memory_dcp as module
+    return module

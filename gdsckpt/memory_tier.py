@@ -1,0 +1,532 @@
+"""The memory tier: a Checkpointer's newest steps held in shared memory on this host, where they
+outlive the training process (a NCCL error, an OOM kill, a job preempted on a node that stays),
+so that the next process on the same node restores them without reading the disk.
+
+One folder per (checkpoint directory, rank), under /dev/shm (GDSCKPT_MEMORY_ROOT moves it):
+
+    gdsckpt-<directory's name>-<hash of its real path>-r<rank>/
+        owner.json                the directory, its tier id and the rank
+        .gdsckpt-manager.lock     flock (gdsckpt/dirlock.py): one manager per directory and rank
+        slot-<n>                  a segment (gdsckpt/memory_slot.py): one step's checkpoint image,
+                                  byte for byte the file it becomes
+        step_00001000.commit      the step's commit record, written last
+
+Commit: a copy counts only with its commit record, written (renamed into place) after the last
+byte of the image, and only while the slot it names still holds, at the recorded length, the
+footer the record carries; a restore then verifies every chunk. A slot is uncommitted (its
+record removed) before a byte of another step goes into it, so a process killed while writing
+leaves a slot that no record names: never restored, and removed by the next manager of the
+directory and rank, which also removes records whose slot is gone or no longer matches.
+
+Identity: the directory's tier id (DIR/.gdsckpt-memory-id, random, made by the first manager
+with a memory tier) ties the copies to the directory, not to its path: a directory removed and
+made again under the same path gets a new id, and the earlier run's copies are removed, never
+restored into the new run.
+
+Bounded: the tier holds at most `cap_bytes` (the slots' file sizes, an upper bound of the memory
+they take; defaults.MEMORY_*), and keeps the newest `keep` copies where it may (older ones go,
+oldest first). When a new step needs room under the cap, copies go in this order: the oldest
+copy whose step is also on disk, then the oldest other copy; never the newest copy while it is
+the newest intact step and on no disk (the only copy), never a copy being read (`hold`: a local
+write in progress). A step that finds no room
+waits for such reads to end; a step larger than the cap, or one that would need the protected
+copy's room, is a MemoryTierFullError (the manager then saves it to disk the ordinary way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import format as fmt
+from .defaults import MEMORY_HOST_FRACTION, MEMORY_KEEP, MEMORY_SHM_FRACTION
+from .dirlock import DirectoryLock
+from .errors import MemoryTierFullError
+from .memory_slot import Slot
+
+log = logging.getLogger("gdsckpt.memory")
+
+ROOT_ENV = "GDSCKPT_MEMORY_ROOT"
+DEFAULT_ROOT = "/dev/shm"
+ID_NAME = ".gdsckpt-memory-id"  # in the checkpoint directory
+OWNER = "owner.json"
+_COMMIT = re.compile(r"^step_(\d{8,})\.commit$")
+_SLOT = re.compile(r"^slot-(\d+)$")
+
+
+def memory_root() -> Path:
+    return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
+
+
+def _prefix(directory: Path) -> str:
+    real = os.path.realpath(directory)
+    digest = hashlib.sha256(real.encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(real))[:32] or "root"
+    return f"gdsckpt-{name}-{digest}-r"
+
+
+def tier_folder(directory: Path, rank: int, root: Path | None = None) -> Path:
+    """Where the copies of `directory`'s rank `rank` live on this host."""
+    return (root or memory_root()) / f"{_prefix(directory)}{rank}"
+
+
+def tier_folders(directory: Path, root: Path | None = None) -> dict[int, Path]:
+    """{rank: folder} of every rank of `directory` that has a tier on this host."""
+    prefix = _prefix(directory)
+    out = {}
+    try:
+        entries = os.listdir(root or memory_root())
+    except FileNotFoundError:
+        return {}
+    for name in entries:
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            out[int(name[len(prefix):])] = (root or memory_root()) / name
+    return dict(sorted(out.items()))
+
+
+def directory_id(directory: Path, create: bool) -> str | None:
+    """The directory's tier id; made now where there is none and `create` (link(): of two
+    processes making it at once, the first wins and both read its id)."""
+    path = Path(directory) / ID_NAME
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        if not create:
+            return None
+    tmp = path.with_name(f"{ID_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp.write_text(secrets.token_hex(16) + "\n")
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def default_cap(root: Path | None = None) -> int:
+    """defaults.MEMORY_HOST_FRACTION of the host's memory, shared by this host's ranks
+    (LOCAL_WORLD_SIZE, as torchrun sets it), and at most defaults.MEMORY_SHM_FRACTION of the
+    shared-memory file system's size (what a container's /dev/shm allows), likewise shared."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    cap = None
+    try:
+        cap = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_HOST_FRACTION)
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        st = os.statvfs(root or memory_root())
+        shm = int(st.f_blocks * st.f_frsize * MEMORY_SHM_FRACTION)
+        cap = shm if cap is None else min(cap, shm)
+    except OSError:
+        pass
+    return max(1, (cap or 0) // ranks)
+
+
+@dataclass
+class Copy:
+    """A committed copy: `step`'s image, `nbytes` long, in `slot`."""
+
+    step: int
+    slot: Slot
+    nbytes: int
+
+
+def read_record(path: Path) -> dict | None:
+    """A commit record, or None where it is not one (torn, foreign)."""
+    try:
+        rec = json.loads(path.read_text())
+        int(rec["step"]), str(rec["slot"]), int(rec["bytes"]), bytes.fromhex(rec["footer"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return rec
+
+
+def check_record(folder: Path, rec: dict) -> str | None:
+    """None if the slot the record names holds its image's end as committed, else why not."""
+    path = folder / rec["slot"]
+    if not _SLOT.match(rec["slot"]):
+        return f"names {rec['slot']!r}, not a slot"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return f"its segment {rec['slot']} is gone"
+    try:
+        size = os.fstat(fd).st_size
+        n = int(rec["bytes"])
+        if n < fmt.HEADER_SIZE + fmt.FOOTER_SIZE or size < n:
+            return f"its segment {rec['slot']} holds {size} bytes, not the {n} committed"
+        if os.pread(fd, fmt.FOOTER_SIZE, n - fmt.FOOTER_SIZE) != bytes.fromhex(rec["footer"]):
+            return f"its segment {rec['slot']} no longer ends in the committed footer"
+    finally:
+        os.close(fd)
+    return None
+
+
+def list_copies(directory: Path, root: Path | None = None) -> list[dict]:
+    """Every rank's commit records of `directory` on this host, read without a lock (the CLI's
+    `ls`): [{"rank", "step", "bytes", "folder", "record"}], by rank and step; check them with
+    memory_source.check_copy."""
+    ident = directory_id(directory, create=False)
+    out = []
+    for rank, folder in tier_folders(directory, root).items():
+        if ident is None or _owner(folder).get("id") != ident:
+            continue  # another run's, under this path: not this directory's
+        for name in sorted(os.listdir(folder)):
+            m = _COMMIT.match(name)
+            rec = read_record(folder / name) if m else None
+            if rec is None:
+                continue
+            out.append({"rank": rank, "step": int(rec["step"]), "bytes": int(rec["bytes"]), "folder": folder,
+                        "record": rec})
+    return out
+
+
+def drop_copies(directory: Path, root: Path | None = None) -> list[dict]:
+    """Remove every rank's memory tier of `directory` on this host (`gdsckpt clean --memory`):
+    [{"rank", "folder", "bytes", "steps"}]. CheckpointLockedError, before anything is removed,
+    if a manager holds one of them."""
+    folders = tier_folders(directory, root)
+    locks = []
+    try:
+        for folder in folders.values():
+            locks.append(DirectoryLock(folder))
+        out = []
+        for rank, folder in folders.items():
+            names = os.listdir(folder)
+            steps = sorted(int(m.group(1)) for m in map(_COMMIT.match, names) if m)
+            held = sum(_size(folder / n) for n in names if _SLOT.match(n))
+            for n in names:  # the lock file too, while it is held: a manager starting now makes a new folder
+                (folder / n).unlink(missing_ok=True)
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+            out.append({"rank": rank, "folder": str(folder), "bytes": held, "steps": steps})
+        return out
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _owner(folder: Path) -> dict:
+    try:
+        owner = json.loads((folder / OWNER).read_text())
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+class MemoryTier:
+    """The memory tier of `directory`'s rank `rank` on this host, held by this manager (a lock,
+    as the directory's) until close(); what close() leaves is found by the next one.
+
+    cap_bytes: None for default_cap(). keep: copies kept where the drop order allows (>= 1).
+    on_disk(): the steps committed in the directory (the drop order asks it)."""
+
+    def __init__(self, directory: Path, *, rank: int = 0, cap_bytes: int | None = None, keep: int = MEMORY_KEEP,
+                 on_disk: Callable[[], Iterable[int]] = tuple, root: Path | None = None):
+        self.directory = Path(directory)
+        self.rank = rank
+        self.keep = keep
+        self.on_disk = on_disk
+        root = root or memory_root()
+        if not root.is_dir():
+            raise FileNotFoundError(f"the memory tier's root {str(root)!r} is not a directory (set {ROOT_ENV})")
+        self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(root)
+        self.directory.mkdir(parents=True, exist_ok=True)  # as the Checkpointer does: it holds the tier id
+        self.folder = tier_folder(self.directory, rank, root)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+        self._lock = DirectoryLock(self.folder)
+        self._cond = threading.Condition()
+        self._copies: dict[int, Copy] = {}
+        self._free: list[Slot] = []  # mapped, holding nothing that counts: reused before new ones are made
+        self._writing: dict[str, tuple[int, Slot]] = {}  # slot name -> (step, slot) being written
+        self._held: Counter = Counter()  # step -> readers (a local write): not dropped meanwhile
+        self._next_slot = 0
+        self.reclaimed: list[dict] = []  # what opening removed, and why
+        self.dropped: deque = deque(maxlen=100)  # the last copies dropped (room, keep_memory, release), and why
+        try:
+            self._open(directory_id(self.directory, create=True))
+        except BaseException:
+            self._lock.release()
+            raise
+
+    # ------------------------------------------------------------ opening: reclaim what does not count
+    def _open(self, ident: str) -> None:
+        owner = _owner(self.folder)
+        if owner.get("id") != ident:
+            for name in os.listdir(self.folder):
+                if name != self._lock.path.name:
+                    if _SLOT.match(name) or _COMMIT.match(name):
+                        self.reclaimed.append({"name": name, "why": "another run's (the directory was made anew)"})
+                    (self.folder / name).unlink(missing_ok=True)
+            tmp = self.folder / f".{OWNER}.{os.getpid()}"
+            tmp.write_text(json.dumps({"directory": os.path.realpath(self.directory), "id": ident,
+                                       "rank": self.rank, "host": socket.gethostname()}))
+            os.replace(tmp, self.folder / OWNER)
+        names = os.listdir(self.folder)
+        named: set[str] = set()
+        for name in sorted(names):
+            if not _COMMIT.match(name):
+                continue
+            rec = read_record(self.folder / name)
+            why = "not a commit record" if rec is None else check_record(self.folder, rec)
+            if why is None and rec["slot"] in named:
+                why = f"its segment {rec['slot']} is named by another record"
+            if why is not None:
+                self.reclaimed.append({"name": name, "why": why})
+                (self.folder / name).unlink(missing_ok=True)
+                continue
+            named.add(rec["slot"])
+            self._copies[int(rec["step"])] = Copy(int(rec["step"]), Slot(self.folder / rec["slot"]), int(rec["bytes"]))
+        for name in names:
+            m = _SLOT.match(name)
+            if m:
+                self._next_slot = max(self._next_slot, int(m.group(1)) + 1)
+                if name not in named:  # written by a process that died before its commit record
+                    self.reclaimed.append({"name": name, "why": "torn: no commit record (its writer died)"})
+                    (self.folder / name).unlink(missing_ok=True)
+            elif name.startswith("."):
+                if name != self._lock.path.name:
+                    (self.folder / name).unlink(missing_ok=True)  # a record or owner file never renamed
+        for r in self.reclaimed:
+            log.info("gdsckpt: memory tier %s: removed %s (%s)", self.folder, r["name"], r["why"])
+
+    # ------------------------------------------------------------ what it holds
+    def steps(self) -> list[int]:
+        """Steps with a committed copy, oldest first."""
+        with self._cond:
+            return sorted(self._copies)
+
+    def copy(self, step: int) -> Copy:
+        with self._cond:
+            return self._copies[step]
+
+    def held_bytes(self) -> int:
+        with self._cond:
+            return self._held_bytes()
+
+    def _held_bytes(self) -> int:
+        return sum(s.size() for s in self._slots())
+
+    def status(self) -> dict:
+        with self._cond:
+            return {"folder": str(self.folder), "cap_bytes": self.cap_bytes, "held_bytes": self._held_bytes(),
+                    "keep": self.keep, "steps": sorted(self._copies),
+                    "pinned_bytes": sum(s.pinned_bytes for s in self._slots()),
+                    "reclaimed": list(self.reclaimed), "dropped": list(self.dropped)}
+
+    def _slots(self) -> list[Slot]:
+        return [c.slot for c in self._copies.values()] + self._free + [s for _, s in self._writing.values()]
+
+    # ------------------------------------------------------------ reads in progress
+    def hold(self, step: int) -> Copy:
+        """Keep `step`'s copy from being dropped until release(step) (KeyError: no such copy)."""
+        with self._cond:
+            copy = self._copies[step]
+            self._held[step] += 1
+            return copy
+
+    def release(self, step: int) -> None:
+        with self._cond:
+            self._held[step] -= 1
+            if self._held[step] <= 0:
+                del self._held[step]
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ writing a step
+    def reserve(self, step: int, need: int) -> tuple[Slot, float]:
+        """A slot of at least `need` bytes for `step`, uncommitted: (slot, seconds waited for room).
+        Makes room in the drop order; waits while only copies being read stand in the way.
+        MemoryTierFullError where no room can be made."""
+        if need > self.cap_bytes:
+            raise MemoryTierFullError(f"step {step} needs {need} bytes of memory, more than the memory tier's cap "
+                                      f"of {self.cap_bytes} bytes ({self.folder}): raise memory_bytes=",
+                                      step=step, need=need, cap=self.cap_bytes)
+        waited = 0.0
+        with self._cond:
+            if step in self._copies:  # the same step saved again: its copy goes first
+                self._drop(step, "replaced by a new save of the same step")
+            while True:
+                slot = self._make_room(step, need)
+                if slot is not None:
+                    break
+                if not self._held:
+                    newest = max(self._copies) if self._copies else None
+                    raise MemoryTierFullError(
+                        f"no room for step {step} ({need} bytes) in the memory tier ({self.cap_bytes} byte cap, "
+                        f"{self._held_bytes()} held): step {newest}'s copy is the only copy of the newest step "
+                        "and is not dropped; the cap should hold two steps", step=step, need=need, cap=self.cap_bytes)
+                t = time.perf_counter()
+                self._cond.wait(1.0)
+                waited += time.perf_counter() - t
+            self._writing[slot.name] = (step, slot)
+        return slot, waited
+
+    def room_for(self, need: int) -> str | None:
+        """None if a step of `need` bytes can be given room (at once, or once the reads in progress
+        end), else why not (what MemoryTierFullError would say)."""
+        if need > self.cap_bytes:
+            return f"{need} bytes are more than the memory tier's cap of {self.cap_bytes} bytes: raise memory_bytes="
+        with self._cond:
+            kept = set(self._copies) - set(self._drop_order(for_room=True)) - set(self._held)
+            fixed = sum(self._copies[s].slot.size() for s in kept)
+            if fixed + need > self.cap_bytes:
+                return (f"the memory tier's cap of {self.cap_bytes} bytes cannot hold {need} bytes beside step "
+                        f"{max(kept)}'s copy ({fixed} bytes), the only copy of the newest step: the cap should "
+                        "hold two steps")
+        return None
+
+    def _make_room(self, step: int, need: int) -> Slot | None:
+        order = self._drop_order(for_room=False)
+        while order and len(self._copies) + 1 > self.keep:
+            self._drop(order.pop(0), f"more than keep_memory={self.keep} copies")
+        order = self._drop_order(for_room=True)
+        fitting = min((s for s in self._free if s.mapped >= need), key=lambda s: s.mapped, default=None)
+        while self._held_bytes() + (0 if fitting else need) > self.cap_bytes:
+            spare = [s for s in self._free if s is not fitting]
+            if spare:
+                self._free.remove(spare[0])
+                spare[0].delete()
+                continue
+            if not order:
+                return None
+            victim = order.pop(0)
+            slot = self._copies[victim].slot
+            self._drop(victim, f"room for step {step} under the {self.cap_bytes} byte cap")
+            if fitting is None and slot.mapped >= need:
+                fitting = slot
+        if fitting is not None:
+            self._free.remove(fitting)
+            return fitting
+        for spare in self._free:  # too small for this step, as for the next ones (a state keeps its size)
+            spare.delete()
+        self._free.clear()
+        name = f"slot-{self._next_slot}"
+        self._next_slot += 1
+        return Slot(self.folder / name, need)
+
+    def _drop_order(self, for_room: bool) -> list[int]:
+        """Copies that may go, in the order they go: for room, those on disk first, each group
+        oldest first; beyond keep_memory, oldest first. Never the only copy of the newest
+        intact step, nor a copy being read."""
+        if not self._copies:
+            return []
+        disk = set(self.on_disk())
+        newest = max(self._copies)
+        protected = {newest} if newest not in disk and newest > max(disk, default=-1) else set()
+        free = [s for s in sorted(self._copies) if s not in protected and s not in self._held]
+        if not for_room:
+            return free
+        return [s for s in free if s in disk] + [s for s in free if s not in disk]
+
+    def commit(self, slot: Slot, step: int, nbytes: int) -> None:
+        """The image in `slot` (`nbytes` long) is complete: write its commit record; it counts."""
+        footer = slot.read(fmt.FOOTER_SIZE, nbytes - fmt.FOOTER_SIZE)
+        rec = {"step": step, "slot": slot.name, "bytes": nbytes, "footer": footer.hex(), "pid": os.getpid(),
+               "host": socket.gethostname(), "time": time.time()}
+        tmp = self.folder / f".{_record_name(step)}.{os.getpid()}"
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, self.folder / _record_name(step))
+        with self._cond:
+            self._writing.pop(slot.name, None)
+            self._copies[step] = Copy(step, slot, nbytes)
+            self._cond.notify_all()
+        self.trim()
+
+    def abandon(self, slot: Slot) -> None:
+        """A write into `slot` failed: it holds nothing that counts, and is reused."""
+        with self._cond:
+            self._writing.pop(slot.name, None)
+            self._free.append(slot)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ letting copies go
+    def trim(self) -> list[int]:
+        """Drop copies beyond `keep`, in the drop order, where they may go (after a commit, or once
+        a step reached the disk); the steps dropped."""
+        out = []
+        with self._cond:
+            order = self._drop_order(for_room=False)
+            while order and len(self._copies) > self.keep:
+                s = order.pop(0)
+                self._drop(s, f"more than keep_memory={self.keep} copies")
+                out.append(s)
+        return out
+
+    def drop(self, step: int, why: str) -> bool:
+        """Drop `step`'s copy now (a damaged one, say), unless it is being read; whether it went."""
+        with self._cond:
+            if step not in self._copies or step in self._held:
+                return False
+            self._drop(step, why)
+            return True
+
+    def _drop(self, step: int, why: str) -> None:
+        copy = self._copies.pop(step)
+        (self.folder / _record_name(step)).unlink(missing_ok=True)  # uncommitted before anything else
+        self._free.append(copy.slot)
+        self.dropped.append({"step": step, "why": why, "time": time.time()})
+        log.info("gdsckpt: memory copy of step %d dropped (%s)", step, why)
+
+    def release_all(self) -> int:
+        """Free every copy and slot (waiting for reads in progress); the bytes freed."""
+        with self._cond:
+            while self._held:
+                self._cond.wait(1.0)
+            freed = 0
+            for step in sorted(self._copies):
+                self._drop(step, "released")
+            for slot in self._free:
+                freed += slot.size()
+                slot.delete()
+            self._free.clear()
+            return freed
+
+    def close(self) -> None:
+        """Unmap everything and release the lock; the committed copies stay for the next manager,
+        slots holding nothing are removed, and so is the folder if no copy is left."""
+        with self._cond:
+            for slot in self._free:
+                slot.delete()
+            self._free.clear()
+            for _, slot in list(self._writing.values()):
+                slot.delete()  # never committed: a save still writing when the manager closed
+            self._writing.clear()
+            for copy in self._copies.values():
+                copy.slot.close()
+            empty = not self._copies
+            self._copies.clear()
+        if empty:  # nothing for a next manager: no folder left behind (the lock file last, while held)
+            for name in os.listdir(self.folder):
+                if name != self._lock.path.name:
+                    (self.folder / name).unlink(missing_ok=True)
+            self._lock.path.unlink(missing_ok=True)
+            try:
+                self.folder.rmdir()
+            except OSError:  # a manager started meanwhile made its lock file: the folder is its
+                pass
+        self._lock.release()
+
+
+def _record_name(step: int) -> str:
+    return f"step_{step:08d}.commit"

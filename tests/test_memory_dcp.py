@@ -1,0 +1,106 @@
+"""The memory tier under torch.distributed (2 CPU ranks over gloo): every rank keeps its own
+shards in its own tier; a step due in the directory is a DCP checkpoint; a restart (new
+processes, same ranks) restores every rank from memory, bit-exact; when one rank's copy is
+missing or damaged, every rank falls back together."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+from test_manager_dcp import WORLD, full_state, same_local, sharded  # noqa: E402
+
+OPTS = {"chunk_bytes": 64 << 10}
+
+
+def _rank_main(rank: int, root: str, env: dict, phase: str) -> None:
+    os.environ.update(env)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    root = Path(root)
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / f"store-{phase}"), WORLD), rank=rank,
+                            world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (WORLD,))
+        (_save if phase == "save" else _restart)(rank, root / "ck", mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _save(rank: int, d: Path, mesh) -> None:
+    from gdsckpt import Checkpointer
+    from gdsckpt.steps import step_name
+    ck = Checkpointer(d, memory=True, every_local=2, save_options=OPTS)
+    for s in (1, 2, 3, 4):
+        ck.save_async(s, sharded(full_state(s), mesh))
+        ck.wait()
+        dist.barrier()
+    assert ck.memory.steps() == [2, 4], ck.memory.steps()  # steps 1 and 3: DCP checkpoints
+    assert ck.layout.local_steps() == [1, 3] and ck.steps() == [1, 2, 3, 4]
+    assert {"__0_0.gdsckpt", "__1_0.gdsckpt"} <= set(os.listdir(d / step_name(3, True)))
+    assert not (d / step_name(4, True)).exists()
+    ck.close()  # under DCP nothing is flushed: step 4 stays in memory only
+    assert not (d / step_name(4, True)).exists()
+
+
+def _restart(rank: int, d: Path, mesh) -> None:
+    from gdsckpt import Checkpointer
+    ck = Checkpointer(d, memory=True, every_local=2, save_options=OPTS)
+    target = sharded(full_state(0), mesh)
+    r = ck.restore(target)
+    assert (r.step, r.source, r.skipped) == (4, "memory", []), r
+    same_local(target, sharded(full_state(4), mesh))
+    assert target["meta"] == {"seed": 4}
+
+    if rank == 1:  # damage rank 1's copy of step 4: every rank falls back to step 3, on disk
+        copy = ck.memory.tier.copy(4)
+        with ck.memory.reading(4) as src:
+            import gdsckpt
+            off = gdsckpt.open(src).index.records[0].file_offset
+        copy.slot.tensor[off + 3] ^= 1
+    dist.barrier()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        r = ck.restore(target)
+    assert (r.step, r.source) == (3, "local"), r
+    assert r.skipped[0][:2] == (4, "memory") and "rank(s) [1] could not restore step 4" in r.skipped[0][2], r.skipped
+    same_local(target, sharded(full_state(3), mesh))
+    assert ck.memory.steps() == [2]  # the unusable copies were dropped, on every rank
+
+    if rank == 0:  # rank 0 alone lets step 2 go: no rank restores it from memory
+        ck.memory.tier.drop(2, "test")
+    dist.barrier()
+    assert ck.memory.restorable() == []
+    r = ck.restore(target, step=3)
+    assert (r.step, r.source) == (3, "local")
+    ck.release_memory()
+    ck.close()
+
+
+def test_two_ranks_memory_tier(tmp_path):
+    import torch.multiprocessing as mp
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
+    try:
+        env = {"GDSCKPT_MEMORY_ROOT": str(root)}
+        mp.start_processes(_rank_main, args=(str(tmp_path), env, "save"), nprocs=WORLD, join=True,
+                           start_method="spawn")
+        # the copies outlived the processes: a folder per rank, each with its two steps
+        folders = sorted(os.listdir(root))
+        assert [f[-3:] for f in folders] == ["-r0", "-r1"], folders
+        for f in folders:
+            assert sorted(n for n in os.listdir(root / f) if n.endswith(".commit")) == \
+                ["step_00000002.commit", "step_00000004.commit"]
+        mp.start_processes(_rank_main, args=(str(tmp_path), env, "restart"), nprocs=WORLD, join=True,
+                           start_method="spawn")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
