@@ -14,15 +14,18 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import gdsckpt, pytest, h
   _step "upgrading pip"
   .venv/bin/python -m pip install --progress-bar off -q --upgrade pip
   extras="test,bench"
+  constraints=()
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     extras="$extras,cu13"
     _step "an NVIDIA GPU is here: the CUDA 13 extras (nvCOMP, KvikIO, CuPy) come with gdsckpt"
   else
     _step "no NVIDIA GPU: installing the CPU build of torch 2.13 first (about 200 MB unpacked)"
     .venv/bin/python -m pip install --progress-bar off "torch==2.13.0" 2>&1 | grep -E "^(Collecting|Successfully|ERROR)" >&2 || true
+    echo "torch==2.13.0" > .venv/torch-constraint.txt  # no extra (lightning, torchtitan, ...) may swap in a CUDA torch
+    constraints=(-c .venv/torch-constraint.txt)
   fi
   _step "installing gdsckpt in editable mode with the extras $extras"
-  .venv/bin/python -m pip install --progress-bar off -e ".[$extras]" 2>&1 | grep -E "^(Collecting|Successfully|ERROR)" >&2 || true
+  .venv/bin/python -m pip install --progress-bar off "${constraints[@]}" -e ".[$extras]" 2>&1 | grep -E "^(Collecting|Successfully|ERROR)" >&2 || true
   .venv/bin/python -c "import gdsckpt, pytest, hypothesis, awscrt, obstore, boto3, tqdm" \
     || { _step "the installation failed: see pip's errors above"; exit 1; }
   _step "done"
