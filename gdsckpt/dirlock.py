@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 from .errors import CheckpointLockedError
+from .storage import process_alive
 
 LOCK_NAME = ".gdsckpt-manager.lock"
 # What opening the lock file for writing fails with when the directory cannot be written.
@@ -55,25 +56,12 @@ def try_lock(directory: Path) -> DirectoryLock | None:
         raise
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, ValueError):  # no such pid can exist
-        return False
-    return True
-
-
 def _stale(holder: str, path: Path) -> str:
     """Why a lock whose holder ("pid N on HOST") is dead on this host is still held, or ""."""
     words = holder.split()
     if len(words) != 4 or words[0] != "pid" or words[2] != "on" or words[3] != socket.gethostname():
         return ""
-    if not words[1].isdigit() or pid_alive(int(words[1])):
+    if not words[1].isdigit() or process_alive(int(words[1])):
         return ""
     holders = _processes_holding(path)
     return (f", which is no longer running: a stale lock, still held by a process it started that inherited "

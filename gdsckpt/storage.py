@@ -99,21 +99,40 @@ def stale_temporaries(directory: Path) -> list[Path]:
         if not stat.S_ISREG(st.st_mode):
             continue
         mine = m["host"] == HOST_ID
-        if (mine and not _alive(int(m["pid"]))) or now - st.st_mtime > TEMP_STALE_AGE_S:
+        if (mine and not process_alive(int(m["pid"]), started_by=st.st_mtime)) or now - st.st_mtime > TEMP_STALE_AGE_S:
             out.append(p)
     return sorted(out)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int, *, started_by: float | None = None) -> bool:
+    """Whether process `pid` runs on this host (another user's counts). started_by (a
+    time.time()): only a process that had started by then counts, so a pid the kernel has since
+    handed to a newer process does not keep a dead writer's temporary alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
-        return True
+        pass
     except (OverflowError, ValueError):  # no such pid can exist
         return False
+    if started_by is not None:
+        start = _start_time(pid)
+        if start is not None and start > started_by + 1.0:  # 1 s: /proc/stat's boot time is in whole seconds
+            return False
     return True
+
+
+def _start_time(pid: int) -> float | None:
+    """When process `pid` started (time.time() scale), from /proc; None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime: after "pid (comm)"
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 # Lets go of replaced checkpoints off the caller's thread (see commit).

@@ -204,3 +204,15 @@ def test_open_direct_is_minus_one_where_refused(tmp_path, monkeypatch):
         os.close(fd)
     monkeypatch.setattr(os, "open", refusing)
     assert storage.open_direct(p) == -1
+
+
+def test_a_reused_pid_does_not_keep_a_dead_writers_temporary(tmp_path):
+    """The pid in a temporary's name may belong to a newer process by the time anyone looks (pid
+    reuse under load): a process that started after the file was last written is not its writer."""
+    from gdsckpt.storage import HOST_ID, TMP_MARK, stale_temporaries
+    mine = tmp_path / f".c.gdsckpt{TMP_MARK}{os.getpid()}.{HOST_ID}.0badcafe"
+    mine.write_bytes(b"x")
+    assert stale_temporaries(tmp_path) == []  # this process wrote it and runs
+    hour_ago = time.time() - 3600
+    os.utime(mine, (hour_ago, hour_ago))  # written before this process started: another writer's
+    assert stale_temporaries(tmp_path) == [mine]
