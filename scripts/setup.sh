@@ -21,7 +21,9 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import gdsckpt, pytest, h
   else
     _step "no NVIDIA GPU: installing the CPU build of torch 2.13 first (about 200 MB unpacked)"
     .venv/bin/python -m pip install --progress-bar off "torch==2.13.0" 2>&1 | grep -E "^(Collecting|Successfully|ERROR)" >&2 || true
-    echo "torch==2.13.0" > .venv/torch-constraint.txt  # no extra (lightning, torchtitan, ...) may swap in a CUDA torch
+    # No extra (lightning, torchtitan, ...) may swap in a CUDA torch: pin the very build installed,
+    # local label included ("2.13.0+cpu"), which no CUDA wheel of the same version matches.
+    .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-constraint.txt
     constraints=(-c .venv/torch-constraint.txt)
   fi
   _step "installing gdsckpt in editable mode with the extras $extras"
