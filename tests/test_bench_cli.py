@@ -87,3 +87,12 @@ def test_plot_title_fits_the_figure(tmp_path, capsys):
     assert main(["--size", "1MiB", "--data", "random", "--device", "cpu", "--target", "null", "--bs", "64KiB,256KiB",
                  "--plot", str(png), "--output-format", "terse"]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_the_train_models_are_sizes_by_name():
+    """--train --size gpt2-medium / gpt2-large (the training loop's models) parse as sizes, as a
+    byte count does; a 2-GPU round failed on it once the sizes were checked up front."""
+    from gdsckpt.bench.options import size
+    from gdsckpt.bench.train_loop import TRAIN_SIZES
+    for name in [*TRAIN_SIZES, "auto", "4GiB"]:
+        assert size(name) == name

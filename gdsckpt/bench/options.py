@@ -11,7 +11,9 @@ from gdsckpt import units
 from gdsckpt.format import ALIGN, MAX_CHUNK_BYTES
 from gdsckpt.save import check_codec
 
-NAMED_SIZES = ("auto", "tiny", "gpt2-small")
+from .train_loop import TRAIN_SIZES
+
+NAMED_SIZES = ("auto", "tiny", "gpt2-small", *TRAIN_SIZES)  # --train takes its models by name too
 
 # --output-format terse: one ';'-separated line per job, these fields in this order (more may be
 # appended, never reordered).
