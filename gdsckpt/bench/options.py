@@ -52,21 +52,22 @@ def chunk_size(text: str) -> int:
     return n
 
 
-def depth(text: str) -> int:
+def _whole(text: str) -> int:
     try:
-        n = int(text)
+        return int(text)
     except ValueError:
         raise ValueError(f"{text!r} is not a whole number") from None
+
+
+def depth(text: str) -> int:
+    n = _whole(text)
     if n < 2:
         raise ValueError(f"{n}: the ring needs at least 2 slots so that compression overlaps I/O")
     return n
 
 
 def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a whole number") from None
+    n = _whole(text)
     if n < 1:
         raise ValueError(f"{n}: must be at least 1")
     return n
