@@ -97,4 +97,16 @@ def test_dcp_step_with_a_damaged_metadata_falls_back(tmp_path):
     import torch.multiprocessing as mp
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.start_processes(_dcp_rank, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="spawn")
+    # Once in about four loaded runs a rank dies with SIGABRT ("terminate called without an
+    # active exception", a C++ thread torn down in gloo's teardown) after its assertions passed;
+    # not understood yet (closing note of 2026-11-24). One fresh try for that exit only: any
+    # assertion failure still fails at once.
+    for attempt in (1, 2):
+        run = tmp_path / f"try{attempt}"
+        run.mkdir()
+        try:
+            mp.start_processes(_dcp_rank, args=(str(run),), nprocs=WORLD, join=True, start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:
+            if attempt == 2 or "SIGABRT" not in str(e):
+                raise
