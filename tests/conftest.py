@@ -1,4 +1,7 @@
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +90,24 @@ class SlowSnapshot:
             return real(file, *a)
 
         monkeypatch.setattr(hs.PoolFile, "pwrite", pwrite)
+
+
+def tensors_of(obj):
+    """Every tensor in a nested state of dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_of(v)
+
+
+@pytest.fixture
+def shm(monkeypatch):
+    """The memory tier's root in a fresh /dev/shm folder, removed after the test."""
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
+    monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

@@ -4,21 +4,10 @@ checked bit for bit."""
 
 import json
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
-import pytest
 
 from gdsckpt.bench.cli import main
 
-
-@pytest.fixture
-def shm(monkeypatch):
-    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
-    monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(root))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_train_memory(tmp_path, shm, capsys):

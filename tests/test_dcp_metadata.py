@@ -26,7 +26,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata  # noqa: E402
 import gdsckpt  # noqa: E402
 from gdsckpt.dcp import GdsckptReader, GdsckptWriter  # noqa: E402
 from gdsckpt.dcp.metadata import TRAILER_MAGIC, read_metadata  # noqa: E402
-from conftest import all_dtype_tensors, assert_same  # noqa: E402
+from conftest import all_dtype_tensors, assert_same, tensors_of  # noqa: E402
 
 
 def _state() -> dict:
@@ -50,23 +50,13 @@ def saved(tmp_path) -> Path:
 
 def _load(d: Path) -> dict:
     target = _state()
-    for t in _tensors(target):
+    for t in tensors_of(target):
         t.zero_()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=GdsckptReader(d), no_dist=True)
     return target
 
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 # ---------------------------------------------------------------- our own metadata

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,13 +33,6 @@ from conftest import assert_same
 REPO = Path(__file__).resolve().parent.parent
 OPTS = {"chunk_bytes": 64 << 10}
 
-
-@pytest.fixture
-def shm(monkeypatch):
-    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
-    monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(root))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def state_for(step: int, n: int = 20_000) -> dict:

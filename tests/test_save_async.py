@@ -28,7 +28,7 @@ from gdsckpt import host_snapshot as hs
 from gdsckpt import overlap
 from gdsckpt import pinned_pool as pp
 from gdsckpt import storage
-from conftest import SlowSnapshot, all_dtype_tensors, assert_same, same
+from conftest import SlowSnapshot, all_dtype_tensors, assert_same, same, tensors_of
 
 
 def _state(seed: int, n: int = 200_000) -> dict:
@@ -43,20 +43,10 @@ def _clone(state):
 
 
 def _mutate(state) -> None:
-    for t in _tensors(state):
+    for t in tensors_of(state):
         if t.numel():
             t.reshape(-1).view(torch.uint8).bitwise_not_()  # every byte changes, whatever the dtype
 
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def _leftovers(directory) -> list:
@@ -531,7 +521,7 @@ def test_gpu_snapshot_bit_exact_after_mutation_and_memory(tmp_path, monkeypatch)
     want = {k: _clone(v) for k, v in state.items()}
     torch.cuda.synchronize()
     fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", chunk_bytes=32 << 20)
-    for t in _tensors(state):  # queued on the current stream right after the call
+    for t in tensors_of(state):  # queued on the current stream right after the call
         if t.numel():
             t.reshape(-1).view(torch.uint8).bitwise_not_()
     held.release()
