@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--after", type=int, default=6)
     ap.add_argument("--warm", type=int, default=12)
     ap.add_argument("--loop-saves", type=int, default=0,
-                    help="no trace: N saves of the first mode, one every 5 steps (to run under py-spy --gil)")
+                    help="no trace: N saves of the first mode, one every 12 steps (to run under py-spy --gil)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
     model, opt, windows, info = train_loop.build(args.size, "cuda")
@@ -130,9 +130,9 @@ def main() -> None:
         mode = args.modes.split(",")[0]
         kw = {"snapshot": mode, "optimizer": opt} if mode == "overlap" else {"snapshot": mode}
         t = time.perf_counter()
-        for i in range(args.loop_saves * 5):
+        for i in range(args.loop_saves * 12):
             step(model, opt, batches)
-            if i % 5 == 4:
+            if i % 12 == 11:
                 gdsckpt.save_async(train_methods.checkpoint_state(model, opt), d / mode, **kw)
         gdsckpt.save_async(train_methods.checkpoint_state(model, opt), d / mode, **kw).result()
         print(json.dumps({"mode": mode, "saves": args.loop_saves, "seconds": time.perf_counter() - t}))
