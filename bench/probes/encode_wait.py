@@ -7,8 +7,11 @@ inside `codec.encode` (gdsckpt/gpu/codecs.py) for about the compression's GPU ti
 256 MiB fp32 chunk (AdamW-moment-like values), ANS native bitstream as gdsckpt writes it, and RAW:
   call_ms   the encode call's own host time (GIL held throughout: a pybind11 call)
   sync_ms   the stream synchronize after it (GIL released)
+  size_ms   reading result.buffer_sizes[0] after that synchronize (GIL held)
 cases: the stream idle before the call; 20 ms of earlier work queued on the same stream
-(torch.cuda._sleep); 20 ms of work on another stream. Writes encode_wait.json.
+(torch.cuda._sleep); 20 ms of work on another stream; on the legacy default stream (training's);
+a 256 MiB device-to-host copy into pinned memory on another stream (the snapshot's copy stream),
+and the same with that stream synchronized before the sizes are read. Writes encode_wait.json.
 """
 import json, os, time
 import cupy, torch
@@ -22,6 +25,7 @@ n = 256 << 20
 x = (torch.randn(n // 4, device="cuda") * 1e-3).abs().sqrt()  # exp_avg_sq-like magnitudes
 src = cupy.asarray(x).view(cupy.uint8)
 out = cupy.empty(int(n * 1.2), dtype=cupy.uint8)
+pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
 cycles = int(20e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # ~20 ms of _sleep
 
 
@@ -43,21 +47,31 @@ def run(kind, case):
         elif case == "other-stream-busy":
             with torch.cuda.stream(other):
                 torch.cuda._sleep(cycles)
+        elif case == "default-stream-busy":
+            torch.cuda._sleep(cycles)
+        elif case.startswith("d2h-busy"):
+            with torch.cuda.stream(other):
+                pinned.copy_(x.view(torch.uint8), non_blocking=True)
         t0 = time.perf_counter()
         r = codec.encode(srcs, out=outs, compression_config=cfg)
         t1 = time.perf_counter()
         stream.synchronize()
+        if case == "d2h-busy-wait":
+            other.synchronize()
         t2 = time.perf_counter()
         size = r.buffer_sizes[0]
-        rows.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        t3 = time.perf_counter()
+        rows.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        torch.cuda.synchronize()
     rows = rows[2:]
-    return {"kind": kind, "case": case, "call_ms": [round(a, 2) for a, _ in rows],
-            "sync_ms": [round(b, 2) for _, b in rows], "saved": round(1 - size / n, 4)}
+    return {"kind": kind, "case": case, "call_ms": [round(r[0], 2) for r in rows],
+            "sync_ms": [round(r[1], 2) for r in rows], "size_ms": [round(r[2], 2) for r in rows],
+            "saved": round(1 - size / n, 4)}
 
 
 res = []
 for kind in ("native", "raw"):
-    for case in ("idle", "same-stream-busy", "other-stream-busy"):
+    for case in ("idle", "same-stream-busy", "other-stream-busy", "default-stream-busy", "d2h-busy", "d2h-busy-wait"):
         try:
             res.append(run(kind, case))
         except Exception as e:  # noqa: BLE001
