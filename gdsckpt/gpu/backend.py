@@ -13,6 +13,7 @@ import torch
 
 from ..codecs import gpu_can_decode
 from ..defaults import SMALL_HOST_TENSOR
+from ..device_copy import side_stream
 from . import kernels
 from .codecs import NvcompCodecs, nvcomp_version
 from .io import DeviceFile, io_settings
@@ -33,7 +34,8 @@ class _DeviceResources:
     def __init__(self, index: int):
         self.torch_stream = torch.cuda.Stream(index)
         self.stream = cupy.cuda.ExternalStream(self.torch_stream.cuda_stream, index)
-        self.codecs = NvcompCodecs(self.stream, index)
+        copies = side_stream("copy", torch.device("cuda", index))
+        self.codecs = NvcompCodecs(self.stream, index, drain_copies=copies.synchronize)
         self.checksums = {name: kernel(self.stream) for name, kernel in kernels.ALGORITHMS.items()}
         self.lock = threading.Lock()
 

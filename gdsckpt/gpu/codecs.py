@@ -53,9 +53,17 @@ def _release() -> None:
 
 
 class NvcompCodecs:
-    def __init__(self, stream: cupy.cuda.Stream, device_id: int):
+    """nvCOMP codecs on `stream`. `drain_copies` waits, without the GIL, for the device-to-host
+    copies this process has in flight on `device_id` (the snapshot's copy stream): nvCOMP reads the
+    compressed sizes back with a small device-to-host copy, which queues behind those copies on
+    the copy engine (4 ms behind one 256 MiB chunk's, bench/probes/encode_wait.py) while its
+    Python binding holds the GIL; a training thread beside an overlapped snapshot stood still that
+    long per chunk (py-spy --gil, bench/results/2026-11-24-h100-idle/)."""
+
+    def __init__(self, stream: cupy.cuda.Stream, device_id: int, drain_copies=None):
         self._stream = stream
         self._device = device_id
+        self._drain = drain_copies or (lambda: None)
         self._codecs: dict[tuple, nvcomp.Codec] = {}
         self._configs: dict[tuple, object] = {}
         self._bounds: dict[tuple, int] = {}
@@ -112,16 +120,15 @@ class NvcompCodecs:
             if key not in self._configs:  # chunks share a few sizes: configure once per size
                 self._configs[key] = codec.compression_config([n])
             result = codec.encode(srcs, out=outs, compression_config=self._configs[key])
-            self._stream.synchronize()  # the ring needs the size; this wait lets go of the GIL
-            stored = result.buffer_sizes[0]  # (nvCOMP's own wait holds it: a training thread beside an
-            # overlapped snapshot stood still for the whole compression, bench/probes/gil_hold.py)
+            self._wait()
+            stored = result.buffer_sizes[0]
             return (stored, None) if stored < n else (-1, None)
         bounds = frame_bounds(n, spec["frame_bytes"])
         stride = self._bound(spec, bounds[0][1])
         srcs = nvcomp.as_arrays(src, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
         outs = nvcomp.as_arrays(out, [i * stride for i in range(len(bounds))], [stride] * len(bounds), cuda_stream=ptr)
         result = codec.encode(srcs, out=outs)
-        self._stream.synchronize()  # as above: wait without the GIL
+        self._wait()
         frames = list(result.buffer_sizes)
         offsets = frame_offsets(frames)
         stored = offsets[-1]
@@ -135,6 +142,12 @@ class NvcompCodecs:
                 scratch[offsets[i]:offsets[i] + k] = out[i * stride:i * stride + k]
             out[:stored] = scratch[:stored]
         return stored, frames
+
+    def _wait(self) -> None:
+        """Wait without the GIL until reading nvCOMP's sizes is quick: the stream's work (nvCOMP's own
+        wait holds the GIL: gil_hold.py), then the copies queued ahead of its sizes read."""
+        self._stream.synchronize()
+        self._drain()
 
     def decode(self, spec: dict, stored: cupy.ndarray, out: cupy.ndarray, frames) -> None:
         codec, ptr = self._codec(spec, decode=True), self._stream.ptr
