@@ -121,22 +121,30 @@ def reserve_pool(planned: Planned, bound: int, stop: Callable[[], bool]) -> Rese
 
 
 def reserve_memory(tier, planned: Planned, stop: Callable[[], bool]) -> Reservation:
-    """Warm the backend, then make and page-lock the memory tier's slots for the next steps
-    (MemoryTier.make_spares), one at a time (on the reservation's thread)."""
+    """Make and page-lock the memory tier's slots for the next steps (MemoryTier.make_spares),
+    one at a time, then warm the backend (on the reservation's thread: a step that needs a slot
+    meanwhile waits for one, not for the warm-up). Every slot made is handed back, ready or not,
+    whatever happens: a step would wait for it."""
     t0 = time.perf_counter()
+    spares = tier.make_spares(slot_bytes(planned.plan))
+    allocated = made = 0
+    try:
+        while spares:
+            slot, ready = spares[0], False
+            try:
+                ready = slot.prepare(planned.kind == "gpu", lambda: stop() or tier.stopping())
+            finally:
+                spares.pop(0)
+                tier.spare_done(slot, ready)
+            allocated += slot.mapped if ready else 0
+            made += ready
+    finally:
+        for slot in spares:  # after a failure: the rest go, never prepared
+            tier.spare_done(slot, False)
+    alloc_s = time.perf_counter() - t0
     warm_s = warm(planned)
-    t = time.perf_counter()
-    need, allocated, made = slot_bytes(planned.plan), 0, 0
-    for slot in tier.make_spares(need):
-        ready = False
-        try:
-            ready = slot.prepare(planned.kind == "gpu", lambda: stop() or tier.stopping())
-        finally:
-            tier.spare_done(slot, ready)
-        allocated += slot.mapped if ready else 0
-        made += ready
     return Reservation(f"memory {tier.folder}", tier.cap_bytes, tier.held_bytes(), allocated,
-                       planned.kind == "gpu", time.perf_counter() - t0, warm_s, time.perf_counter() - t, made)
+                       planned.kind == "gpu", time.perf_counter() - t0, warm_s, alloc_s, made)
 
 
 class _Discard:

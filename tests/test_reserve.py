@@ -23,7 +23,7 @@ from gdsckpt import Checkpointer
 from gdsckpt import async_save as am
 from gdsckpt import memory_slot
 from gdsckpt import pinned_pool as pp
-from gdsckpt.errors import GDSUnavailableError, UnsupportedStateError
+from gdsckpt.errors import GDSUnavailableError, MemoryTierFullError, UnsupportedStateError
 from gdsckpt.memory_tier import tier_folder
 from conftest import all_dtype_tensors, assert_same
 from test_memory_tier import OPTS, REPO, _child, slot_files, state_for
@@ -113,7 +113,8 @@ def test_pool_bytes_bounds_the_reservation(tmp_path):
     stats = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", pool_bytes=1 << 20, **SMALL).result(60)
     assert stats.pool_alloc_s == 0.0 and stats.pool_bytes == 1 << 20 >= stats.pool_peak_bytes
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), state)
-    assert gdsckpt.reserve(state, pool_bytes=1, wait=True, **SMALL).result().limit_bytes == 64 << 10  # one chunk at least
+    one_chunk = gdsckpt.reserve(state, pool_bytes=1, wait=True, **SMALL).result()
+    assert one_chunk.limit_bytes == 64 << 10  # a bound below one chunk is raised to one, as save_async raises it
 
 
 @pytest.mark.parametrize("bound", [None, 4 << 20])
@@ -208,7 +209,8 @@ def test_checkpointer_reserve_makes_the_tiers_slots_and_the_first_saves_take_the
         assert r.where == f"memory {tier.folder}" and r.slots == tier.keep == 2 and not r.pinned
         assert r.allocated_bytes == r.held_bytes == tier.held_bytes() > 0
         made = slot_files(ck)
-        assert len(made) == 2 and ck.steps() == [] and [n for n in os.listdir(tier.folder) if n.endswith(".commit")] == []
+        assert len(made) == 2 and ck.steps() == []
+        assert [n for n in os.listdir(tier.folder) if n.endswith(".commit")] == []  # nothing that counts
         assert ck.reserve(state_for(1), wait=True).result().slots == 0  # enough there: nothing more
         for s in range(1, 6):
             ck.save_async(s, state_for(s))
@@ -272,6 +274,18 @@ def test_close_stops_slots_in_the_making_and_leaves_none(tmp_path, shm, monkeypa
     assert not folder.exists()
     with pytest.raises(gdsckpt.GdsckptError, match="closed"):
         ck.reserve(state_for(1))
+
+
+def test_a_slot_that_cannot_be_made_fails_the_reservation_and_holds_up_nothing(tmp_path, shm, monkeypatch):
+    def full(slot, pin, stop=None):
+        raise MemoryTierFullError(f"the shared-memory file system holding {str(slot.path)!r} has no room")
+    monkeypatch.setattr(memory_slot.Slot, "prepare", full)
+    with Checkpointer(tmp_path / "run", memory=True, save_options=OPTS) as ck:
+        with pytest.raises(MemoryTierFullError, match="no room"):
+            ck.reserve(state_for(1), wait=True)
+        assert slot_files(ck) == [] and ck.memory.tier.held_bytes() == 0  # every slot made went back
+        ck.save_async(1, state_for(1)).result(60)  # waits for no slot: makes its own
+        assert_same(ck.restore().state, state_for(1))
 
 
 def test_release_memory_frees_reserved_slots(tmp_path, shm):
