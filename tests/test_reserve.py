@@ -334,3 +334,42 @@ def test_checkpointer_reserve_without_memory_reserves_the_pool(tmp_path):
         assert r.where == "pool cpu" and r.held_bytes == pp.pools()["cpu"]["capacity_bytes"] > 0
         stats = ck.save_async(1, _state(7, n=1_000_000)).result(60)
         assert stats.pool_alloc_s == 0.0
+
+
+# ---------------------------------------------------------------- on a GPU (pinned arenas, page-locked slots)
+
+
+@pytest.mark.gpu
+def test_gpu_reserve_pins_the_pool_and_the_first_save_allocates_nothing(tmp_path):
+    g = torch.Generator(device="cuda").manual_seed(8)
+    state = {"w": torch.randn(20_000_000, device="cuda", generator=g),
+             "b": torch.randn(300_000, device="cuda", generator=g).to(torch.bfloat16)}
+    r = gdsckpt.reserve(state, wait=True).result()
+    pool = f"cuda:{torch.cuda.current_device()}"
+    assert r.where == f"pool {pool}" and r.pinned and r.warm_s > 0
+    assert pp.pools()[pool]["capacity_bytes"] == r.held_bytes == r.allocated_bytes
+    assert r.limit_bytes - pp.ALIGN < r.held_bytes <= r.limit_bytes
+    first = gdsckpt.save_async(state, tmp_path / "a.gdsckpt").result(120)
+    assert first.backend == "gpu" and first.pool_alloc_s == 0.0 and first.pool_limit_bytes == r.limit_bytes
+    assert first.memory["pinned_host_bytes"] == r.held_bytes
+    assert_same(gdsckpt.load(tmp_path / "a.gdsckpt", device="cpu"), {k: v.cpu() for k, v in state.items()})
+    assert gdsckpt.reserve(state, wait=True).result().allocated_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_checkpointer_reserve_page_locks_the_slots_before_the_first_save(tmp_path, shm):
+    g = torch.Generator(device="cuda").manual_seed(9)
+    state = {"model": {"w": torch.randn(2_000_000, device="cuda", generator=g)},
+             "optim": {"m": torch.randn(1_000_000, device="cuda", generator=g)}}
+    with Checkpointer(tmp_path / "run", memory=True, every_local=10) as ck:
+        r = ck.reserve(state, wait=True).result()
+        st = ck.status()["memory"]
+        assert r.slots == 2 and r.pinned and st["pinned_bytes"] == st["held_bytes"] == r.held_bytes
+        made = slot_files(ck)
+        first = ck.save_async(1, state).result(120)
+        assert first.io_path == "memory" and first.backend == "gpu"
+        ck.save_async(2, state).result(120)
+        assert slot_files(ck) == made and ck.status()["memory"]["pinned_bytes"] == r.held_bytes
+        restored = ck.restore(step=2)
+        assert (restored.source, restored.step) == ("memory", 2)
+        assert torch.equal(restored.state["model"]["w"].cpu(), state["model"]["w"].cpu())
