@@ -32,6 +32,9 @@ this host, where it outlives the process and restores without the disk; the 1st,
 every_local)th, ... step saved is also written to the directory (coalesced when the disk falls
 behind), and uploads follow the steps written there. restore() tries a step's memory copy first.
 
+reserve(state), before the loop, makes the host memory the first save would otherwise allocate
+and page-lock inside its call (the pool, or the memory tier's segments) on a background thread.
+
 One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes a second
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
 A directory this process cannot write is opened read-only: steps(), latest_step() and
