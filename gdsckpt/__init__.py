@@ -2,6 +2,7 @@
 
     gdsckpt.save(state, "ckpt.gdsckpt")             # durable on return
     fut = gdsckpt.save_async(state, "ckpt.gdsckpt") # state safe to mutate on return; fut.result(): durable
+    gdsckpt.reserve(state)                          # before the loop: the first save_async allocates nothing
     state = gdsckpt.load("ckpt.gdsckpt")            # tensors back where they were saved from
     gdsckpt.load_into("ckpt.gdsckpt", state)       # in place; objects through load_state_dict()
     with gdsckpt.open("ckpt.gdsckpt") as ck: ck.get_tensor("model/wte.weight")
@@ -22,6 +23,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
 )
 from .errors import MemoryTierFullError  # the checkpoint manager's memory tier
+from .reserve import Reservation, reserve  # host memory ahead of the first save
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
@@ -31,5 +33,5 @@ __all__ = [
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
     "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
-    "MemoryTierFullError",
+    "MemoryTierFullError", "reserve", "Reservation",
 ]

@@ -87,7 +87,8 @@ from .storage import save_target, user_path
 from .tree import Leaf, flatten
 
 __all__ = ["save_async", "AsyncStats", "SaveFuture", "SaveInFlightError", "BackgroundSaveError",
-           "release_pools", "pools", "default_pool_limit", "MODES", "memory_of", "optimizer_memory"]
+           "release_pools", "pools", "default_pool_limit", "check_pool_bytes", "MODES", "memory_of",
+           "optimizer_memory"]
 
 MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE)  # the snapshots save_async takes
 
@@ -130,6 +131,12 @@ def default_pool_limit(plan) -> int:
     return max(limit, 1)
 
 
+def check_pool_bytes(pool_bytes) -> None:
+    """pool_bytes=: a positive int or None (the default bound), else a ValueError."""
+    if pool_bytes is not None and (not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool) or pool_bytes < 1):
+        raise ValueError(f"pool_bytes must be a positive int or None, not {pool_bytes!r}")
+
+
 def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, optimizer=None,
                pool_bytes: int | None = None, wait: bool = True, memory: SnapshotTarget | None = None,
                **save_options) -> SaveFuture:
@@ -160,8 +167,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     if memory is not None and (mode is Snapshot.DEVICE or pool_bytes is not None):
         raise ValueError("memory= takes the compressed host snapshot into the memory tier: not with "
                          "snapshot='device' or pool_bytes=")
-    if pool_bytes is not None and (not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool) or pool_bytes < 1):
-        raise ValueError(f"pool_bytes must be a positive int or None, not {pool_bytes!r}")
+    check_pool_bytes(pool_bytes)
     options = SaveOptions(**save_options)
     t0 = time.perf_counter()
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy

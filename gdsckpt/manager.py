@@ -32,6 +32,9 @@ this host, where it outlives the process and restores without the disk; the 1st,
 every_local)th, ... step saved is also written to the directory (coalesced when the disk falls
 behind), and uploads follow the steps written there. restore() tries a step's memory copy first.
 
+reserve(state), before the loop, makes the host memory the first save would otherwise allocate
+and page-lock inside its call (the pool, or the memory tier's segments) on a background thread.
+
 One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes a second
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
 A directory this process cannot write is opened read-only: steps(), latest_step() and
@@ -335,6 +338,24 @@ class Checkpointer:
                     log.warning("gdsckpt: after committing step %d: %s", step, e)
         fut.add_done_callback(done)
         return fut
+
+    def reserve(self, state, *, wait: bool = False) -> Future:
+        """Make ahead of need, on a background thread, the host memory the next saves of `state`
+        take, so that the first one blocks no longer than later ones: save_async's pool
+        (gdsckpt.reserve), or with the memory tier the tier's slots for the next steps, made and
+        page-locked within its cap, dropping nothing (a slot no step has used holds nothing that
+        counts: it is removed as any uncommitted one). A Future of a gdsckpt.Reservation;
+        wait=True: returned once done. Under torch.distributed without the memory tier nothing is
+        reserved (DCP's staging allocates its own): the future's result is None."""
+        self._writable("reserve memory for saves")
+        if self.memory is not None:
+            return self.memory.reserve(state, wait)
+        if self.distributed:
+            nothing: Future = Future()
+            nothing.set_result(None)
+            return nothing
+        from .reserve import reserve
+        return reserve(state, wait=wait, **self.save_options)
 
     def wait(self, *, uploads: bool = False, timeout: float | None = None) -> None:
         """Wait for the pending save_async (raising its error, unless the caller has seen it through

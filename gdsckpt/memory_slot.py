@@ -9,7 +9,8 @@ bytes first reach them, like the pinned pool's growth, and taken with fallocate,
 shared-memory file system is a MemoryTierFullError there and not a SIGBUS at a store into the
 mapping. On a GPU host each arena is also page-locked (cudaHostRegister) as device-to-host
 copies first reach it; arenas stay taken and locked while the slot lives in this process, so a
-slot reused for later steps takes and locks nothing more.
+slot reused for later steps takes and locks nothing more. A slot made ahead of need
+(Checkpointer.reserve) takes and locks all of them before any step uses it (`prepare`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,15 @@ class Slot:
             out.append(self.tensor[pos:stop])
             pos = stop
         return out, spent
+
+    def prepare(self, pin: bool, stop=None) -> bool:
+        """Take (and with pin, page-lock) every arena of the mapping now, one at a time, asking
+        stop() between them: a slot made ahead of need. Whether every arena was reached."""
+        for lo in range(0, self.mapped, POOL_ARENA_BYTES):
+            if stop is not None and stop():
+                return False
+            self._touch(lo, min(self.mapped, lo + POOL_ARENA_BYTES), pin)
+        return True
 
     def _touch(self, start: int, end: int, pin: bool) -> float:
         """Take (and with pin, page-lock) the arenas under [start, end); seconds spent."""

@@ -38,6 +38,14 @@ INDEX_PER_ENTRY = 256
 WRITE_PIECE = 64 << 20
 
 
+def slot_bytes(plan) -> int:
+    """The slot a snapshot of `plan` takes: the header, every chunk's record (stored raw at worst,
+    rounded up to 4 KiB) and the index's allowance."""
+    records = fmt.HEADER_SIZE + sum(align_up(c.length) for c in plan.chunks)
+    allowance = INDEX_ALLOWANCE + INDEX_PER_ENTRY * (len(plan.tensors) + len(plan.chunks))
+    return align_up(records + allowance)
+
+
 class MemoryTarget:
     """save_async(memory=): `step`'s snapshot into `tier` (host_snapshot.SnapshotTarget)."""
 
@@ -107,10 +115,8 @@ class MemoryDestination:
         return self.file
 
     def layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan) -> DeferredLayout:
-        records = fmt.HEADER_SIZE + sum(align_up(c.length) for c in plan.chunks)  # a chunk is stored raw at worst
-        allowance = INDEX_ALLOWANCE + INDEX_PER_ENTRY * (len(plan.tensors) + len(plan.chunks))
         t = time.perf_counter()
-        self.slot, self.wait_s = self.tier.reserve(self.step, align_up(records + allowance))
+        self.slot, self.wait_s = self.tier.reserve(self.step, slot_bytes(plan))
         self.reserve_s = time.perf_counter() - t - self.wait_s
         self.file.slot = self.slot
         self.slot.write(fmt.header_bytes(), 0)

@@ -98,6 +98,18 @@ class MemorySteps:
             "gdsckpt: step %d is saved to %s, not held in memory: %s", step, self.layout.directory, why)
         return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
 
+    def reserve(self, state, wait: bool) -> Future:
+        """The next steps' room made ahead of need (Checkpointer.reserve): the tier's slots, made
+        and page-locked on a background thread (reserve.reserve_memory); where the tier has no
+        room for the state (its steps go to the directory as without the tier), save_async's pool."""
+        from .memory_snapshot import slot_bytes
+        from .reserve import in_background, plan_for, reserve, reserve_memory
+        what = memory_dcp().snapshot(state) if self.distributed else state
+        planned = plan_for(what, self.save_options)
+        if not self.distributed and self.tier.room_for(slot_bytes(planned.plan)) is not None:
+            return reserve(state, wait=wait, **self.save_options)
+        return in_background(lambda stop: reserve_memory(self.tier, planned, stop), planned.device, wait)
+
     def next_is_local(self) -> bool:
         """Whether the next save is also written to the directory: the 1st, (1 + every_local)th, ..."""
         return self._saves % self.every_local == 0

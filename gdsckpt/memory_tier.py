@@ -31,6 +31,14 @@ the newest intact step and on no disk (the only copy), never a copy being read (
 write in progress). A step that finds no room
 waits for such reads to end; a step larger than the cap, or one that would need the protected
 copy's room, is a MemoryTierFullError (the manager then saves it to disk the ordinary way).
+
+Ahead of need (Checkpointer.reserve): `make_spares` makes the slots the next steps will take,
+as many as the tier holds without reads in progress (`keep`, counting the slots already there
+that fit), within the cap beside everything held and dropping nothing; the caller takes and
+page-locks their memory outside the lock and hands each back with `spare_done`, after which it
+is a free slot like any other. A step that finds no free slot while one is being made waits for
+it. A spare holds nothing that counts and has no commit record: close() removes it, and so does
+the next manager where the process died first.
 """
 
 from __future__ import annotations
@@ -260,6 +268,8 @@ class MemoryTier:
         self._copies: dict[int, Copy] = {}
         self._free: list[Slot] = []  # mapped, holding nothing that counts: reused before new ones are made
         self._writing: dict[str, tuple[int, Slot]] = {}  # slot name -> (step, slot) being written
+        self._making: dict[str, Slot] = {}  # slot name -> spare slot being made ahead of need (make_spares)
+        self._stopping = False  # close() or release_all() in progress: spares being made stop
         self._held: Counter = Counter()  # step -> readers (a local write): not dropped meanwhile
         self._next_slot = 0
         self.reclaimed: list[dict] = []  # what opening removed, and why
@@ -336,7 +346,8 @@ class MemoryTier:
                     "reclaimed": list(self.reclaimed), "dropped": list(self.dropped)}
 
     def _slots(self) -> list[Slot]:
-        return [c.slot for c in self._copies.values()] + self._free + [s for _, s in self._writing.values()]
+        return ([c.slot for c in self._copies.values()] + self._free + [s for _, s in self._writing.values()]
+                + list(self._making.values()))
 
     # ------------------------------------------------------------ reads in progress
     def hold(self, step: int) -> Copy:
@@ -370,7 +381,7 @@ class MemoryTier:
                 slot = self._make_room(step, need)
                 if slot is not None:
                     break
-                if not self._held:
+                if not self._held and not self._making:
                     newest = max(self._copies) if self._copies else None
                     raise MemoryTierFullError(
                         f"no room for step {step} ({need} bytes) in the memory tier ({self.cap_bytes} byte cap, "
@@ -402,6 +413,8 @@ class MemoryTier:
             self._drop(order.pop(0), f"more than keep_memory={self.keep} copies")
         order = self._drop_order(for_room=True)
         fitting = min((s for s in self._free if s.mapped >= need), key=lambda s: s.mapped, default=None)
+        if fitting is None and self._making:
+            return None  # slots are being made ahead of need: wait for them rather than make another
         while self._held_bytes() + (0 if fitting else need) > self.cap_bytes:
             spare = [s for s in self._free if s is not fitting]
             if spare:
@@ -421,6 +434,9 @@ class MemoryTier:
         for spare in self._free:  # too small for this step, as for the next ones (a state keeps its size)
             spare.delete()
         self._free.clear()
+        return self._new_slot(need)
+
+    def _new_slot(self, need: int) -> Slot:
         name = f"slot-{self._next_slot}"
         self._next_slot += 1
         return Slot(self.folder / name, need)
@@ -460,6 +476,42 @@ class MemoryTier:
             self._free.append(slot)
             self._cond.notify_all()
 
+    # ------------------------------------------------------------ slots ahead of need
+    def make_spares(self, need: int) -> list[Slot]:
+        """Slots of `need` bytes for the next steps, made now (their files) and the caller's
+        until spare_done(): as many as bring the slots that fit `need` (copies, free ones, those
+        being written or made) to `keep`, each only where the cap holds it beside everything
+        held; none where enough are there. Drops nothing."""
+        made = []
+        with self._cond:
+            while (not self._stopping and sum(s.mapped >= need for s in self._slots()) < self.keep
+                   and self._held_bytes() + need <= self.cap_bytes):
+                slot = self._new_slot(need)
+                self._making[slot.name] = slot
+                made.append(slot)
+        return made
+
+    def spare_done(self, slot: Slot, ready: bool) -> None:
+        """A slot from make_spares is made (ready: its memory taken and page-locked): a free slot
+        from now on; not ready (failed, or stopped short), or the tier closing: removed."""
+        with self._cond:
+            del self._making[slot.name]
+            if ready and not self._stopping:
+                self._free.append(slot)
+            else:
+                slot.delete()
+            self._cond.notify_all()
+
+    def stopping(self) -> bool:
+        """Whether slots being made should stop (close() or release_all() waits for them)."""
+        return self._stopping
+
+    def _stop_making(self) -> None:
+        """Under the lock: stop the spares being made and wait until none is left."""
+        self._stopping = True
+        while self._making:
+            self._cond.wait(1.0)
+
     # ------------------------------------------------------------ letting copies go
     def trim(self) -> list[int]:
         """Drop copies beyond `keep`, in the drop order, where they may go (after a commit, or once
@@ -491,21 +543,26 @@ class MemoryTier:
     def release_all(self) -> int:
         """Free every copy and slot (waiting for reads in progress); the bytes freed."""
         with self._cond:
-            while self._held:
-                self._cond.wait(1.0)
-            freed = 0
-            for step in sorted(self._copies):
-                self._drop(step, "released")
-            for slot in self._free:
-                freed += slot.size()
-                slot.delete()
-            self._free.clear()
-            return freed
+            try:
+                self._stop_making()
+                while self._held:
+                    self._cond.wait(1.0)
+                freed = 0
+                for step in sorted(self._copies):
+                    self._drop(step, "released")
+                for slot in self._free:
+                    freed += slot.size()
+                    slot.delete()
+                self._free.clear()
+                return freed
+            finally:
+                self._stopping = False
 
     def close(self) -> None:
         """Unmap everything and release the lock; the committed copies stay for the next manager,
         slots holding nothing are removed, and so is the folder if no copy is left."""
         with self._cond:
+            self._stop_making()
             for slot in self._free:
                 slot.delete()
             self._free.clear()

@@ -13,6 +13,11 @@ address order, so that a chunk's pieces are usually one run and one write.
 Bounded: a reservation names the most the pool may hold (`limit`); an extent that does not
 fit waits until the background writer releases earlier ones (back-pressure), and the caller
 is told how long it waited, for the save's stats.
+
+Grown ahead of need (`grow`: gdsckpt.reserve) on a background thread, an arena at a time and
+outside the lock, so that a save reserving meanwhile is never held up for longer than the
+arena in progress; that arena counts in `growing`, and a save grows the pool only into what
+is neither allocated nor being allocated: the two together stay within the bound.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ class PinnedPool:
         self._cond = threading.Condition()
         self.capacity = 0  # bytes allocated
         self.in_use = 0  # bytes in extents not yet released
+        self.growing = 0  # bytes of the arena `grow` is allocating outside the lock
+        self._trims = 0  # trims so far: one during a `grow` stops it (the memory is wanted back)
 
     def reserve(self, nbytes: int, limit: int, before_wait=None, grow_to: int = 0) -> tuple[Extent, float, float]:
         """An extent of align_up(nbytes) bytes: (extent, seconds waited for space, seconds
@@ -115,15 +122,21 @@ class PinnedPool:
         flushed = False
         with self._cond:
             target = min(grow_to, limit)
-            while self.capacity < target and (limit - self.capacity) // ALIGN:
+            while self.capacity + self.growing < target and self._room(limit):
                 t = time.perf_counter()
-                self._grow(min(self._arena_size(limit), (limit - self.capacity) // ALIGN * ALIGN))
+                self._grow(min(self._arena_size(limit), self._room(limit)))
                 allocated += time.perf_counter() - t
             while self.in_use + need > limit or self.capacity - self.in_use < need:
-                room = (limit - self.capacity) // ALIGN * ALIGN
+                room = self._room(limit)
                 if self.in_use + need <= limit and room > 0:
                     t = time.perf_counter()
                     self._grow(min(self._arena_size(limit), room))
+                    allocated += time.perf_counter() - t
+                    continue
+                if self.in_use + need <= limit and self.growing:
+                    # the room comes with the arena `grow` is allocating: wait for it, allocate no other
+                    t = time.perf_counter()
+                    self._cond.wait(timeout=1.0)
                     allocated += time.perf_counter() - t
                     continue
                 if before_wait is not None and not flushed:
@@ -150,10 +163,46 @@ class PinnedPool:
             extent.pieces = []
             self._cond.notify_all()
 
+    def grow(self, limit: int, stop=None) -> tuple[int, float]:
+        """Allocate arenas until `limit` bytes are allocated (ahead of need: gdsckpt.reserve), one
+        at a time without holding the lock while one is allocated (it counts in `growing`
+        meanwhile); (bytes allocated, seconds). Nothing where the pool already holds `limit`.
+        Stops early where stop() says so (asked between arenas), or where a trim (release_pools,
+        a save with a smaller bound) asks for the memory back meanwhile: the arena in progress
+        then goes back too."""
+        allocated, t0 = 0, time.perf_counter()
+        with self._cond:
+            trims = self._trims
+        while stop is None or not stop():
+            with self._cond:
+                size = min(self._arena_size(limit), self._room(limit))
+                if size <= 0 or self._trims != trims:
+                    break
+                self.growing += size
+            arena = None
+            try:
+                arena = _Arena(size, self.pinned)
+            finally:
+                with self._cond:
+                    self.growing -= size
+                    kept = arena is not None and self._trims == trims
+                    if kept:
+                        self._arenas.append(arena)
+                        self.capacity += arena.size
+                        allocated += arena.size
+                    self._cond.notify_all()
+            if not kept:
+                del arena
+                self._hand_back()
+                break
+        return allocated, time.perf_counter() - t0
+
     def trim(self, limit: int) -> int:
-        """Free whole idle arenas until at most `limit` bytes are allocated; bytes freed."""
+        """Free whole idle arenas until at most `limit` bytes are allocated; bytes freed. A `grow`
+        in progress stops."""
         freed = 0
         with self._cond:
+            self._trims += 1
             for arena in reversed(list(self._arenas)):
                 if self.capacity <= limit:
                     break
@@ -161,9 +210,18 @@ class PinnedPool:
                     self._arenas.remove(arena)
                     self.capacity -= arena.size
                     freed += arena.size
-        if freed and self.pinned and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # hand the pages back, not just to torch's pinned cache
+        if freed:
+            self._hand_back()
         return freed
+
+    def _hand_back(self) -> None:
+        """Freed pinned arenas: hand the pages back, not just to torch's pinned cache."""
+        if self.pinned and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+    def _room(self, limit: int) -> int:
+        """Bytes the pool may still grow by under `limit`: neither allocated nor being allocated."""
+        return max(0, (limit - self.capacity - self.growing) // ALIGN * ALIGN)
 
     def _arena_size(self, limit: int) -> int:
         """arena_bytes, or for a small bound a sixteenth of it (a power of two, at least 1 MiB), so

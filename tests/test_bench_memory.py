@@ -24,7 +24,13 @@ def test_train_memory(tmp_path, shm, capsys):
     assert len(m["blocked_s"]["each"]) == 4 and m["overhead_per_ckpt_s"]["mean"] is not None
     loop = r["memory"]["loop"]
     assert loop["every_local"] == 2 and loop["checkpoints"] == 4 and loop["local_writes"] == 2
-    assert [c["step"] for c in loop["per_checkpoint"]] == [4, 5, 6, 7]  # after the first save's 3 (keep_memory + 1)
+    assert [c["step"] for c in loop["per_checkpoint"]] == [2, 3, 4, 5]  # after the first save's
+    # the tier's slots reserved in its setup, before the first save; its first save checked against its loops'
+    res = m["reserve"]
+    assert res["slots"] == 2 and res["where"].startswith("memory ") and res["allocated_bytes"] > 0
+    t = {e["method"]: e["checks"] for e in r["targets"]}
+    assert set(t["gdsckpt Checkpointer memory"]) == {"first_blocked_beyond_steady_s"}
+    assert "first_blocked_beyond_steady_s" in t["gdsckpt.save_async"]
     assert all(c["memory_s"] > 0 for c in loop["per_checkpoint"])
     assert all((c["durable_s"] is not None) or c["coalesced"] for c in loop["per_checkpoint"] if c["local"])
     rest = r["memory"]["restore"]

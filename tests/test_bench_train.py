@@ -32,7 +32,18 @@ def test_train_and_cost(tmp_path, capsys):
     # the stall-free targets, checked: the background method only, against this run's gdsckpt.save
     (t,) = r["targets"]
     assert t["method"] == "gdsckpt.save_async" and t["rank"] is None
-    assert set(t["checks"]) == {"idle_s", "blocked_s", "durable_x_sync"}  # no GPU memory target on the CPU
+    # no GPU memory target on the CPU
+    assert set(t["checks"]) == {"idle_s", "blocked_s", "durable_x_sync", "first_blocked_beyond_steady_s"}
+    # save_async reserved its pool in its setup, before its first save (issue 22, target 3), and says so
+    a = rows["gdsckpt.save_async"]
+    res = a["reserve"]
+    assert res["when"].startswith("setup: before the first save and the loops") and res["where"] == "pool cpu"
+    assert res["seconds"] > 0 and 0 < res["held_bytes"] <= res["limit_bytes"] and res["slots"] == 0
+    assert rows["gdsckpt.save"]["reserve"] is None and rows["torch.save"]["reserve"] is None
+    f = t["checks"]["first_blocked_beyond_steady_s"]
+    assert f["target"] == 0.30
+    assert abs(f["measured"] - (a["first_save"]["blocked_s"] - a["blocked_s"]["mean"])) < 1e-3
+    assert "reserved before its first save and the loops" in printed
     a = rows["gdsckpt.save_async"]
     c = t["checks"]["durable_x_sync"]
     assert abs(c["measured"] - a["completion_s"]["mean"] / rows["gdsckpt.save"]["blocked_s"]["mean"]) < 1e-3

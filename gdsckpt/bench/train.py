@@ -10,7 +10,8 @@ drained inside the timed loop, so a method's whole cost is in its loop time:
 
 The methods' loops run interleaved (none, A, B, ..., none, A, B, ...) --repeats times, so the
 noise between repeats shows. Before its first loop each method makes one checkpoint outside
-the loops (codecs, pinned pools, process start-up): reported apart as `first_save`.
+the loops (codecs, pinned pools, process start-up): reported apart as `first_save`, after what
+the method's setup reserved ahead of it (gdsckpt.reserve: `reserve`, with its time).
 
 Per checkpoint: caller-blocked seconds (the call, plus any wait the method imposes before
 the next optimizer step: DCP's staging future, a save_async step pre-hook) and background
@@ -96,7 +97,7 @@ def run_train(args) -> dict:
     n_tensors = sum(1 for v in state["model"].values()) + sum(len(s) for s in state["optim"]["state"].values())
     del state
     rows = {m.name: {"name": m.name, "status": "ok", "error": None, "loops": [], "first_save": None,
-                     "notes": ""} for m in methods}
+                     "reserve": None, "notes": ""} for m in methods}
 
     def clear():
         if rk:  # every rank done with the files before rank 0 removes them
@@ -123,6 +124,7 @@ def run_train(args) -> dict:
             print(f"[train] first save: {m.name}", file=sys.stderr, flush=True)
             try:
                 m.setup(ctx)
+                rows[m.name]["reserve"] = m.reserved
                 tc = time.perf_counter()
                 h = m.save(ctx, ctx.state(), directory / f"first-{len(rows[m.name]['loops'])}")
                 tb = time.perf_counter() - tc

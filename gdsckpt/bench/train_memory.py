@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .train_methods import Method, checkpoint_state
+from .train_methods import Method, checkpoint_state, reservation
 
 NAME = "gdsckpt Checkpointer memory"
 RESTORE_TARGET_GPU_S = 0.5
@@ -52,13 +52,12 @@ def add_arguments(g) -> None:
 class CkptMemory(Method):
     """Checkpointer(memory=True, every_local=N).save_async every interval: one Checkpointer for
     every loop, in a directory beside the loops' (which is emptied between loops), its steps
-    numbered on across loops. Its first save (outside the loops) saves keep_memory + 1 steps, so
-    that the tier's slots exist (each new slot is allocated and, on a GPU host, page-locked, as
-    the pinned pool is by save_async's first saves) and the loops run as a long run does."""
+    numbered on across loops. Its setup reserves the tier's slots (Checkpointer.reserve, waited
+    for: each slot made and, on a GPU host, page-locked before the first save and the loops), so
+    that its first save, like the loops', takes a slot that exists."""
 
     name = NAME
     asynchronous = True
-    notes = "first save: keep_memory + 1 saves, so that the loops reuse the tier's slots"
 
     def __init__(self, every_local: int = 4):
         self.every_local = every_local
@@ -72,13 +71,10 @@ class CkptMemory(Method):
         from gdsckpt import Checkpointer
         self.root = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-memory-", dir=ctx.directory.parent))
         self.ck = Checkpointer(self.root / "ckpt", memory=True, every_local=self.every_local)
+        self.reserved = reservation(lambda: self.ck.reserve(ctx.state()) if hasattr(self.ck, "reserve") else None)
 
     def save(self, ctx, state, path):
         tag = path.name.partition("-step")[0]
-        if tag.startswith("first"):  # outside the loops: make the slots a long run reuses
-            for _ in range(self.ck.memory.tier.keep):
-                self.step += 1
-                self.ck.save(self.step, state)
         self.step += 1
         step = self.step
         local = self.ck.memory.next_is_local()

@@ -4,7 +4,9 @@ A method is a Method subclass: `save` returns a handle (a future that completes 
 background) or None (a synchronous save, whose whole cost is the call), `before_step` is any
 wait it imposes before the next optimizer step. METHODS holds one line per method or mode;
 gdsckpt.save_async modes are detected from the installed save_async's signature, and a mode it
-does not accept is reported as unavailable.
+does not accept is reported as unavailable. The save_async methods (but snapshot="device",
+which takes no host memory) reserve their host memory in `setup` (gdsckpt.reserve, waited for:
+before the first save and the loops) and say what it took in `reserved`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -71,6 +74,7 @@ class Method:
     asynchronous = False
     sharded = False  # runs under torchrun: saves each rank's DTensor shards
     notes = ""  # what the result should say about how it ran
+    reserved: dict | None = None  # what setup reserved ahead of the first save (reservation()), if anything
 
     def available(self) -> str | None:
         """None if it can run here, else why not."""
@@ -88,6 +92,21 @@ class Method:
 
     def teardown(self) -> None:
         pass
+
+
+def reservation(start) -> dict | None:
+    """Run a reservation (start(): gdsckpt.reserve or Checkpointer.reserve, a Future of a
+    Reservation) and wait for it, in a method's setup: before its first save and the loops.
+    What it took, for the result; None where the installed gdsckpt has no reserve."""
+    t = time.perf_counter()
+    fut = start()
+    if fut is None:
+        return None
+    r = fut.result()
+    return {"when": "setup: before the first save and the loops, waited for", "seconds": time.perf_counter() - t,
+            "where": r.where, "allocated_bytes": r.allocated_bytes, "held_bytes": r.held_bytes,
+            "limit_bytes": r.limit_bytes, "pinned": r.pinned, "warm_s": r.warm_s, "alloc_s": r.alloc_s,
+            "slots": r.slots}
 
 
 class NoCheckpoint(Method):
@@ -129,6 +148,15 @@ class GdsSaveAsync(Method):
         missing = [k for k in want if k not in params]
         return f"save_async does not accept {', '.join(missing)}" if missing else None
 
+    def setup(self, ctx):
+        import gdsckpt
+        if self.kwargs.get("snapshot") != "device" and hasattr(gdsckpt, "reserve"):
+            self.reserved = reservation(lambda: gdsckpt.reserve(self.saved(ctx.state())))
+
+    def saved(self, state):
+        """What save() saves of `state`."""
+        return state
+
     def save(self, ctx, state, path):
         import gdsckpt
         kw = dict(self.kwargs)
@@ -159,10 +187,12 @@ class GdsSaveAsyncShards(GdsSaveAsync):
     def available(self):
         return None if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "a comparison for runs under torchrun"
 
+    def saved(self, state):
+        return states.local_tensors(state)
+
     def save(self, ctx, state, path):
-        local = states.local_tensors(state)
         rank = ctx.ranks.rank if ctx.ranks else 0
-        return super().save(ctx, local, path.with_name(f"{path.name}-rank{rank}.gdsckpt"))
+        return super().save(ctx, self.saved(state), path.with_name(f"{path.name}-rank{rank}.gdsckpt"))
 
 
 _PG_READY = False

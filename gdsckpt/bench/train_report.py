@@ -22,12 +22,15 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's median step],
    gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
    overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the median step before its first checkpoint),
-   first_save: {blocked_s, completion_s}, stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
+   first_save: {blocked_s, completion_s} (outside the loops, after `reserve`),
+   reserve: {when, seconds, where, allocated_bytes, held_bytes, limit_bytes, pinned, warm_s, alloc_s, slots} | null
+   (what the method's setup reserved ahead of its first save: gdsckpt.reserve / Checkpointer.reserve),
+   stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
- cost: {...} | null, targets: [{method, rank, checks: {idle_s | blocked_s | extra_gpu_bytes | durable_x_sync:
-   {target, measured, met, short_by}}}] (bench/targets.py);
+ cost: {...} | null, targets: [{method, rank, checks: {idle_s | blocked_s | extra_gpu_bytes | durable_x_sync |
+   first_blocked_beyond_steady_s: {target, measured, met, short_by}}}] (bench/targets.py);
  under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
- ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save,
+ ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save, reserve,
    steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
 
 
@@ -101,7 +104,7 @@ def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = 
 
 def rank_row(r: dict) -> dict:
     """The figures of one rank's method row that the per-rank table shows."""
-    keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save",
+    keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save", "reserve",
             "steps_after_ckpt_extra_s", "gpu_wait_after_ckpt_extra_s", "overhead_in_loop_per_ckpt_s", "gpu", "host",
             "stored_bytes")
     return {k: r[k] for k in keep if k in r}
@@ -147,6 +150,12 @@ def print_train(result: dict, out=None) -> None:
               f"{r['gpu']['peak_extra_device_bytes'] / 2**30:>9.2f}{r['host']['pinned_torch_bytes'] / 2**30:>11.2f}"
               f"{_f(r.get('stored_bytes') and r['stored_bytes'] / 1e9):>10}", file=out)
     for r in d["methods"]:
+        if r.get("reserve"):
+            v = r["reserve"]
+            print(f"  {r['name']:<44} reserved before its first save and the loops: "
+                  f"{v['allocated_bytes'] / 1e9:.2f} GB ({v['where']}, {'page-locked' if v['pinned'] else 'not page-locked'}) in {v['seconds']:.2f} s "
+                  f"(warm-up {v['warm_s']:.2f} s, allocation {v['alloc_s']:.2f} s)", file=out)
+    for r in d["methods"]:
         if r.get("steps_after_ckpt_extra_s"):
             print(f"  {r['name']:<44} overhead/ckpt against its own first interval "
                   f"{_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
@@ -163,8 +172,8 @@ def print_train(result: dict, out=None) -> None:
                       file=out)
     print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
           " blocked: the caller's wait per checkpoint; done: call to durable; first: the first save's blocked s,"
-          " outside the loops; +GPU: torch peak over the 'none' loop; +dev: device-wide (cudaMemGetInfo, per step);"
-          " pinned: torch's pinned host allocator", file=out)
+          " outside the loops (after the method's reservation, if any); +GPU: torch peak over the 'none' loop;"
+          " +dev: device-wide (cudaMemGetInfo, per step); pinned: torch's pinned host allocator", file=out)
     targets.print_targets(d.get("targets") or [], out)
     if d.get("cost"):
         print_cost(d["cost"], out)

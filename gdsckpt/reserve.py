@@ -1,0 +1,198 @@
+"""gdsckpt.reserve: the host memory a save will need, allocated and page-locked ahead of need on
+a background thread, so that the first save blocks no longer than a steady one.
+
+    gdsckpt.reserve(state)                      # before the loop: returns at once
+    ...                                         # training goes on meanwhile
+    fut = gdsckpt.save_async(state, path)       # takes what is reserved so far, allocates no more than it may
+
+A first save_async allocates its host pool (pinned_pool.py) inside the call: pinned allocation
+costs ~0.5 s per GB (H100, 2026-11-23), so the first save blocked as long as a synchronous one.
+A reservation, on its own thread:
+
+1. warms the backend a save of `state` runs on: one tiny snapshot (a few KiB of zeros per dtype
+   of `state`, on its device, discarded), which makes the per-device codecs, kernels and
+   streams a first save would make inside its call;
+2. grows the device's pool (pinned_pool.pool_for) to save_async's bound for `state`
+   (async_save.default_pool_limit of its plan, or pool_bytes=), an arena at a time without
+   holding the pool's lock (PinnedPool.grow): a save that starts meanwhile takes the arenas
+   already there and grows only into what the reservation is not allocating, so that the
+   pool never holds more than the bound. Reserved again, a pool that holds its bound
+   allocates nothing.
+
+The pool stays bounded as save_async bounds it: release_pools() frees it (and stops a
+reservation in progress), a save with a smaller bound trims it. Checkpointer.reserve reserves
+what a Checkpointer's next save needs, the memory tier's slots included (`reserve_memory`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .async_save import check_pool_bytes, default_pool_limit
+from .backend import check_gds, choose
+from .device_copy import cuda_device_of, on_device
+from .dtypes import name_of
+from .memory_snapshot import slot_bytes
+from .pinned_pool import align_up, pool_for
+from .plan import Plan, make_plan
+from .ring import Completion
+from .save import SaveOptions, Sink, save_flat
+from .tree import flatten
+
+__all__ = ["reserve", "Reservation", "Planned", "plan_for", "reserve_memory", "in_background"]
+
+WARM_BYTES = 64 << 10  # the warm-up snapshot's bytes per dtype: enough for a chunk of every codec
+
+
+@dataclass
+class Reservation:
+    """What a reservation did: `allocated_bytes` (0: everything was there already) in `seconds`,
+    of which `warm_s` warming the backend and `alloc_s` allocating (and page-locking)."""
+
+    where: str  # "pool cuda:0", "pool cpu", or "memory <the tier's folder>"
+    limit_bytes: int  # the pool's bound, or the memory tier's cap
+    held_bytes: int  # what the pool (the tier) holds after it
+    allocated_bytes: int
+    pinned: bool  # page-locked: the bytes come from a GPU
+    seconds: float
+    warm_s: float
+    alloc_s: float
+    slots: int = 0  # the memory tier's slots made
+
+
+@dataclass
+class Planned:
+    """A state planned as its save would plan it: the chunks (the bounds follow from them), the
+    backend it runs on, the CUDA device whose pool and backend it uses, and per dtype the device
+    of its first tensor (where the warm-up's sample goes)."""
+
+    plan: Plan
+    options: SaveOptions
+    kind: str  # "gpu" or "cpu"
+    device: int | None
+    samples: dict  # torch.dtype -> torch.device
+
+
+def plan_for(state, save_options: dict) -> Planned:
+    """Check `state` and the options as save_async does (the same typed errors, before anything
+    runs) and plan it."""
+    options = SaveOptions(**save_options)
+    _, leaves = flatten(state)
+    kind = choose(any(l.tensor.is_cuda for l in leaves), options.backend)
+    check_gds(options.io, kind, "save")
+    specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
+    plan = make_plan(specs, lambda dtype: None, options.chunk_bytes_for(kind))  # the bounds need no codec
+    device = None
+    if kind == "gpu":  # the device save_async makes current (else the caller's current one)
+        device = cuda_device_of(l.tensor for l in leaves)
+        device = torch.cuda.current_device() if device is None else device
+    samples = {}
+    for l in leaves:
+        samples.setdefault(l.tensor.dtype, l.tensor.device)
+    return Planned(plan, options, kind, device, samples)
+
+
+def reserve(state, *, pool_bytes: int | None = None, wait: bool = False, **save_options) -> Future:
+    """Reserve the host pool a save_async of `state` needs (with these save_options and
+    pool_bytes, as save_async takes them), on a background thread; a Future of a Reservation.
+    wait=True: return once it is done (raising its error). Bad input raises here, before
+    anything runs, as save_async raises it."""
+    check_pool_bytes(pool_bytes)
+    planned = plan_for(state, save_options)
+    bound = max(pool_bytes or default_pool_limit(planned.plan), align_up(planned.options.chunk_bytes_for(planned.kind)))
+    return in_background(lambda stop: reserve_pool(planned, bound, stop), planned.device, wait)
+
+
+def reserve_pool(planned: Planned, bound: int, stop: Callable[[], bool]) -> Reservation:
+    """Warm the backend, then grow the device's pool to `bound` (on the reservation's thread)."""
+    t0 = time.perf_counter()
+    warm_s = warm(planned)
+    pool = pool_for(torch.device("cuda", planned.device) if planned.kind == "gpu" else None)
+    allocated, alloc_s = pool.grow(bound, stop)
+    where = f"cuda:{planned.device}" if planned.kind == "gpu" else "cpu"
+    return Reservation(f"pool {where}", bound, pool.capacity, allocated, pool.pinned, time.perf_counter() - t0,
+                       warm_s, alloc_s)
+
+
+def reserve_memory(tier, planned: Planned, stop: Callable[[], bool]) -> Reservation:
+    """Make and page-lock the memory tier's slots for the next steps (MemoryTier.make_spares),
+    one at a time, then warm the backend (on the reservation's thread: a step that needs a slot
+    meanwhile waits for one, not for the warm-up). Every slot made is handed back, ready or not,
+    whatever happens: a step would wait for it."""
+    t0 = time.perf_counter()
+    spares = tier.make_spares(slot_bytes(planned.plan))
+    allocated = made = 0
+    try:
+        while spares:
+            slot, ready = spares[0], False
+            try:
+                ready = slot.prepare(planned.kind == "gpu", lambda: stop() or tier.stopping())
+            finally:
+                spares.pop(0)
+                tier.spare_done(slot, ready)
+            allocated += slot.mapped if ready else 0
+            made += ready
+    finally:
+        for slot in spares:  # after a failure: the rest go, never prepared
+            tier.spare_done(slot, False)
+    alloc_s = time.perf_counter() - t0
+    warm_s = warm(planned)
+    return Reservation(f"memory {tier.folder}", tier.cap_bytes, tier.held_bytes(), allocated,
+                       planned.kind == "gpu", time.perf_counter() - t0, warm_s, alloc_s, made)
+
+
+class _Discard:
+    """ring.ChunkFile that drops every record (the warm-up's)."""
+
+    fd = None
+
+    def pwrite(self, buf, nbytes: int, offset: int) -> Completion:
+        return Completion(lambda: nbytes)
+
+    def pread(self, buf, nbytes: int, offset: int):
+        raise NotImplementedError("nothing is kept to read")
+
+    def close(self) -> None:
+        pass
+
+
+def warm(planned: Planned) -> float:
+    """One tiny snapshot through the backend, codecs and options a save of `planned` uses,
+    discarded; seconds."""
+    t = time.perf_counter()
+    sample = {str(i): torch.zeros(max(1, WARM_BYTES // dtype.itemsize), dtype=dtype, device=device)
+              for i, (dtype, device) in enumerate(planned.samples.items())}
+    skeleton, leaves = flatten(sample)
+    save_flat(skeleton, leaves, Sink(_Discard()), planned.options)
+    return time.perf_counter() - t
+
+
+def in_background(work: Callable[[Callable[[], bool]], Reservation], device: int | None, wait: bool) -> Future:
+    """Run work(stop) on its own thread, on CUDA device `device` (a new thread's current device
+    is 0); a Future of its result. stop() turns true once the interpreter is exiting: the thread
+    is not a daemon (exit waits for it), so it stops at its next arena instead."""
+    fut: Future = Future()
+    fut.set_running_or_notify_cancel()
+
+    def stop() -> bool:
+        return not threading.main_thread().is_alive()
+
+    def run() -> None:
+        try:
+            with on_device(device):
+                result = work(stop)
+        except BaseException as e:  # noqa: BLE001 - the future carries it
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+
+    threading.Thread(target=run, name="gdsckpt-reserve", daemon=False).start()
+    if wait:
+        fut.result()
+    return fut
