@@ -113,3 +113,15 @@ MEMORY_HOST_FRACTION = 0.25
 MEMORY_SHM_FRACTION = 0.8
 # Copies kept where the drop order allows: the newest, and one to fall back to if it is damaged.
 MEMORY_KEEP = 2
+
+# codec="auto" on the GPU chooses typed or byte-plane ANS per float stream from a sample
+# (gdsckpt/codec_choice.py): this many pieces spread evenly over the stream, each compressed as a
+# chunk of its own. A piece of 4 x ANS_INTERNAL_CHUNK holds one 512 KiB ANS piece per fp32 byte
+# plane, as a full chunk does, so both codecs see the statistics they would see in the save. A
+# training state's fp32 stream is a third each of master weights, exp_avg and exp_avg_sq, which
+# gain differently from byte planes: 8 evenly spread pieces land in each part 2-3 times. Streams
+# shorter than one piece keep typed ANS unsampled. Not measured: 16 MiB per fp32 stream, compressed
+# once per state layout (choices are cached per layout: CODEC_CHOICE_CACHE layouts).
+CODEC_SAMPLE_PIECES = 8
+CODEC_SAMPLE_PIECE_BYTES = 4 * ANS_INTERNAL_CHUNK
+CODEC_CHOICE_CACHE = 64

@@ -3,8 +3,9 @@
     skeleton, leaves = tree.flatten(state)                 # once, by the caller
     stats = save_flat(skeleton, leaves, destination, SaveOptions(codec="zstd"))
 
-`save_flat` picks the backend, plans the streams and chunks, runs the ring (gather, compress,
-checksum, write) into a `Destination` and commits it. Its callers: `gdsckpt.save` (a `NewFile`),
+`save_flat` picks the backend, plans the streams and chunks, chooses the codec of the streams
+codec="auto" leaves a choice to (codec_choice.py: on the GPU, typed or byte-plane ANS from a
+sample), runs the ring (gather, compress, checksum, write) into a `Destination` and commits it. Its callers: `gdsckpt.save` (a `NewFile`),
 the bench's storage-removed targets (a `Sink`), `save_async` and DCP's compressed staging (the
 host pool: host_snapshot.PoolDestination), GdsckptWriter's rank files, and through `save` and
 `save_async` the checkpoint manager.
@@ -25,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from . import codecs
+from . import codec_choice, codecs
 from . import format as fmt
 from ._version import __version__
 from .backend import check_gds, check_io, choose, make_backend
@@ -76,8 +77,9 @@ class SaveOptions:
     """How a save runs, checked on construction (a ValueError names the bad option before the
     state is walked or anything written), so that a SaveOptions in hand is valid.
 
-    codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw", or
-    {dtype name: codec}. chunk_bytes: None (or 0) for the backend's default (defaults.CHUNK_BYTES).
+    codec: "auto" (on the GPU typed ANS, or byte-plane ANS for a float stream where a sample of it
+    stores smaller so; on the CPU byte-shuffled zstd), "ans", "ans-planes", "bitcomp", "zstd", "raw",
+    or {dtype name: codec}. chunk_bytes: None (or 0) for the backend's default (defaults.CHUNK_BYTES).
     io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend). backend: None/"auto"
     (the GPU where a tensor is on one and the GPU stack is usable), "cpu" or "gpu"."""
 
@@ -253,6 +255,11 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
         file = destination.open(be)
         try:
             be.begin()
+            t = time.perf_counter()
+            if codec_choice.choose_codecs(plan, lambda dtype: codecs.candidates(
+                    options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version),
+                    codec_choice.Sampler(be, plan, tensors)):
+                timings.add("codec_choice", t)  # only where a sample was compressed: steady saves reuse the choice
             layout = destination.layout(file.fd, _writer_meta(be, chunk_bytes), skeleton,
                                         ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
             records = write_chunks(plan, tensors, be, file, layout, options.ring_depth, timings)

@@ -73,7 +73,8 @@ def test_default_codec_is_typed_ans_and_shrinks_bf16(tmp_path):
     w = (torch.randn(4096, 4096, device="cuda") * 0.02).to(torch.bfloat16)
     stats = gdsckpt.save({"w": w}, tmp_path / "w.gdsckpt")
     (s,) = stats.streams
-    assert s["codec"] == "ans" and s["ratio"] < 0.85, s
+    # codec="auto" on a float stream: typed ANS, or byte-plane ANS where its sample stores smaller
+    assert s["codec"] in ("ans", "ans-planes") and s["ratio"] < 0.85, s
 
 
 def test_load_into_fills_gpu_tensors_in_place(tmp_path):

@@ -26,7 +26,7 @@ from test_reader_corruption import _cli, _damage, _first_damaged_chunk, _touches
 
 N_DAMAGES = int(os.environ.get("GDSCKPT_GPU_DAMAGES", "100"))
 CHUNK = 1536 << 10  # GPU zstd frames are 1 MiB: two frames per chunk
-GPU_CODECS = ["ans", "zstd", "bitcomp"]
+GPU_CODECS = ["ans", "zstd", "bitcomp", "ans-planes"]
 
 
 def _state(device: str) -> dict:
@@ -149,7 +149,8 @@ def test_gpu_all_zero_tensors_stay_within_the_expansion_bound(codec, tmp_path):
 # before a child process has decoded it (gdsckpt/isolated.py). Before trusted=False, nvCOMP's
 # Bitcomp decoder and its ANS decoder on a truncated stream faulted the CUDA context (illegal
 # address) on these chunks (H100, nvCOMP 6.0.0, 2026-11-22): known failures, now a clean error.
-@pytest.mark.parametrize("codec,trusted", [("zstd", True), ("zstd", False), ("ans", False), ("bitcomp", False)])
+@pytest.mark.parametrize("codec,trusted", [("zstd", True), ("zstd", False), ("ans", False), ("bitcomp", False),
+                                           ("ans-planes", False)])
 def test_gpu_decoder_on_garbage_with_valid_checksums(codec, trusted, tmp_path, monkeypatch):
     """A hostile chunk whose checksum is right but whose bytes are not what nvCOMP wrote: a clean
     CheckpointFormatError (or, since the bytes are well-formed garbage, a load), never a crash, a

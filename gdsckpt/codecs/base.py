@@ -44,7 +44,13 @@ def frame_offsets(frames: list[int]) -> list[int]:
 # A reader checks a field it knows wherever it appears, so that a damaged or forged spec cannot
 # carry one past it on a codec that ignores the field.
 
-SHUFFLE_WIDTHS = (2, 4, 8)  # the values FORMAT.md allows for a zstd spec's optional "shuffle"
+SHUFFLE_WIDTHS = (2, 4, 8)  # the values FORMAT.md allows for a spec's optional "shuffle" (zstd, ans-planes)
+# Byte-shuffle width per dtype: the size of one scalar (a complex number is two), so that each
+# plane holds one byte position of every element and the exponent bytes of floats sit together.
+# Dtypes not named here are one byte wide: no shuffle.
+SHUFFLE_WIDTH = {"float16": 2, "bfloat16": 2, "int16": 2, "uint16": 2, "complex32": 2,
+                 "float32": 4, "int32": 4, "uint32": 4, "complex64": 4,
+                 "float64": 8, "int64": 8, "uint64": 8, "complex128": 8}
 
 
 def is_int(v) -> bool:
@@ -115,8 +121,10 @@ class Codec:
         problem = self.fields_problem(spec) or chunk_size_problem(spec)
         if problem is None and "shuffle" in spec:
             w = spec["shuffle"]
-            if not (self.shuffles and is_int(w) and w in SHUFFLE_WIDTHS):
-                problem = f"byte shuffle {w!r} is not 2, 4 or 8 on a zstd stream"
+            if not self.shuffles:
+                problem = f"byte shuffle on a {self.name!r} stream, whose codec has no byte planes"
+            elif not (is_int(w) and w in SHUFFLE_WIDTHS):
+                problem = f"byte shuffle {w!r} is not 2, 4 or 8"
         return problem
 
     def fields_problem(self, spec: dict) -> str | None:

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 from ..defaults import CPU_AUTO_LEVEL, ZSTD_FRAME_BYTES, ZSTD_LEVEL
 from ..errors import CodecUnavailableError
-from .base import Codec, Threads, frame_bounds, frame_offsets, is_int
+from .base import SHUFFLE_WIDTH, Codec, Threads, frame_bounds, frame_offsets, is_int
 from .zstd_cpu import ZstdCpu
 
-# Byte-shuffle width per dtype: the size of one scalar (a complex number is two), so that each
-# plane holds one byte position of every element and the exponent bytes of floats sit together.
-_SHUFFLE_WIDTH = {"float16": 2, "bfloat16": 2, "int16": 2, "uint16": 2, "complex32": 2,
-                  "float32": 4, "int32": 4, "uint32": 4, "complex64": 4,
-                  "float64": 8, "int64": 8, "uint64": 8, "complex128": 8}
 # The frame sizes a reader accepts: from 4 KiB to the largest chunk the format allows (2 GiB).
 FRAME_BYTES_RANGE = (4 << 10, 1 << 31)
 ZSTD_HEADER_MAX = 18  # magic + the longest frame header
@@ -75,7 +70,7 @@ def cpu_auto_spec(dtype: str) -> dict:
     """codec="auto" on the CPU: zstd at a fast level over byte-shuffled chunks (defaults.py says
     why). Shuffled zstd decodes on the CPU only; the GPU side refuses it (Zstd.gpu_decodes)."""
     spec = {"name": "zstd", "level": CPU_AUTO_LEVEL, "frame_bytes": ZSTD_FRAME_BYTES["cpu"]}
-    width = _SHUFFLE_WIDTH.get(dtype, 1)
+    width = SHUFFLE_WIDTH.get(dtype, 1)
     if width > 1:
         spec["shuffle"] = width
     return spec

@@ -163,7 +163,11 @@ class GpuBackend:
         return result
 
     def decode(self, spec, stored, out, frames) -> None:
-        self._codecs.decode(spec, as_cupy(stored), as_cupy(out), frames)
+        # Byte planes decode into a scratch first: from torch's caching allocator, on the pipeline's
+        # stream, so each chunk reuses the last one's block and torch may reuse it after the restore.
+        need = self._codecs.decode_scratch(spec, out.nbytes)
+        scratch = as_cupy(torch.empty(need, dtype=torch.uint8, device=self.device)) if need else None
+        self._codecs.decode(spec, as_cupy(stored), as_cupy(out), frames, scratch)
 
     def checksum(self, buf: torch.Tensor, algorithm: str) -> int:
         return self._checksums[algorithm](as_cupy(buf))

@@ -1,8 +1,9 @@
 """nvCOMP codecs on the pipeline's CUDA stream, writing into preallocated buffers.
 
 ans and bitcomp use nvCOMP's native bitstream (one encode call per chunk, split by
-nvCOMP into 64 KiB pieces that compress in parallel). zstd uses the RAW bitstream,
-which is a standard zstd frame: a chunk is a batch of `frame_bytes` frames, packed
+nvCOMP into 64 KiB pieces that compress in parallel); ans-planes is ans over the chunk's
+bytes byte-shuffled first (kernels.shuffle_bytes), unshuffled after decoding. zstd uses the RAW
+bitstream, which is a standard zstd frame: a chunk is a batch of `frame_bytes` frames, packed
 back to back, which CPU zstandard decodes byte-exact.
 """
 
@@ -18,6 +19,7 @@ from nvidia import nvcomp
 
 from ..codecs import ZSTD_HEADER_MAX, check_zstd_header, frame_bounds, frame_offsets
 from ..codecs import of as codec_of
+from . import kernels
 
 _ALIGN = 16  # nvCOMP's most restrictive buffer alignment
 
@@ -114,7 +116,8 @@ class NvcompCodecs:
             return -1, None
         codec, n, ptr = self._codec(spec), src.nbytes, self._stream.ptr
         if not codec_of(spec).framed:
-            srcs = nvcomp.as_arrays(_typed(src, spec), [0], [n], cuda_stream=ptr)
+            coded = self._planes(spec, src, out, scratch)
+            srcs = nvcomp.as_arrays(_typed(coded, spec), [0], [n], cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
             key = (spec["name"], spec.get("data_type"), n)
             if key not in self._configs:  # chunks share a few sizes: configure once per size
@@ -122,7 +125,12 @@ class NvcompCodecs:
             result = codec.encode(srcs, out=outs, compression_config=self._configs[key])
             self._wait()
             stored = result.buffer_sizes[0]
-            return (stored, None) if stored < n else (-1, None)
+            if stored < n:
+                return stored, None
+            if coded is not src and _overlap(src, coded):  # src was the scratch: give back its bytes to store raw
+                kernels.unshuffle_bytes(self._stream, coded, out[:n], spec["shuffle"])
+                src.data.copy_from_device_async(out.data, n, stream=self._stream)
+            return -1, None
         bounds = frame_bounds(n, spec["frame_bytes"])
         stride = self._bound(spec, bounds[0][1])
         srcs = nvcomp.as_arrays(src, [o for o, _ in bounds], [k for _, k in bounds], cuda_stream=ptr)
@@ -149,12 +157,40 @@ class NvcompCodecs:
         self._stream.synchronize()
         self._drain()
 
-    def decode(self, spec: dict, stored: cupy.ndarray, out: cupy.ndarray, frames) -> None:
+    def _planes(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray) -> cupy.ndarray:
+        """What the coder reads: src itself, or for a spec with "shuffle", src's byte planes in
+        scratch. Where src is the scratch (a gathered chunk), the planes go through `out`, free
+        until the coder writes it, and are copied back: no buffer beyond the ring's."""
+        width = spec.get("shuffle", 1)
+        if width == 1:
+            return src
+        n = src.nbytes
+        if scratch.nbytes < n or out.nbytes < n:
+            raise ValueError(f"byte planes of {n} bytes need {n} bytes of scratch and output, "
+                             f"got {scratch.nbytes} and {out.nbytes}")
+        planes = scratch[:n]
+        if _overlap(src, planes):
+            kernels.shuffle_bytes(self._stream, src, out[:n], width)
+            planes.data.copy_from_device_async(out.data, n, stream=self._stream)
+        else:
+            kernels.shuffle_bytes(self._stream, src, planes, width)
+        return planes
+
+    def decode_scratch(self, spec: dict, nbytes: int) -> int:
+        """Device bytes decode() needs as scratch for a chunk of `nbytes`: byte planes decode there first."""
+        return nbytes if spec.get("shuffle", 1) > 1 and not codec_of(spec).framed else 0
+
+    def decode(self, spec: dict, stored: cupy.ndarray, out: cupy.ndarray, frames,
+               scratch: cupy.ndarray | None = None) -> None:
+        """`out` gets the chunk's logical bytes. `scratch`: decode_scratch(spec, out.nbytes) bytes,
+        where that is not 0 (it may not overlap `out`)."""
         codec, ptr = self._codec(spec, decode=True), self._stream.ptr
         framed = codec_of(spec).framed
+        width = 1 if framed else spec.get("shuffle", 1)
         if not framed:
+            coded = out if width == 1 else scratch[:out.nbytes]
             srcs = nvcomp.as_arrays(stored, [0], [stored.nbytes], cuda_stream=ptr)
-            outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
+            outs = nvcomp.as_arrays(coded, [0], [out.nbytes], cuda_stream=ptr)
         else:
             bounds = frame_bounds(out.nbytes, spec["frame_bytes"])
             offsets = frame_offsets(frames)[:-1]
@@ -165,6 +201,8 @@ class NvcompCodecs:
         expected = [out.nbytes] if not framed else [k for _, k in bounds]
         if list(result.buffer_sizes) != expected:
             raise ValueError(f"decoded sizes {list(result.buffer_sizes)} differ from the expected {expected}")
+        if width > 1:
+            kernels.unshuffle_bytes(self._stream, coded, out, width)
 
 
 def _check_headers(stored: cupy.ndarray, offsets, lengths, sizes, stream) -> None:
@@ -174,6 +212,10 @@ def _check_headers(stored: cupy.ndarray, offsets, lengths, sizes, stream) -> Non
         heads = stored[cupy.asarray(idx)].get()
     for head, clen, n in zip(heads, lengths, sizes):
         check_zstd_header(head[:min(clen, ZSTD_HEADER_MAX)], n)
+
+
+def _overlap(a: cupy.ndarray, b: cupy.ndarray) -> bool:
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 def _typed(buf: cupy.ndarray, spec: dict) -> cupy.ndarray:

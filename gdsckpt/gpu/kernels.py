@@ -1,8 +1,10 @@
 """The pipeline's own CUDA kernels: chunk checksums in one pass over device memory, equal bit for bit
 to gdsckpt/checksum.py's CPU values, so that chunks are verified on the GPU before any decoder sees
-them; and the gather of a chunk's tensor segments in one launch."""
+them; the gather of a chunk's tensor segments in one launch; and the byte shuffle of byte-plane ANS."""
 
 from __future__ import annotations
+
+import functools
 
 import cupy
 import numpy as np
@@ -329,3 +331,110 @@ def gather(stream: cupy.cuda.Stream, tiles: cupy.ndarray, base: int) -> None:
     if n:
         with stream:
             _gather_kernel((min(n, 1 << 16),), (256,), (tiles, cupy.int32(n), cupy.uint64(base)))
+
+
+# ---------------------------------------------------------------------------------------------
+# FORMAT.md's byte shuffle ("shuffle": w), for byte-plane ANS (codecs/ans_planes.py): with n bytes
+# and m = n / w elements, plane p (bytes p*m .. p*m + m - 1) holds byte p of every element in
+# order, then the n - m*w tail bytes follow as they are: the layout codecs/zstd_cpu.shuffle_bytes
+# writes on the CPU. One thread per element, grid-stride: a warp loads 32 consecutive elements
+# (one w-byte word each, coalesced) and stores 32 consecutive bytes of each plane (a 32-byte
+# sector per plane); the inverse reads those sectors and stores the words. Memory-bound, a pass
+# over the chunk at HBM speed next to the entropy coder's 200-300 GB/s. An element not aligned to
+# w in memory is moved byte by byte (`aligned` 0); the ring's buffers and direct views are 16-byte
+# aligned, so that is only for other callers.
+_PLANES = r"""
+template <typename E>
+__host__ __device__ __forceinline__ E get_elem(const unsigned char* p, long long i, int aligned) {
+    if (aligned) return reinterpret_cast<const E*>(p)[i];
+    E e = 0;
+    for (int b = 0; b < (int)sizeof(E); ++b) e |= (E)((E)p[i * (long long)sizeof(E) + b] << (8 * b));
+    return e;
+}
+
+template <typename E>
+__host__ __device__ __forceinline__ void put_elem(unsigned char* p, long long i, E e, int aligned) {
+    if (aligned) {
+        reinterpret_cast<E*>(p)[i] = e;
+        return;
+    }
+    for (int b = 0; b < (int)sizeof(E); ++b) p[i * (long long)sizeof(E) + b] = (unsigned char)(e >> (8 * b));
+}
+
+// Thread `first` of `step`: elements first, first + step, ... into their planes, then the tail bytes.
+template <typename E>
+__host__ __device__ void shuffle_part(const unsigned char* src, unsigned char* dst, long long n, int aligned,
+                                      long long first, long long step) {
+    const int W = (int)sizeof(E);
+    const long long m = n / W;
+    for (long long i = first; i < m; i += step) {
+        const E e = get_elem<E>(src, i, aligned);
+        #pragma unroll
+        for (int b = 0; b < W; ++b) dst[b * m + i] = (unsigned char)(e >> (8 * b));
+    }
+    for (long long j = m * W + first; j < n; j += step) dst[j] = src[j];
+}
+
+template <typename E>
+__host__ __device__ void unshuffle_part(const unsigned char* src, unsigned char* dst, long long n, int aligned,
+                                        long long first, long long step) {
+    const int W = (int)sizeof(E);
+    const long long m = n / W;
+    for (long long i = first; i < m; i += step) {
+        E e = 0;
+        #pragma unroll
+        for (int b = 0; b < W; ++b) e |= (E)((E)src[b * m + i] << (8 * b));
+        put_elem<E>(dst, i, e, aligned);
+    }
+    for (long long j = m * W + first; j < n; j += step) dst[j] = src[j];
+}
+
+#define GDSCKPT_PLANES(W, E)                                                                                   \
+extern "C" __global__ void gdsckpt_shuffle_##W(const unsigned char* src, unsigned char* dst, long long n,     \
+                                               int aligned) {                                                 \
+    shuffle_part<E>(src, dst, n, aligned, (long long)blockIdx.x * blockDim.x + threadIdx.x,                   \
+                    (long long)gridDim.x * blockDim.x);                                                       \
+}                                                                                                              \
+extern "C" __global__ void gdsckpt_unshuffle_##W(const unsigned char* src, unsigned char* dst, long long n,   \
+                                                 int aligned) {                                               \
+    unshuffle_part<E>(src, dst, n, aligned, (long long)blockIdx.x * blockDim.x + threadIdx.x,                 \
+                      (long long)gridDim.x * blockDim.x);                                                     \
+}
+GDSCKPT_PLANES(2, unsigned short)
+GDSCKPT_PLANES(4, unsigned int)
+GDSCKPT_PLANES(8, unsigned long long)
+"""
+_PLANE_THREADS = 256
+_PLANE_BLOCKS_PER_SM = 16  # enough resident warps to keep HBM busy; the grid-stride loop covers the rest
+
+
+_plane_kernels = {(d, w): cupy.RawKernel(_PLANES, f"gdsckpt_{d}_{w}")  # compiled on first launch, once
+                  for d in ("shuffle", "unshuffle") for w in (2, 4, 8)}
+
+
+@functools.cache
+def _plane_blocks_max(device: int) -> int:
+    return cupy.cuda.Device(device).attributes["MultiProcessorCount"] * _PLANE_BLOCKS_PER_SM
+
+
+def _planes(direction: str, stream: cupy.cuda.Stream, src: cupy.ndarray, dst: cupy.ndarray, width: int,
+            aligned: bool) -> None:
+    n = src.nbytes
+    if width not in (2, 4, 8) or dst.nbytes != n or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        raise ValueError(f"byte {direction}: width {width}, {n} bytes into {dst.nbytes} (both contiguous)")
+    if n == 0:
+        return
+    work = max(n // width, n % width)  # threads with something to do: one per element, or per tail byte
+    blocks = min(-(-work // _PLANE_THREADS), _plane_blocks_max(cupy.cuda.Device().id))
+    with stream:
+        _plane_kernels[direction, width]((blocks,), (_PLANE_THREADS,), (src, dst, cupy.int64(n), cupy.int32(aligned)))
+
+
+def shuffle_bytes(stream: cupy.cuda.Stream, src: cupy.ndarray, dst: cupy.ndarray, width: int) -> None:
+    """Enqueue FORMAT.md's byte shuffle of `src` into `dst` (as many bytes, not overlapping) on `stream`."""
+    _planes("shuffle", stream, src, dst, width, src.data.ptr % width == 0)
+
+
+def unshuffle_bytes(stream: cupy.cuda.Stream, src: cupy.ndarray, dst: cupy.ndarray, width: int) -> None:
+    """Enqueue the inverse of shuffle_bytes: `dst` gets the elements of the planes in `src` back."""
+    _planes("unshuffle", stream, src, dst, width, dst.data.ptr % width == 0)
