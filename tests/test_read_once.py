@@ -68,7 +68,8 @@ def _flip_in_slot(copy, chunk: int, at: int = 100) -> None:
 def test_a_memory_copy_on_the_cpu_is_checked_and_decoded_where_it_lies(copy):
     _, c = copy
     with gdsckpt.open(_source(c)) as ck:
-        assert isinstance(ck.source.open_chunks(make_backend("cpu")), SlotView)
+        with make_backend("cpu") as be:
+            assert isinstance(ck.source.open_chunks(be), SlotView)
         target = _sentinel_like(_state())
         st = ck.load_into(target, atomic=True)
         assert_same(target, _state())
