@@ -125,3 +125,21 @@ MEMORY_KEEP = 2
 CODEC_SAMPLE_PIECES = 8
 CODEC_SAMPLE_PIECE_BYTES = 4 * ANS_INTERNAL_CHUNK
 CODEC_CHOICE_CACHE = 64
+# A restore that checks every chunk before it writes a byte (load_into(atomic=True), every
+# Checkpointer restore into a state) reads each stored byte once, into device memory, where the
+# stored bytes of the chunks it reads fit in this share of the GPU's free memory (then freed):
+# checked there by the GPU's kernel, decoded from there. Beyond it, twice through the ring (a
+# checking pass, then the decoding one): an H100 restore of 4.13 GB stored spent 0.93 s in the
+# first pass and ~0.6 s in the second (2026-11-24-h100-memory/). Half: the state's own tensors
+# and the training's first steps need the rest. The buffer goes back to torch's cache on the
+# pipeline's stream, which torch empties before it would report the GPU out of memory.
+READ_ONCE_GPU_FRACTION = 0.5
+# KvikIO threads that read a memory-tier copy (a /dev/shm file) into device memory: each preads
+# into its pinned bounce buffer (a copy out of the page cache, one core's memory bandwidth) and
+# copies that to the GPU. More than the disk's KVIKIO_THREADS, as the "disk" is memory. Not yet
+# measured: bench/probes/memory_restore.py sweeps 4, 8 and 16.
+MEMORY_READ_THREADS = 8
+# Threads that check a memory copy's chunks (CRC-64/NVME, zstd frame headers) on the CPU
+# backend, at most one per core: awscrt lets go of the GIL, and ran 10 GB/s on one thread, 36 on
+# 4, 61 on 8 on the H100 host's 16-core Xeon (2026-11-24 probe).
+CPU_VERIFY_THREADS = 8

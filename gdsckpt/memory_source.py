@@ -2,26 +2,34 @@
 (gdsckpt/sources.py): `gdsckpt.open(MemorySource(...))`, `load_into(...)`, as for a file.
 
 The image in the slot is byte for byte a checkpoint file, so the reader validates its footer and
-index and verifies every chunk's checksum as it does a file's; only the bytes come from the
-mapping instead of the disk. On the GPU backend each chunk record is copied host-to-device on a
-side stream (asynchronous where the slot is page-locked in this process, as in the process that
-wrote it; from pageable memory otherwise), straight into the ring's device buffer.
+index and verifies every chunk's checksum as it does a file's; only the bytes come from shared
+memory instead of the disk:
+
+* on the CPU backend the chunk records are checked and decoded where they lie in the mapping
+  (`SlotView`, a ring.MappedChunkFile): no copy, no second read;
+* on the GPU backend the segment is read as the file it is, by KvikIO (`open_segment`): its
+  threads pread into pinned bounce buffers and copy those to the device, so no byte crosses PCIe
+  from pageable memory, and a new process neither maps nor page-locks the segment to read it
+  (copies from the pageable mapping ran 7.5 GB/s on an H100 host, 53 from pinned memory).
 """
 
 from __future__ import annotations
 
-import torch
-
+import os
 from pathlib import Path
 
-from .device_copy import side_stream
-from .errors import GdsckptError
+import torch
+
+from .defaults import MEMORY_READ_THREADS
+from .errors import CheckpointFormatError, GdsckptError
 from .memory_slot import Slot
 from .ring import Backend, ChunkFile, Completion
 
 
 class MemorySource:
     """The image of `nbytes` at the start of `slot`; `label` names it in errors and stats."""
+
+    io_threads = MEMORY_READ_THREADS  # KvikIO threads reading it into device memory (defaults.py)
 
     def __init__(self, slot: Slot, nbytes: int, label: str):
         self.label, self.size, self._slot = label, nbytes, slot
@@ -31,7 +39,9 @@ class MemorySource:
         return self._slot.read(n, offset)
 
     def open_chunks(self, backend: Backend) -> ChunkFile:
-        return SlotReader(self._slot, self.label)
+        if backend.name == "gpu":
+            return open_segment(self._slot, backend, self.label)
+        return SlotView(self._slot, self.label)
 
     def child_file(self):
         raise ValueError(f"{self.label}: a memory copy is read in this process only (trusted=False decodes "
@@ -41,31 +51,37 @@ class MemorySource:
         pass  # the tier owns the slot
 
 
-class SlotReader:
-    """ring.ChunkFile over a slot's mapping: chunk records copied into the ring's buffers."""
+def open_segment(slot: Slot, backend: Backend, label: str) -> ChunkFile:
+    """The backend's own ChunkFile on the slot's segment file: the very file this process holds
+    open (/proc/self/fd), which a segment made anew under its name cannot replace."""
+    proc = Path(f"/proc/self/fd/{slot.fd}")
+    file = backend.open(proc if proc.exists() else slot.path, "r")
+    try:
+        mine, theirs = os.fstat(slot.fd), os.fstat(file.fd)
+        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+            raise CheckpointFormatError("the segment was replaced since it was opened", path=label)
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+class SlotView:
+    """ring.MappedChunkFile over a slot's mapping (host memory: the CPU backend's): chunk records
+    viewed in place; pread copies, for a caller that wants its own buffer."""
 
     fd = None
 
     def __init__(self, slot: Slot, label: str):
         self._slot, self._label = slot, label
 
-    def pread(self, buf: torch.Tensor, nbytes: int, offset: int) -> Completion:
-        src = self._slot.tensor[offset:offset + nbytes]  # records lie in the mapping (the index may not)
-        n = src.numel()
-        if buf.is_cuda:
-            stream = side_stream("copy-in", buf.device)
-            stream.wait_stream(torch.cuda.current_stream(buf.device))  # the ring's work on `buf` first
-            with torch.cuda.stream(stream):
-                buf[:n].copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
+    def view(self, nbytes: int, offset: int) -> torch.Tensor:
+        return self._slot.tensor[offset:offset + nbytes]  # records lie in the mapping (the index may not)
 
-            def wait() -> int:
-                done.synchronize()
-                return n
-            return Completion(wait)
-        buf[:n].copy_(src)
-        return Completion(lambda: n)
+    def pread(self, buf: torch.Tensor, nbytes: int, offset: int) -> Completion:
+        src = self.view(nbytes, offset).numpy()
+        buf.numpy()[:len(src)] = src  # numpy, not torch's copy_: see cpu_backend.py
+        return Completion(lambda n=len(src): n)
 
     def pwrite(self, buf, nbytes: int, offset: int):
         raise GdsckptError(f"{self._label} is opened for reading")

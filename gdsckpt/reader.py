@@ -7,6 +7,7 @@ read:  ring (read, verify, decode into the tensors) -> tree; under trusted=False
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -17,11 +18,11 @@ from . import isolated as _isolated  # as a module: tests swap its run and needs
 from . import sources
 from .backend import check_gds, check_io, choose, make_backend, nvcomp_version
 from .checksum import ALGORITHMS
-from .defaults import RING_DEPTH
+from .defaults import CPU_VERIFY_THREADS, READ_ONCE_GPU_FRACTION, RING_DEPTH
 from .dtypes import BY_NAME, name_of
 from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
 from .restore import restore_into
-from .ring import Timings, read_chunks, verify_chunk
+from .ring import Timings, decode_verified, in_place, read_chunks, read_room, read_verified, verify_chunk
 from .stats import Stats, stream_stats
 from .tree import unflatten
 
@@ -76,7 +77,9 @@ class Checkpoint:
             self.source.close()
             raise
         self._check_nvcomp()
-        self._backend_choice, self._io, self._io_threads = backend, io, io_threads
+        # I/O workers: the caller's, else those that suit the source (a memory copy's), else the backend's.
+        self._backend_choice, self._io = backend, io
+        self._io_threads = io_threads if io_threads is not None else self.source.io_threads
         # Every key path -> tensor: each stored tensor's key, then the keys of its aliases (tensors
         # saved as one because they shared memory, e.g. tied embeddings), which read and load_into
         # accept like any key.
@@ -133,9 +136,11 @@ class Checkpoint:
 
         If the read fails part-way, the error says which targets were already overwritten (wholly
         or in part) and carries their keys as `.overwritten`; every other target is untouched.
-        atomic=True first reads and checks every chunk's checksum (and zstd frame headers) on the
-        CPU, so that damage is found before the first byte reaches a target: one more read of the
-        stored bytes (see the README for its cost)."""
+        atomic=True first checks every chunk's checksum (and, on the CPU, its zstd frame headers),
+        so that damage is found before the first byte reaches a target. Where the GPU has room for
+        the stored bytes (defaults.READ_ONCE_GPU_FRACTION of its free memory) they are read once
+        into it, checked there and decoded from there; else they are read twice (a checking pass,
+        then the decoding one). A memory copy on the CPU is checked and decoded where it lies."""
         plan = self.index.plan
         primary: dict[int, torch.Tensor] = {}
         extra: dict[int, list[torch.Tensor]] = {}
@@ -227,19 +232,12 @@ class Checkpoint:
             if _isolated.needs_child(kind, plan.streams[plan.chunks[c].stream].codec, records[c].raw)]
         in_child = set(child_ids)
         own_ids = [c for c in chunk_ids if c not in in_child]
-        timings = _Tracked(own_ids)
-        delivered: list[int] = []
+        timings = Timings()
+        reached: list[int] = []  # chunks whose bytes went to their tensors (ring.read_chunks, decode_verified)
+        delivered: list[int] = []  # chunks the child decoded and handed over
         device_index = _cuda_index() if kind == "gpu" else None
         with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
             self._check_decoders(be, chunk_ids)
-            if atomic:  # every chunk checked before the first byte reaches a target
-                if kind == "gpu":  # through the ring: the GPU's checksum kernel, not one CPU core
-                    self._verify_on_backend(be, own_ids, views)
-                else:
-                    self._verify_chunks(chunk_ids, headers=True)
-                if child_ids:  # and decoded once, into scratch, by a child
-                    _isolated.run(self._indexed_file(), child_ids, kind, device_index, self._io)
-                timings.add("atomic_verify", t_start)
 
             def scatter(c: int, data: torch.Tensor) -> None:  # a chunk the child decoded
                 delivered.append(c)
@@ -252,17 +250,40 @@ class Checkpoint:
             file = self.source.open_chunks(be)
             try:
                 be.begin()
-                read_chunks(self.index, own_ids, views, be, file, self.ring_depth, timings, self.path)
+                # Each stored byte read once where that costs nothing (a memory copy's mapping on the
+                # CPU) or, atomic, where the device holds them all; else twice, atomic: a checking
+                # pass before the decoding one.
+                once = bool(own_ids) and (in_place(file) or (atomic and self._room_once(be, own_ids)))
+                held = None
+                if once:  # every chunk checked before the first byte reaches a target
+                    held = read_verified(self.index, own_ids, be, file, timings, self.path,
+                                         check=self._header_check if be.name == "cpu" else None,
+                                         workers=_verify_threads(be))
+                elif atomic:
+                    t = time.perf_counter()
+                    self._verify_twice(be, file, chunk_ids, own_ids, views)
+                    timings.add("atomic_verify", t)
+                if atomic and child_ids:  # and decoded once, into scratch, by a child
+                    t = time.perf_counter()
+                    _isolated.run(self._indexed_file(), child_ids, kind, device_index, self._io)
+                    timings.add("atomic_verify", t)
+                if once:
+                    decode_verified(self.index, own_ids, held, views, be, timings, self.path, reached=reached)
+                    held = None  # the stored bytes' buffer goes back now, not with the frame
+                else:
+                    read_chunks(self.index, own_ids, views, be, file, self.ring_depth, timings, self.path,
+                                reached=reached)
                 if child_ids:
                     t = time.perf_counter()
                     _isolated.run(self._indexed_file(), child_ids, kind, device_index, self._io, deliver=scatter)
                     timings.add("isolated_decode", t)
                 be.finish()
             except BaseException as e:
-                # A chunk's bytes reach its tensors only after its checksum passed ("verify" stage)
-                # or once the child handed them over: those chunks' tensors are overwritten, the
-                # others untouched. Non-contiguous targets are written only by the copy-back below.
-                e._gdsckpt_touched = {s.tensor for c in timings.verified + delivered for s in plan.chunks[c].segments
+                # A chunk's bytes reach its tensors only after its checksum passed (and, atomic, after
+                # every chunk's had) or once the child handed them over: those chunks' tensors are
+                # overwritten, the others untouched. Non-contiguous targets are written only by the
+                # copy-back below.
+                e._gdsckpt_touched = {s.tensor for c in reached + delivered for s in plan.chunks[c].segments
                                       if s.tensor in out and work[s.tensor] is out[s.tensor]}
                 raise
             finally:
@@ -315,21 +336,35 @@ class Checkpoint:
                 "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep or isolated,
                 "isolated": isolated}
 
-    def _verify_on_backend(self, be, chunk_ids, views) -> None:
-        """atomic=True on the GPU: every chunk read into the ring and its checksum checked by the
-        GPU's kernel, nothing decoded (a chunk whose checksum passes is the bytes that were
-        written). The CPU's pass (_verify_chunks) ran at one core's CRC speed: 4.5 s for 4.1 GB
-        of a memory-tier restore on an H100 host, against ~0.1 s for the whole read."""
-        if not chunk_ids:
-            return
-        file = self.source.open_chunks(be)
-        try:
-            be.begin()
-            read_chunks(self.index, chunk_ids, views, be, file, self.ring_depth, Timings(), self.path,
-                        verify_only=True)
-            be.finish()
-        finally:
-            file.close()
+    def _room_once(self, be, chunk_ids) -> bool:
+        """Whether an atomic read may hold every stored byte of `chunk_ids` in the backend's
+        memory at once (ring.read_verified): on the GPU, within defaults.READ_ONCE_GPU_FRACTION of
+        its free memory. The CPU backend reads twice instead (the page cache holds a file's
+        bytes for the second read)."""
+        if be.name != "gpu":
+            return False
+        return read_room(self.index, chunk_ids) <= READ_ONCE_GPU_FRACTION * torch.cuda.mem_get_info()[0]
+
+    def _verify_twice(self, be, file, chunk_ids, own_ids, views) -> None:
+        """atomic=True's checking pass where the stored bytes are read again to be decoded. On the
+        GPU every chunk goes through the ring and the GPU's checksum kernel, nothing decoded (the
+        CPU's pass ran at one core's CRC speed: 4.5 s for 4.1 GB of a memory-tier restore on an H100
+        host, against ~0.1 s for the whole read); a child checks its own chunks (trusted=False). On
+        the CPU every chunk, and its zstd frame headers, one chunk in memory at a time."""
+        if be.name == "gpu":
+            if own_ids:
+                read_chunks(self.index, own_ids, views, be, file, self.ring_depth, Timings(), self.path,
+                            verify_only=True)
+        else:
+            self._verify_chunks(chunk_ids, headers=True)
+
+    def _header_check(self, ci: int, data: torch.Tensor) -> None:
+        """atomic=True on the CPU: chunk ci's zstd frame headers too, the decoder's own first check,
+        before any chunk is decoded."""
+        c, rec = self.index.plan.chunks[ci], self.index.records[ci]
+        if not rec.raw:
+            _check_stored(data.numpy(), self.index.plan.streams[c.stream].codec, c, rec, self.path,
+                          self.index.plan.tensors[c.segments[0].tensor].key)
 
     def _verify_chunks(self, chunk_ids, headers: bool = False) -> None:
         """Read `chunk_ids` on the CPU and check their checksums (headers=True: and their zstd frame
@@ -360,20 +395,6 @@ class Checkpoint:
     def __exit__(self, *exc):
         self.close()
         return False
-
-
-class _Tracked(Timings):
-    """Timings that also record which chunks passed their checksum: read_chunks adds the
-    "verify" stage for a chunk just before its bytes go to a decoder and its tensors."""
-
-    def __init__(self, chunk_ids):
-        super().__init__()
-        self._ids, self.verified = chunk_ids, []
-
-    def add(self, stage: str, t0: float) -> float:
-        if stage == "verify":
-            self.verified.append(self._ids[len(self.verified)])
-        return super().add(stage, t0)
 
 
 def _memory(t: torch.Tensor) -> tuple:
@@ -407,6 +428,13 @@ def _check_stored(data: bytes, spec: dict, chunk, rec, path, key: str) -> None:
 
 def _cuda_index() -> int:
     return torch.cuda.current_device()
+
+
+def _verify_threads(be) -> int:
+    """Threads that check chunks side by side in ring.read_verified: on the CPU, where the
+    checksum lets go of the GIL, up to defaults.CPU_VERIFY_THREADS; the GPU's kernel runs one
+    chunk at a time on the pipeline's stream."""
+    return max(1, min(CPU_VERIFY_THREADS, os.cpu_count() or 1)) if be.name == "cpu" else 1
 
 
 # gdsckpt.open, load and load_into (gdsckpt/api.py) call these; their documentation is there.

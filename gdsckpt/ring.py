@@ -9,20 +9,26 @@ A slot holds one chunk's stored bytes and is reused only after the I/O that used
 completed. The logical-bytes buffer (gather target on save, decode target on restore) is one
 for the whole ring: its use ends, in stream order, before the next chunk's begins.
 GPU memory: chunk + depth x stored bound (nvCOMP's worst case, ~1.16 x chunk for ANS).
+
+A read that must check every chunk before it writes a byte (load_into(atomic=True)) streams twice
+through the ring (verify_only, then read_chunks) unless the backend holds all the stored bytes:
+then read_verified reads each record once, all at once, and checks them, and decode_verified
+decodes from there (a memory copy's mapping on the CPU needs no read at all: MappedChunkFile).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from .errors import ChecksumError, CheckpointFormatError
-from .format import ChunkRecord, FileWriter, Index
+from .format import ChunkRecord, FileWriter, Index, align_up
 from .plan import Chunk, Plan
 
 Bytes = torch.Tensor  # a 1-D uint8 tensor: host memory on the CPU backend, device memory on the GPU's
@@ -230,10 +236,12 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
 
 
 def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, file: ChunkFile, depth: int,
-                timings: Timings, path, *, verify_only: bool = False) -> None:
+                timings: Timings, path, *, verify_only: bool = False, reached: list[int] | None = None) -> None:
     """Read, verify and decode the chunks `chunk_ids` into the tensors' byte views `views`
     (views[i] may be None for a tensor nobody asked for). verify_only: read and check each
-    chunk's checksum with the backend (on the GPU, its kernel), decode and write nothing."""
+    chunk's checksum with the backend (on the GPU, its kernel), decode and write nothing.
+    `reached` gets each chunk's id as its bytes go to its tensors (its checksum passed): what a
+    failed read had overwritten."""
     plan, records = index.plan, index.records
     if not chunk_ids:
         return
@@ -264,24 +272,9 @@ def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, fil
                 if j + len(slots) < len(chunk_ids):
                     submit(slot, chunk_ids[j + len(slots)])
                 continue
-            out = _target(chunk, views, staging, backend)
-            spec = plan.streams[chunk.stream].codec
-            try:
-                if rec.raw:
-                    backend.copy(out, stored)
-                else:
-                    backend.decode(spec, stored, out, rec.frames)
-            except CheckpointFormatError:
-                raise
-            except Exception as e:  # a decoder's own complaint about the bytes it was given
-                raise CheckpointFormatError(f"chunk failed to decode ({type(e).__name__}: {e})",
-                                            path=path, key=key, chunk=i) from e
-            t = timings.add("decompress", t)
-            if out.data_ptr() == staging.data_ptr():
-                for s in chunk.segments:
-                    if views[s.tensor] is not None:
-                        backend.copy(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
-                                     out[s.chunk_offset:s.chunk_offset + s.length])
+            if reached is not None:
+                reached.append(i)
+            t = _decode_chunk(index, i, stored, views, staging, backend, timings, path)
             backend.synchronize()  # staging and the slot are free only once the decode has run
             t = timings.add("scatter", t)
             timings.latencies.append(time.perf_counter() - slot.started)
@@ -289,6 +282,129 @@ def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, fil
                 submit(slot, chunk_ids[j + len(slots)])
     finally:
         _drain(slots, ok=False)
+
+
+@runtime_checkable
+class MappedChunkFile(ChunkFile, Protocol):
+    """A ChunkFile whose records already lie in memory its backend reads (a memory copy's
+    mapping, for the CPU backend): they are checked and decoded where they lie, never copied."""
+
+    def view(self, nbytes: int, offset: int) -> Bytes:
+        """The `nbytes` at `offset`, in place (fewer past the end of what is mapped)."""
+
+
+def in_place(file: ChunkFile) -> bool:
+    """True where `file`'s records need no read: read_verified views them, at no cost in memory."""
+    return isinstance(file, MappedChunkFile)
+
+
+def read_room(index: Index, chunk_ids: list[int]) -> int:
+    """The backend memory read_verified takes for `chunk_ids` when `file` is not in place: every
+    stored record, each at a 4 KiB boundary."""
+    return sum(align_up(index.records[i].stored) for i in chunk_ids)
+
+
+def read_verified(index: Index, chunk_ids: list[int], backend: Backend, file: ChunkFile, timings: Timings, path,
+                  *, check: Callable[[int, Bytes], None] | None = None, workers: int = 1) -> list[Bytes]:
+    """The first pass of a read that moves each stored byte once (decode_verified is the second):
+    every chunk's stored bytes in the backend's memory, in place where `file` is a
+    MappedChunkFile, else all read at once into one buffer (read_room bytes), and every checksum
+    checked (and `check(chunk id, stored bytes)`, the reader's own checks), nothing decoded or
+    written. The stored bytes of chunk_ids[j] are at [j]. `workers` threads check chunks side by
+    side (the CPU's checksum lets go of the GIL); the error raised is the first damaged chunk's in
+    chunk order. Stages: "atomic_read" (waiting for reads), "atomic_verify" (checking)."""
+    plan, records = index.plan, index.records
+    futures: list[IOFuture] = []
+    if in_place(file):
+        stored = [file.view(records[i].stored, records[i].file_offset) for i in chunk_ids]
+    else:
+        buf = backend.empty(read_room(index, chunk_ids))
+        stored, at = [], 0
+        for i in chunk_ids:
+            rec = records[i]
+            stored.append(buf[at:at + rec.stored])
+            futures.append(file.pread(stored[-1], rec.stored, rec.file_offset))
+            at += align_up(rec.stored)
+
+    def check_one(j: int, got: int) -> None:
+        i, rec = chunk_ids[j], records[chunk_ids[j]]
+        key = plan.tensors[plan.chunks[i].segments[0].tensor].key
+        data = stored[j][:got]
+        verify_chunk(got, backend.checksum(data, index.checksum) if got == rec.stored else 0, rec, path, key, i)
+        if check is not None:
+            check(i, data)
+
+    done = False
+    try:
+        t = time.perf_counter()
+        if workers > 1 and not futures and len(chunk_ids) > 1:
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="gdsckpt-verify")
+            try:
+                for _ in pool.map(lambda j: check_one(j, len(stored[j])), range(len(chunk_ids))):
+                    pass
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+            timings.add("atomic_verify", t)
+        else:
+            for j in range(len(chunk_ids)):
+                got = futures[j].get() if futures else len(stored[j])
+                t = timings.add("atomic_read", t)
+                check_one(j, got)
+                t = timings.add("atomic_verify", t)
+        done = True
+    finally:
+        if not done:  # the buffer outlives every read into it
+            for fut in futures:
+                try:
+                    fut.get()
+                except Exception:
+                    pass
+    return stored
+
+
+def decode_verified(index: Index, chunk_ids: list[int], stored: list[Bytes], views, backend: Backend,
+                    timings: Timings, path, *, reached: list[int] | None = None) -> None:
+    """The second pass: chunk_ids[j] decoded from stored[j] (read_verified's) into the tensors'
+    byte views `views`, in chunk order; `reached` as for read_chunks. Nothing waits between
+    chunks: no buffer is reused but the staging one, in the backend's stream order."""
+    if not chunk_ids:
+        return
+    staging = backend.empty(max(index.plan.chunks[i].length for i in chunk_ids))
+    for j, i in enumerate(chunk_ids):
+        if reached is not None:
+            reached.append(i)
+        _decode_chunk(index, i, stored[j], views, staging, backend, timings, path)
+    t = time.perf_counter()
+    backend.synchronize()
+    timings.add("decompress", t)
+
+
+def _decode_chunk(index: Index, i: int, stored: Bytes, views, staging: Bytes, backend: Backend, timings: Timings,
+                  path) -> float:
+    """Chunk i's verified stored bytes decoded into its tensors' views: straight into its tensor
+    where it lies inside one, else into `staging` and copied out. Stages "decompress" and
+    "scatter"; returns the time it ended."""
+    plan, rec = index.plan, index.records[i]
+    chunk = plan.chunks[i]
+    t = time.perf_counter()
+    out = _target(chunk, views, staging, backend)
+    try:
+        if rec.raw:
+            backend.copy(out, stored)
+        else:
+            backend.decode(plan.streams[chunk.stream].codec, stored, out, rec.frames)
+    except CheckpointFormatError:
+        raise
+    except Exception as e:  # a decoder's own complaint about the bytes it was given
+        raise CheckpointFormatError(f"chunk failed to decode ({type(e).__name__}: {e})", path=path,
+                                    key=plan.tensors[chunk.segments[0].tensor].key, chunk=i) from e
+    t = timings.add("decompress", t)
+    if out.data_ptr() == staging.data_ptr():
+        for s in chunk.segments:
+            if views[s.tensor] is not None:
+                backend.copy(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
+                             out[s.chunk_offset:s.chunk_offset + s.length])
+    return timings.add("scatter", t)
 
 
 def _target(chunk: Chunk, views, staging, backend):

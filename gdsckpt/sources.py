@@ -51,6 +51,7 @@ class ChunkSource(Protocol):
 
     label: Path | str  # names the checkpoint in errors and stats: the user's path, or the URL
     size: int  # bytes
+    io_threads: int | None  # the I/O workers that suit it where the caller names none; None: the backend's
 
     def pread(self, n: int, offset: int) -> bytes:
         """`n` bytes at `offset` of the checkpoint that was opened (fewer only past its end)."""
@@ -92,6 +93,8 @@ class LocalFile:
     """A checkpoint file. The descriptor stays open until close() (or until this object is
     collected): every read goes to this file even if a save replaces the path. Reads after close()
     go by the path, and refuse a file that is not the one opened."""
+
+    io_threads = None
 
     def __init__(self, path: Path):
         self.label = path
@@ -152,6 +155,8 @@ class LocalFile:
 class StoreObject:
     """A checkpoint object in a store, read by ranged GETs: the footer and index on open, then
     only the chunk records a caller asks for. Endpoint and credentials: the AWS variables."""
+
+    io_threads = None
 
     def __init__(self, url: str):
         self.label = url
