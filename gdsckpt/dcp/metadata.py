@@ -15,7 +15,9 @@ Writing pickles a Metadata of a tensor or more per write item, which holds the G
 background thread for milliseconds per thousand tensors, and DCP hands every save of one
 layout the same Metadata object (its plan cache): `metadata_pickle` pickles it once per
 layout, with stand-in ids, and then patches each save's checkpoint_id and save_id into the
-bytes, which are then exactly what pickle.dumps makes.
+bytes, which are then exactly what pickle.dumps makes. After the commit DCP broadcasts the
+coordinator's Metadata to every rank, pickled again: CachedSavePlanner hands DCP a
+`PreparedMetadata`, whose pickle is that same prepared one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from ..checksum import crc64nvme
 from ..errors import CheckpointFormatError
 from ..storage import atomic_file, pwrite_all
 
-__all__ = ["write_metadata", "read_metadata", "metadata_pickle", "TRAILER_MAGIC", "MAX_METADATA_BYTES"]
+__all__ = ["write_metadata", "read_metadata", "metadata_pickle", "PreparedMetadata", "TRAILER_MAGIC",
+           "MAX_METADATA_BYTES"]
 
 TRAILER_MAGIC = b"GDSCKMD1"
 _TRAILER = struct.Struct("<8sQ")  # magic, CRC-64/NVME of the pickle before it
@@ -61,6 +64,32 @@ def write_metadata(path: Path, metadata: Metadata) -> None:
         pwrite_all(f.fd, data + _TRAILER.pack(TRAILER_MAGIC, crc64nvme(data)), 0)
 
 
+class PreparedMetadata(Metadata):
+    """DCP's Metadata, pickled as `metadata_pickle` pickles it (prepared once per layout): its
+    pickle unpickles, without gdsckpt, as the plain Metadata the `.metadata` file holds."""
+
+    def __reduce_ex__(self, protocol):
+        return pickle.loads, (metadata_pickle(self),)
+
+    @classmethod
+    def of(cls, metadata: Metadata) -> "PreparedMetadata":
+        """`metadata` as a PreparedMetadata holding the same objects (itself if it is one)."""
+        if isinstance(metadata, cls):
+            return metadata
+        prepared = cls.__new__(cls)
+        prepared.__dict__.update(vars(metadata))
+        return prepared
+
+
+def _plain(metadata: Metadata) -> Metadata:
+    """A PreparedMetadata as the plain Metadata it stands for (the same objects); any other as it is."""
+    if not isinstance(metadata, PreparedMetadata):
+        return metadata
+    plain = Metadata.__new__(Metadata)
+    plain.__dict__.update(vars(metadata))
+    return plain
+
+
 _IDS = ("checkpoint_id", "save_id")  # StorageMeta's per-save strings, patched into a prepared pickle
 
 
@@ -81,10 +110,11 @@ _LOCK = threading.Lock()
 def metadata_pickle(metadata: Metadata) -> bytes:
     """pickle.dumps(metadata), from a pickle prepared once per layout where it can be: the
     same objects in every attribute of `metadata` but storage_meta, and in storage_meta the
-    same values but string ids of the same lengths."""
+    same values but string ids of the same lengths. A PreparedMetadata is pickled as the plain
+    Metadata it stands for."""
     meta = metadata.storage_meta
     if type(meta) is not StorageMeta or not all(isinstance(getattr(meta, k, None), str) for k in _IDS):
-        return pickle.dumps(metadata)
+        return pickle.dumps(_plain(metadata))
     ids = tuple(getattr(meta, k).encode("utf-8", "surrogatepass") for k in _IDS)  # as pickle encodes str
     rest = tuple((k, v) for k, v in vars(metadata).items() if k != "storage_meta")
     meta_rest = tuple((k, v) for k, v in vars(meta).items() if k not in _IDS)
@@ -96,7 +126,7 @@ def metadata_pickle(metadata: Metadata) -> bytes:
     if prepared is None:
         prepared = _prepare(metadata, lengths, rest, meta_rest)
         if prepared is None:
-            return pickle.dumps(metadata)
+            return pickle.dumps(_plain(metadata))
         with _LOCK:
             _PREPARED.append(prepared)
             del _PREPARED[:-_PREPARED_MAX]
@@ -112,7 +142,8 @@ def _prepare(metadata: Metadata, lengths: tuple, rest: tuple, meta_rest: tuple) 
     """The pickle of `metadata` with ASCII stand-ins of the ids' lengths, and where they are;
     None where a stand-in is not found exactly once (short ids can match other bytes)."""
     stand_ins = [(uuid.uuid4().hex * (n // 32 + 1))[:n].encode() for n in lengths]
-    shown = copy.copy(metadata)
+    shown = Metadata.__new__(Metadata)  # a plain one: a PreparedMetadata's pickle is this one's
+    shown.__dict__.update(vars(metadata))
     shown.storage_meta = copy.copy(metadata.storage_meta)
     for k, value in zip(_IDS, stand_ins):
         setattr(shown.storage_meta, k, value.decode())

@@ -7,8 +7,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from .metadata import PreparedMetadata
 from .standins import STAND_INS
 
 __all__ = ["CachedSavePlanner"]
@@ -92,6 +94,17 @@ class CachedSavePlanner(DefaultSavePlanner):
             else:
                 self._remember_layout(cached)
         return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # The coordinator's Metadata, which DCP pickles to every rank after the commit: one
+        # that pickles as the `.metadata` file's pickle, prepared once per layout
+        # (metadata.PreparedMetadata), kept in DCP's cache in place of the plain one.
+        plans, metadata = super().create_global_plan(all_plans)
+        prepared = PreparedMetadata.of(metadata)
+        if SavePlanner._cached_metadata.get(self._cached_plans_key) is metadata:
+            SavePlanner._cached_metadata[self._cached_plans_key] = prepared
+        self.metadata = prepared
+        return plans, prepared
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         pending = getattr(self, "_pending_local_plan", None)
