@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import default_planner  # noqa: E402
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata  # noqa: E402
+from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,  # noqa: E402
+                                                   TensorStorageMetadata)
 
 from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter  # noqa: E402
 from gdsckpt.dcp import metadata as dcp_metadata  # noqa: E402
@@ -50,19 +51,20 @@ def one_rank_group(tmp_path):
 
 
 def _state(seed: int, layout: str = "a") -> dict:
-    """Model + AdamW-like state with a nested optimizer state and plain values. Layouts: "a";
+    """Model + AdamW-like state with a nested optimizer state, plain values among the tensors
+    and after them. Layouts: "a";
     "key" (a new tensor); "shape" ("key" and w2 5x4 not 4x4); "dtype" ("shape" and w1 bf16)."""
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(8, 3, generator=g)
     w2 = torch.randn(5 if layout in ("shape", "dtype") else 4, 4, generator=g)
     if layout == "dtype":
         w1 = w1.to(torch.bfloat16)
-    model = {"w1": w1, "w2": w2, "b": torch.randn(4, generator=g), "steps": torch.tensor(seed)}
+    model = {"w1": w1, "name": f"run{seed}", "w2": w2, "b": torch.randn(4, generator=g), "steps": torch.tensor(seed)}
     if layout != "a":
         model["extra"] = torch.randn(2, 6, generator=g).to(torch.float16)
     state = {str(i): {"step": torch.tensor(float(seed)), "exp_avg": torch.randn(t.shape, generator=g),
                       "exp_avg_sq": torch.rand(t.shape, generator=g)}
-             for i, t in enumerate(model.values()) if t.is_floating_point()}
+             for i, t in enumerate(model.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()}
     return {"model": model, "optim": {"state": state, "param_groups": [{"lr": 0.1 * seed, "betas": (0.9, 0.99),
                                                                       "params": list(range(len(state)))}]}}
 
@@ -100,6 +102,16 @@ def _flat_tensors(state, prefix=""):
         elif isinstance(v, dict):
             out.update(_flat_tensors(v, name + "."))
     return out
+
+
+def _as_one_rank_made_it(metadata) -> Metadata:
+    """The plain Metadata with its storage data's strings shared as within one rank's results."""
+    strings: dict[str, str] = {}
+    one = lambda s: strings.setdefault(s, s)  # noqa: E731
+    plain = dcp_metadata._plain(metadata)
+    plain.storage_data = {MetadataIndex(one(i.fqn), i.offset, i.index): {one(k): one(v) for k, v in sd.items()}
+                          for i, sd in metadata.storage_data.items()}
+    return plain
 
 
 class Counting:
@@ -144,10 +156,14 @@ def test_steady_saves_reuse_and_changed_layouts_start_afresh(tmp_path, one_rank_
         tensors = _flat_tensors(want)
         sdm = {k: v for k, v in ours.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         assert set(sdm) == set(tensors), (i, layout)
+        assert [index.fqn for index in ours.storage_data] == list(ours.state_dict_metadata)  # the plan's order
         for k, t in tensors.items():
             assert (sdm[k].size, sdm[k].properties.dtype) == (t.shape, t.dtype), (i, k)
         data = (d / ".metadata").read_bytes()[:-16]
         assert data == pickle.dumps(dcp_metadata._plain(metadata)), f"save {i}: not pickle.dumps' bytes"
+        # and the bytes of the storage data as the rank's one list of results made it before
+        # (one pickle through DCP's gather: every equal string one object, the "file" key too)
+        assert data == pickle.dumps(_as_one_rank_made_it(metadata)), f"save {i}: not the bytes of before"
         assert ours.storage_meta.checkpoint_id == str(d) and ours.storage_meta.save_id == metadata.storage_meta.save_id
         theirs = dcp.FileSystemReader(d).read_metadata()
         assert theirs.state_dict_metadata == ours.state_dict_metadata and theirs.storage_data == ours.storage_data

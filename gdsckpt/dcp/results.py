@@ -42,6 +42,7 @@ class PreparedWrite:
     expected: tuple  # (fqn, stand-in) per tensor item: the planner's flattened state held these
     tensor_results: list[WriteResult]
     byte_items: list[WriteItem]
+    byte_positions: tuple[int, ...]  # where each byte item is among the plan's items
     blob: bytes | None = None  # tensor_results pickled, made at the first gather
 
     def pickled(self) -> bytes:
@@ -91,11 +92,12 @@ def prepare_write(plan: SavePlan, layout: object, items: list, keys: dict, shape
     """Build the tensor items' results from the resolved items [(write item, data)] of a plan
     whose tensors are all stand-ins of one staging (keys: their data addresses -> keys;
     shapes: key -> shape), and keep them for `reuse_write` where the planner allows it."""
-    tensor_results, byte_items, expected = [], [], []
+    tensor_results, byte_items, positions, expected = [], [], [], []
     state = _plain_lookup(planner)
-    for item, data in items:
+    for i, (item, data) in enumerate(items):
         if item.type == WriteItemType.BYTE_IO:
             byte_items.append(item)
+            positions.append(i)
             continue
         key = keys.get(data_address(data)) if isinstance(data, torch.Tensor) else None
         if key is None or tuple(data.shape) != shapes[key]:
@@ -105,7 +107,7 @@ def prepare_write(plan: SavePlan, layout: object, items: list, keys: dict, shape
                                           storage_data={"file": name, "key": key}))
         if state is not None:
             expected.append((item.index.fqn, state.get(item.index.fqn)))
-    prepared = PreparedWrite(plan, layout, name, tuple(expected), tensor_results, byte_items)
+    prepared = PreparedWrite(plan, layout, name, tuple(expected), tensor_results, byte_items, tuple(positions))
     if state is not None and all(v is not None for _, v in expected):
         with _LOCK:
             _PREPARED[id(plan)] = prepared
@@ -116,20 +118,21 @@ def prepare_write(plan: SavePlan, layout: object, items: list, keys: dict, shape
 
 
 class RankResults(list):
-    """One rank's write results (a list of WriteResult): the prepared tensor results, then the
-    byte items'. Pickled as the prepared results' pickle, made once per layout, and the byte
-    items' results."""
+    """One rank's write results (a list of WriteResult) in the plan's order: the prepared
+    tensor results with the byte items' results at their positions. Pickled as the prepared
+    results' pickle, made once per layout, and the byte items' results."""
 
-    def __init__(self, prepared: list, byte_results: list, blob=None):
+    def __init__(self, prepared: list, byte_results: list, positions: tuple, blob=None):
         super().__init__(prepared)
-        self.extend(byte_results)
-        self.prepared, self.byte_results, self.blob = prepared, byte_results, blob
+        for at, result in zip(positions, byte_results):  # ascending: each lands at its final place
+            self.insert(at, result)
+        self.prepared, self.byte_results, self.positions, self.blob = prepared, byte_results, positions, blob
 
     def __reduce__(self):
         blob = self.blob() if callable(self.blob) else self.blob
         if blob is None:
             return (list, (list(self),))
-        return (_rank_results, (blob, list(self.byte_results)))
+        return (_rank_results, (blob, list(self.byte_results), self.positions))
 
 
 _UNPICKLED: "OrderedDict[bytes, list]" = OrderedDict()  # a rank's prepared-results pickle -> its results
@@ -137,8 +140,11 @@ _UNPICKLED_MAX_BYTES = 64 << 20
 _unpickled_bytes = 0
 
 
-def _rank_results(blob: bytes, byte_results: list) -> RankResults:
-    """A RankResults from a gather: its prepared part unpickled once per distinct pickle."""
+def _rank_results(blob: bytes, byte_results: list, positions: tuple) -> RankResults:
+    """A RankResults from a gather: its prepared part unpickled once per distinct pickle. The
+    `.metadata` pickle shares what its objects share (one "file" key string for a rank's
+    results, as the single pickle of them DCP made before): the byte results take the
+    prepared part's key strings, so that the file stays byte for byte the same."""
     global _unpickled_bytes
     with _LOCK:
         prepared = _UNPICKLED.get(blob)
@@ -152,7 +158,12 @@ def _rank_results(blob: bytes, byte_results: list) -> RankResults:
                 _unpickled_bytes += len(blob)
                 while _unpickled_bytes > _UNPICKLED_MAX_BYTES and len(_UNPICKLED) > 1:
                     _unpickled_bytes -= len(_UNPICKLED.popitem(last=False)[0])
-    return RankResults(prepared, byte_results, blob)
+    if prepared:  # one rank's results as one pickle would give them: the same "file" and "key" objects
+        file_k, key_k = prepared[0].storage_data
+        byte_results = [WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes,
+                                    storage_data={file_k: wr.storage_data["file"], key_k: wr.storage_data["key"]})
+                        for wr in byte_results]
+    return RankResults(prepared, byte_results, positions, blob)
 
 
 @dataclass(eq=False)
@@ -172,8 +183,8 @@ def storage_data_of(results: list[list[WriteResult]]) -> dict:
     if not all(isinstance(r, RankResults) for r in results):
         return _build(results)
     parts = tuple(r.prepared for r in results)
-    entries = tuple(tuple((wr.index, wr.storage_data["file"], wr.storage_data["key"]) for wr in r.byte_results)
-                    for r in results)
+    entries = tuple((r.positions, tuple((wr.index, wr.storage_data["file"], wr.storage_data["key"])
+                                        for wr in r.byte_results)) for r in results)
     with _LOCK:
         for known in _STORAGE_DATA:
             if len(known.parts) == len(parts) and all(a is b for a, b in zip(known.parts, parts)) \

@@ -298,7 +298,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             if not submitted:
                 dest.job.drop()
         fut: Future = Future()
-        fut.set_result(RankResults(prepared.tensor_results, byte_results, prepared.pickled))
+        fut.set_result(RankResults(prepared.tensor_results, byte_results, prepared.byte_positions, prepared.pickled))
         return fut
 
     def __getstate__(self):
