@@ -33,12 +33,12 @@ class _PlannedLayout:
         if len(state_dict) != len(self.keys) or mappings != self.mappings:
             return False
         for (key, value), want_key, want in zip(state_dict.items(), self.keys, self.values):
-            if key != want_key or (value is not want if want is not None else not _plain(value)):
+            if key != want_key or (value is not want if want is not None else not _one_byte_item(value)):
                 return False
         return True
 
 
-def _plain(value) -> bool:
+def _one_byte_item(value) -> bool:
     """A value DCP writes as one BYTE_IO item whatever it holds (not a tensor, nor an object
     that plans its own write items)."""
     return not isinstance(value, torch.Tensor) and not hasattr(value, "__create_write_items__") \
