@@ -14,9 +14,11 @@ The parts, one job each:
 | --- | --- |
 | `writer.py` | `GdsckptWriter`: a rank file per rank through save.save_flat; `.metadata` as the commit point |
 | `staging.py` | what dcp.async_save's staging makes of the state dict, per snapshot mode |
+| `standins.py` | the staging's stand-in tensors, kept per process and reused while a key keeps its layout |
+| `results.py` | write results after a staging, prepared once per layout; their compact pickling to the coordinator |
 | `reader.py` | `GdsckptReader`: only the chunks each rank needs, decoded into its shards |
-| `metadata.py` | `.metadata` written with a checksum, read with an allowlist unpickler |
-| `planner.py` | `CachedSavePlanner`: DCP's plan cache, reused only while nothing changed |
+| `metadata.py` | `.metadata` written with a checksum (pickled once per layout), read with an allowlist unpickler |
+| `planner.py` | `CachedSavePlanner`: DCP's plan cache, reused only while nothing changed (no plan built for stand-ins) |
 | `layout.py` | the directory's file names and each write item's key |
 """
 

@@ -10,25 +10,38 @@ or a file name). Either way, and for a file truncated or empty, the error is a
 CheckpointFormatError naming the file: the checkpoint manager then falls back to an older step.
 A `.metadata` with no trailer (written by gdsckpt before it had one, or by FileSystemWriter) is
 read through the same allowlist, with no checksum to check.
+
+Writing pickles a Metadata of a tensor or more per write item, which holds the GIL on DCP's
+background thread for milliseconds per thousand tensors, and DCP hands every save of one
+layout the same Metadata object (its plan cache): `metadata_pickle` pickles it once per
+layout, with stand-in ids, and then patches each save's checkpoint_id and save_id into the
+bytes, which are then exactly what pickle.dumps makes. After the commit DCP broadcasts the
+coordinator's Metadata to every rank, pickled again: CachedSavePlanner hands DCP a
+`PreparedMetadata`, whose pickle is that same prepared one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import pickle
 import struct
+import threading
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..checksum import crc64nvme
 from ..errors import CheckpointFormatError
 from ..storage import atomic_file, pwrite_all
 
-__all__ = ["write_metadata", "read_metadata", "TRAILER_MAGIC", "MAX_METADATA_BYTES"]
+__all__ = ["write_metadata", "read_metadata", "metadata_pickle", "PreparedMetadata", "TRAILER_MAGIC",
+           "MAX_METADATA_BYTES"]
 
 TRAILER_MAGIC = b"GDSCKMD1"
 _TRAILER = struct.Struct("<8sQ")  # magic, CRC-64/NVME of the pickle before it
@@ -46,9 +59,100 @@ _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 def write_metadata(path: Path, metadata: Metadata) -> None:
     """`metadata` to `path`, atomically and durably (storage.atomic_file), with its trailer."""
-    data = pickle.dumps(metadata)
+    data = metadata_pickle(metadata)
     with atomic_file(path) as f:
         pwrite_all(f.fd, data + _TRAILER.pack(TRAILER_MAGIC, crc64nvme(data)), 0)
+
+
+class PreparedMetadata(Metadata):
+    """DCP's Metadata, pickled as `metadata_pickle` pickles it (prepared once per layout): its
+    pickle unpickles, without gdsckpt, as the plain Metadata the `.metadata` file holds."""
+
+    def __reduce_ex__(self, protocol):
+        return pickle.loads, (metadata_pickle(self),)
+
+    @classmethod
+    def of(cls, metadata: Metadata) -> "PreparedMetadata":
+        """`metadata` as a PreparedMetadata holding the same objects (itself if it is one)."""
+        if isinstance(metadata, cls):
+            return metadata
+        prepared = cls.__new__(cls)
+        prepared.__dict__.update(vars(metadata))
+        return prepared
+
+
+def _plain(metadata: Metadata) -> Metadata:
+    """A PreparedMetadata as the plain Metadata it stands for (the same objects); any other as it is."""
+    if not isinstance(metadata, PreparedMetadata):
+        return metadata
+    plain = Metadata.__new__(Metadata)
+    plain.__dict__.update(vars(metadata))
+    return plain
+
+
+_IDS = ("checkpoint_id", "save_id")  # StorageMeta's per-save strings, patched into a prepared pickle
+
+
+@dataclass(eq=False)
+class _PreparedPickle:
+    rest: tuple  # (name, value) of the metadata's other attributes (held: compared by identity)
+    meta_rest: tuple  # (name, value) of storage_meta's other attributes (compared by value)
+    id_lengths: tuple  # the UTF-8 lengths of the ids
+    data: bytes  # the pickle, with stand-in ids
+    at: tuple  # where each id's bytes start in data, in order
+
+
+_PREPARED: list[_PreparedPickle] = []  # the last few, newest last
+_PREPARED_MAX = 4
+_LOCK = threading.Lock()
+
+
+def metadata_pickle(metadata: Metadata) -> bytes:
+    """pickle.dumps(metadata), from a pickle prepared once per layout where it can be: the
+    same objects in every attribute of `metadata` but storage_meta, and in storage_meta the
+    same values but string ids of the same lengths. A PreparedMetadata is pickled as the plain
+    Metadata it stands for."""
+    meta = metadata.storage_meta
+    if type(meta) is not StorageMeta or not all(isinstance(getattr(meta, k, None), str) for k in _IDS):
+        return pickle.dumps(_plain(metadata))
+    ids = tuple(getattr(meta, k).encode("utf-8", "surrogatepass") for k in _IDS)  # as pickle encodes str
+    rest = tuple((k, v) for k, v in vars(metadata).items() if k != "storage_meta")
+    meta_rest = tuple((k, v) for k, v in vars(meta).items() if k not in _IDS)
+    lengths = tuple(len(b) for b in ids)
+    with _LOCK:
+        prepared = next((p for p in reversed(_PREPARED) if p.id_lengths == lengths and p.meta_rest == meta_rest
+                         and len(p.rest) == len(rest)
+                         and all(a == b and v is w for (a, v), (b, w) in zip(p.rest, rest))), None)
+    if prepared is None:
+        prepared = _prepare(metadata, lengths, rest, meta_rest)
+        if prepared is None:
+            return pickle.dumps(_plain(metadata))
+        with _LOCK:
+            _PREPARED.append(prepared)
+            del _PREPARED[:-_PREPARED_MAX]
+    parts, last = [], 0
+    for at, value in zip(prepared.at, ids):
+        parts += [prepared.data[last:at], value]
+        last = at + len(value)
+    parts.append(prepared.data[last:])
+    return b"".join(parts)
+
+
+def _prepare(metadata: Metadata, lengths: tuple, rest: tuple, meta_rest: tuple) -> _PreparedPickle | None:
+    """The pickle of `metadata` with ASCII stand-ins of the ids' lengths, and where they are;
+    None where a stand-in is not found exactly once (short ids can match other bytes)."""
+    stand_ins = [(uuid.uuid4().hex * (n // 32 + 1))[:n].encode() for n in lengths]
+    shown = Metadata.__new__(Metadata)  # a plain one: a PreparedMetadata's pickle is this one's
+    shown.__dict__.update(vars(metadata))
+    shown.storage_meta = copy.copy(metadata.storage_meta)
+    for k, value in zip(_IDS, stand_ins):
+        setattr(shown.storage_meta, k, value.decode())
+    data = pickle.dumps(shown)
+    at = tuple(data.find(v) for v in stand_ins)
+    if any(data.count(v) != 1 for v in stand_ins) or list(at) != sorted(at) or \
+            any(a + len(v) > b for a, v, b in zip(at, stand_ins, at[1:])):
+        return None
+    return _PreparedPickle(rest, meta_rest, lengths, data, at)
 
 
 def read_metadata(path: Path) -> Metadata:

@@ -2,12 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from .metadata import PreparedMetadata
+from .standins import STAND_INS
+
 __all__ = ["CachedSavePlanner"]
+
+
+@dataclass
+class _PlannedLayout:
+    """The flattened state dict a cached local plan was made from, where every tensor in it
+    was a stand-in (standins.py): its keys in order, the stand-ins (None for another value)
+    and DCP's flattening mappings."""
+
+    plan: SavePlan  # the local plan (DCP's _cached_save_plan entry) made from it
+    keys: tuple[str, ...]
+    values: tuple  # the stand-in at each key, None where the value is not a tensor
+    mappings: dict
+
+    def holds_for(self, state_dict: dict, mappings: dict) -> bool:
+        """The state dict has the same keys, the same stand-in objects and plain values where
+        this one had them: its local plan is this one's (a stand-in never changes)."""
+        if len(state_dict) != len(self.keys) or mappings != self.mappings:
+            return False
+        for (key, value), want_key, want in zip(state_dict.items(), self.keys, self.values):
+            if key != want_key or (value is not want if want is not None else not _one_byte_item(value)):
+                return False
+        return True
+
+
+def _one_byte_item(value) -> bool:
+    """A value DCP writes as one BYTE_IO item whatever it holds (not a tensor, nor an object
+    that plans its own write items)."""
+    return not isinstance(value, torch.Tensor) and not hasattr(value, "__create_write_items__") \
+        and type(value).__name__ != "ShardedTensor"
 
 
 class CachedSavePlanner(DefaultSavePlanner):
@@ -26,20 +61,63 @@ class CachedSavePlanner(DefaultSavePlanner):
     Here a cached plan is reused only if every write item is equal, dtype, layout and all;
     otherwise the rank sends its full plan, as on a first save.
 
+    DCP still builds the local plan (a write item per tensor) to compare it, every save. For
+    the state dicts GdsckptWriter's compressed staging makes, whose tensors are stand-ins that
+    are handed out again while their layout holds (standins.py), the comparison is one of
+    objects: the same keys holding the same stand-ins means the same plan, and no plan is
+    built.
+
     DCP keeps its caches per process and key, and a cached final plan holds the storage
     writer's own data (GdsckptWriter's file prefix): saves through another storage writer
     (FileSystemWriter for exports, say) need a planner with another `cache_key`, or they would
     be handed this writer's plans."""
+
+    _planned_layouts: ClassVar[dict[str, _PlannedLayout]] = {}  # cache key -> its cached local plan's layout
 
     def __init__(self, cache_key: str = "GdsckptWriter", **kwargs: Any):
         super().__init__(enable_plan_caching=True, **kwargs)
         self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
 
     def create_local_plan(self) -> SavePlan:
+        key = self._cached_plans_key
+        cached = SavePlanner._cached_save_plan.get(key)
+        known = CachedSavePlanner._planned_layouts.get(key)
+        if cached is not None and known is not None and known.plan is cached \
+                and known.holds_for(self.state_dict, self.mappings):
+            self.plan = cached
+            return SavePlan([], usable=False)
         plan = super().create_local_plan()
         if not plan.usable:
-            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
             if cached is None or cached.items != self.plan.items:
                 self._pending_local_plan = self.plan  # cached once the global plan succeeds
-                return self.plan
+                plan = self.plan
+            else:
+                self._remember_layout(cached)
         return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # The coordinator's Metadata, which DCP pickles to every rank after the commit: one
+        # that pickles as the `.metadata` file's pickle, prepared once per layout
+        # (metadata.PreparedMetadata), kept in DCP's cache in place of the plain one.
+        plans, metadata = super().create_global_plan(all_plans)
+        prepared = PreparedMetadata.of(metadata)
+        if SavePlanner._cached_metadata.get(self._cached_plans_key) is metadata:
+            SavePlanner._cached_metadata[self._cached_plans_key] = prepared
+        self.metadata = prepared
+        return plans, prepared
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        pending = getattr(self, "_pending_local_plan", None)
+        finished = super().finish_plan(new_plan)
+        if pending is not None and SavePlanner._cached_save_plan.get(self._cached_plans_key) is pending:
+            self._remember_layout(pending)
+        return finished
+
+    def _remember_layout(self, plan: SavePlan) -> None:
+        """Note the flattened state `plan` was made from, if all its tensors are stand-ins."""
+        values = tuple(v if isinstance(v, torch.Tensor) else None for v in self.state_dict.values())
+        if all(v is None or STAND_INS.made(v) for v in values):
+            CachedSavePlanner._planned_layouts[self._cached_plans_key] = _PlannedLayout(
+                plan, tuple(self.state_dict), values, dict(self.mappings))
+        else:
+            CachedSavePlanner._planned_layouts.pop(self._cached_plans_key, None)

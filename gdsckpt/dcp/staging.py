@@ -22,48 +22,9 @@ from ..host_snapshot import PoolDestination
 from ..save import SaveOptions, save_flat
 from ..stats import Stats
 from ..tree import flatten
+from .standins import STAND_INS, StandInElements, data_address
 
 __all__ = ["Staged", "StandInElements", "stage_compressed", "snapshot_state_dict", "state_tensors", "data_address"]
-
-
-class StandInElements:
-    """The one element behind each stand-in: a distinct element of a block per (dtype,
-    device), so that no two stand-ins share a data address (write_data finds each one's key
-    by it) while a staging of thousands of tensors allocates a few blocks, not a tensor
-    (and, on a GPU, a kernel) each. Kept alive with the staging."""
-
-    BLOCK = 4096
-
-    def __init__(self):
-        self.blocks: list[torch.Tensor] = []  # all of them: a freed block's addresses could come back
-        self.current: dict[tuple, list] = {}  # (dtype, device) -> [block, elements used]
-
-    def take(self, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.Tensor:
-        entry = self.current.get((dtype, device))
-        if entry is None or entry[1] == self.BLOCK:
-            self.blocks.append(torch.zeros(self.BLOCK, dtype=dtype, device=device))
-            entry = self.current[(dtype, device)] = [self.blocks[-1], 0]
-        one = entry[0][entry[1]:entry[1] + 1]
-        entry[1] += 1
-        # a stand-in of a parameter requires grad as the parameter does
-        return one.detach().requires_grad_(True) if requires_grad else one
-
-
-def data_address(t: torch.Tensor) -> tuple[int, int]:
-    """Where a tensor's data starts, also for one of no elements (whose data_ptr() is 0)."""
-    return t.untyped_storage().data_ptr(), t.storage_offset()
-
-
-def _dtensor_like(d, local: torch.Tensor):
-    """A DTensor of `d`'s global shape, mesh and placements over `local`. DTensor's own
-    constructor with d's (immutable) spec: DTensor.from_local re-derives and validates the
-    spec through an autograd Function, ~0.1 ms a tensor, most of a 1,748-tensor staging's
-    Python time (bench/probes/dcp_stage_profile.py); from_local where that constructor differs."""
-    from torch.distributed.tensor import DTensor
-    try:
-        return DTensor(local, d._spec, requires_grad=local.requires_grad)
-    except (AttributeError, TypeError):
-        return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
 
 
 @dataclass
@@ -76,7 +37,8 @@ class Staged:
     keys: dict[tuple[int, int], str]  # data_address of a stand-in -> its key in the rank file
     shapes: dict[str, tuple]  # key -> the staged tensor's shape
     stats: Stats  # of the staging's save_flat (path "<staged>", no file yet)
-    elements: StandInElements  # kept alive with the staging: the stand-ins' addresses stay distinct
+    stand_ins: dict  # key -> its stand-in (standins._Entry): kept alive, their addresses stay distinct
+    layout: object  # standins.StandIns' layout token: the same while every key kept its stand-in
 
     def drop(self) -> None:
         """Give the pool back the records of a staging no write_data will write."""
@@ -91,11 +53,8 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
     from torch.distributed.tensor import DTensor
 
     tensors: dict[str, torch.Tensor] = {}
-    keys: dict[tuple[int, int], str] = {}  # data_address of a stand-in -> its key
-    shapes: dict[str, tuple] = {}
-    elements = StandInElements()
 
-    def stand_in(t: torch.Tensor, path: str) -> torch.Tensor:
+    def stand_in(t: torch.Tensor, path: str, dtensor=None) -> torch.Tensor:
         if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
             raise UnsupportedStateError(f"cannot stage a {t.layout} {t.dtype} tensor on {t.device} at {path!r}; "
                                         "pass snapshot='cpu' to GdsckptWriter")
@@ -103,18 +62,15 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
         while key in tensors:
             key += "#"
         tensors[key] = t.detach()
-        shapes[key] = tuple(t.shape)
         # On the tensor's own device: DTensor.from_local moves a local tensor that is not on the
         # mesh's device type, and write_data would then not recognise the copy as staged.
-        one = elements.take(t.dtype, t.device, t.requires_grad and (t.is_floating_point() or t.is_complex()))
-        keys[data_address(one)] = key
-        return one.reshape(()).expand(t.shape)
+        return round_.stand_in(key, t, dtensor)
 
     def rebuild(o, path: str, depth: int):
         if depth > 512:
             raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
         if isinstance(o, DTensor):
-            return _dtensor_like(o, stand_in(o.to_local(), path))
+            return stand_in(o.to_local(), path, o)
         if isinstance(o, torch.Tensor):
             return stand_in(o, path)
         sep = "/" if path else ""
@@ -133,12 +89,13 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
             return o
         return copy.deepcopy(o)
 
-    state = rebuild(state_dict, "", 0)
+    with STAND_INS.round() as round_:
+        state = rebuild(state_dict, "", 0)
     skeleton, leaves = flatten(tensors)
     dest = PoolDestination(None, None, options.chunk_bytes)
     with on_device(cuda_device_of(tensors.values())):
         snap = save_flat(skeleton, leaves, dest, options)
-    return state, Staged(dest, keys, shapes, snap, elements)
+    return state, Staged(dest, round_.keys, round_.shapes, snap, round_.entries, round_.layout)
 
 
 def snapshot_state_dict(obj, keep=lambda t: False):

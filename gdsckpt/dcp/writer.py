@@ -20,7 +20,6 @@ returns.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import uuid
 import weakref
@@ -45,6 +44,7 @@ from ..storage import fsync_dir
 from ..tree import flatten
 from .layout import DCP_VERSION, RANK_FILE, SUFFIX, item_key, local_dir_id, metadata_path
 from .metadata import write_metadata
+from .results import PreparedWrite, RankResults, byte_tensor, prepare_write, reuse_write, storage_data_of
 from .staging import Staged, data_address, snapshot_state_dict, stage_compressed
 
 __all__ = ["GdsckptWriter", "WRITER_MODES"]
@@ -189,28 +189,37 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             raise DCPPlanError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
                                "prepare_global_plan skipped?")
         name = f"{prefix}0{SUFFIX}"
-        if self._staged[0] is not None:
+        staged = self._staged[0]
+        if staged is not None:
+            prepared = reuse_write(plan, staged.layout, name, planner)  # a steady save: nothing to resolve
+            if prepared is not None:
+                return self._write_staged(prepared, [(item, planner.resolve_data(item)) for item in
+                                                     prepared.byte_items], prefix)
             items = [(item, planner.resolve_data(item)) for item in plan.items]  # resolved once: DCP's thread holds the GIL
             if self._plan_is_staged(items):
-                return self._write_staged(items, prefix)
+                try:
+                    prepared = prepare_write(plan, staged.layout, items, staged.keys, staged.shapes, name, planner)
+                except BaseException:
+                    _drop_staged(self._staged)
+                    raise
+                return self._write_staged(prepared, [(i, d) for i, d in items if i.type == WriteItemType.BYTE_IO],
+                                          prefix)
             _drop_staged(self._staged)  # staged by an async_save whose write never came; this is another save
         state: dict[str, torch.Tensor] = {}
-        results: list[WriteResult] = []
+        written: list[WriteResult] = []
         for item in plan.items:
             data = planner.resolve_data(item)
             key = item_key(item.index)
             if key in state:
                 raise DCPPlanError(f"two write items share the key {key!r}")
             if item.type == WriteItemType.BYTE_IO:
-                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-                t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
-                    torch.empty(0, dtype=torch.uint8)
+                t = byte_tensor(data)
             else:
                 if not isinstance(data, torch.Tensor):
                     raise UnsupportedStateError(f"write item {key!r} resolved to {type(data).__name__}, not a tensor")
                 t = data.detach()
             state[key] = t
-            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
+            written.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": name, "key": key}))
         self.last_stats = None
         if state:
@@ -219,13 +228,11 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             with on_device(cuda_device_of(state.values())):
                 self.last_stats = save_flat(skeleton, leaves, NewFile(self.path / name), self.options)
         fut: Future = Future()
-        fut.set_result(results)
+        fut.set_result(written)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md = {}
-        for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        storage_md = storage_data_of(results)
         metadata.version = DCP_VERSION  # as FileSystemWriter: the object dcp.save returns is the one stored
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
@@ -259,33 +266,24 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                                "writer's stage() compressed; refusing to write stand-ins as data")
         return all(found)
 
-    def _write_staged(self, items: list, prefix: str) -> Future:
-        """write_data after a compressed `stage`: the tensor items are in the pool already; the
-        byte items (pickled plain values, small) go to a second file through gdsckpt.save."""
+    def _write_staged(self, prepared: PreparedWrite, byte_items: list, prefix: str) -> Future:
+        """write_data after a compressed `stage`: the tensor items are in the pool already (their
+        results prepared); the byte items (byte_items: (write item, resolved data), pickled
+        plain values, small) go to a second file through gdsckpt.save."""
         staged, self._staged[0] = self._staged[0], None
-        dest, keys, shapes, snap = staged.destination, staged.keys, staged.shapes, staged.stats
+        dest, snap = staged.destination, staged.stats
         name, bytes_name = f"{prefix}0{SUFFIX}", f"{prefix}1{SUFFIX}"
         submitted = False
         try:
             byte_state: dict[str, torch.Tensor] = {}
-            results: list[WriteResult] = []
-            for item, data in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    key = item_key(item.index)
-                    buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-                    byte_state[key] = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else \
-                        torch.empty(0, dtype=torch.uint8)
-                    results.append(WriteResult(index=item.index, size_in_bytes=buf.nbytes,
-                                               storage_data={"file": bytes_name, "key": key}))
-                    continue
-                key = keys.get(data_address(data)) if isinstance(data, torch.Tensor) else None
-                if key is None or tuple(data.shape) != shapes[key]:
-                    raise DCPPlanError(f"write item {item_key(item.index)!r} is not a tensor this writer's stage() "
-                                       "compressed (snapshot='host' stages whole tensors and DTensor shards)")
-                results.append(WriteResult(index=item.index, size_in_bytes=data.numel() * data.element_size(),
-                                           storage_data={"file": name, "key": key}))
+            byte_results: list[WriteResult] = []
+            for item, data in byte_items:
+                key = item_key(item.index)
+                byte_state[key] = byte_tensor(data)
+                byte_results.append(WriteResult(index=item.index, size_in_bytes=byte_state[key].numel(),
+                                                storage_data={"file": bytes_name, "key": key}))
             self.last_stats = None
-            if any(r.storage_data["file"] == name for r in results):
+            if prepared.tensor_results:
                 submitted = True
                 report = dest.submit(self.path / name).done.result()
                 self.last_stats = dataclasses.replace(
@@ -300,7 +298,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             if not submitted:
                 dest.job.drop()
         fut: Future = Future()
-        fut.set_result(results)
+        fut.set_result(RankResults(prepared.tensor_results, byte_results, prepared.byte_positions, prepared.pickled))
         return fut
 
     def __getstate__(self):
