@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gdsckpt  # noqa: E402
+from gdsckpt.async_save import release_pools  # noqa: E402
 from gdsckpt.bench.disk import disk_probe, drop_page_cache  # noqa: E402
 from gdsckpt.bench.workload import make_state  # noqa: E402
 from gdsckpt.tree import flatten  # noqa: E402
@@ -84,7 +85,7 @@ def main() -> None:
             _, row[f"load_atomic_{atomic}_s"] = timed(lambda: gdsckpt.load_into(p, state, atomic=atomic))
         if size == sizes[-1]:
             cap = parse_size(args.cap)
-            gdsckpt.release_pools()
+            release_pools()
             t = time.perf_counter()
             fut = gdsckpt.save_async(state, p, pool_bytes=cap)
             blocked = time.perf_counter() - t
@@ -103,7 +104,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del state
         gc.collect()
-        gdsckpt.release_pools()
+        release_pools()
         torch.cuda.empty_cache()
     xs = [r["stored_bytes"] for r in out["rows"]]
     out["linear"] = {k: fit(xs, [r[k] for r in out["rows"]])
