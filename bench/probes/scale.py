@@ -1,7 +1,7 @@
 """Issue 22's scale target: save, save_async and restore growing states up to 40+ GB, and one
 save_async whose pool is capped below the stored size (back-pressure), on one large GPU.
 
-    OUT=dir python bench/probes/scale.py [--sizes 5GB,10GB,20GB,42GB] [--cap 8GB]
+    OUT=dir python bench/probes/scale.py [--sizes 5GB,10GB,20GB,40GB] [--cap 8GB]
 
 State: gdsckpt.bench.workload.make_state(size) on the GPU (the trained GPT-2-small state, its
 blocks copied with noise up to the size: real AdamW moments, bf16 weights, fp32 masters). Per
@@ -59,7 +59,7 @@ def fit(xs, ys):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="5GB,10GB,20GB,42GB")
+    ap.add_argument("--sizes", default="5GB,10GB,20GB,40GB")
     ap.add_argument("--cap", default="8GB")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(dir=os.environ.get("TMPDIR", "/tmp")))
@@ -74,6 +74,7 @@ def main() -> None:
         row["stored_bytes"], row["io_path"] = p.stat().st_size, stats.io_path
         if hasattr(gdsckpt, "reserve"):
             res, row["reserve_s"] = timed(lambda: gdsckpt.reserve(state, wait=True).result())
+        p.unlink()  # one file at a time: a 40 GB state's file and its replacement's temporary do not fit twice
         t = time.perf_counter()
         fut = gdsckpt.save_async(state, p)
         row["save_async_blocked_s"] = time.perf_counter() - t
@@ -86,6 +87,7 @@ def main() -> None:
         if size == sizes[-1]:
             cap = parse_size(args.cap)
             release_pools()
+            p.unlink()
             t = time.perf_counter()
             fut = gdsckpt.save_async(state, p, pool_bytes=cap)
             blocked = time.perf_counter() - t
