@@ -50,7 +50,8 @@ class GdsckptCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         codec: str = "auto"
-        """gdsckpt codec: "auto" (typed ANS on the GPU, zstd on the CPU), "ans", "bitcomp", "zstd", "raw"."""
+        """gdsckpt codec: "auto" (typed or byte-plane ANS per stream on the GPU, zstd on the CPU),
+        "ans", "ans-planes", "bitcomp", "zstd", "raw"."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
