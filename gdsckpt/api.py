@@ -29,7 +29,8 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     Durable on return: the file is fsync'd and renamed over `path`, and the directory
     fsync'd; an existing checkpoint at `path` is replaced only by a complete one.
     codec: "auto" (typed or byte-plane ANS per stream on the GPU, zstd on the CPU), "ans",
-    "ans-planes", "bitcomp", "zstd", "raw", or {dtype name: codec}. io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
+    "ans-planes", "bitcomp", "zstd", "raw", or {dtype name: codec}.
+    io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
     """
     started = time.perf_counter()
     destination = NewFile(user_path(path, "save"))  # a bad path: refused before anything else
