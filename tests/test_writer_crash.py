@@ -184,7 +184,9 @@ def test_clean_cli_lists_then_removes_stale_temporaries(zygote, tmp_path):
     live.write_bytes(b"")
     stale = _temps(tmp_path)
     stale.remove(live)
-    assert len(stale) >= dead and stale == stale_temporaries(tmp_path)
+    # A kill can land before a slow-starting child (a loaded CI host) made its temporary, so not
+    # every killed save leaves one (a fresh-clone CI run saw 3 of 4); every one left is listed.
+    assert 1 <= len(stale) <= dead and stale == stale_temporaries(tmp_path)
     r = subprocess.run([sys.executable, "-m", "gdsckpt", "clean", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 0 and "--yes" in r.stdout and all(str(p) in r.stdout for p in stale), r.stdout + r.stderr
