@@ -97,3 +97,23 @@ def flip_chunk_byte(path, at: int, mask: int, chunk: int = 0) -> None:
         b = f.read(1)
         f.seek(off)
         f.write(bytes([b[0] ^ mask]))
+
+
+def file_declaring(spec: dict, tmp_path) -> tuple:
+    """(path, stream): a file whose float32 stream is declared `spec`, its chunk records otherwise
+    intact (zstd-compressed: a reader refuses or decodes them by what the spec says)."""
+    import torch
+
+    import gdsckpt
+    p = tmp_path / "base.gdsckpt"
+    gdsckpt.save({"w": torch.randn(100_000), "i": torch.arange(1000)}, p, codec="zstd", chunk_bytes=64 << 10)
+    data = p.read_bytes()
+    _, doc, _ = split(data)
+    s = next(i for i, st in enumerate(doc["streams"]) if st["dtype"] == "float32")
+    doc["streams"][s]["codec"] = spec
+    for c in doc["chunks"]:
+        if c["stream"] == s and not spec.get("frame_bytes"):
+            c.pop("frames", None)
+    out = tmp_path / "declared.gdsckpt"
+    out.write_bytes(rebuild(data, doc))
+    return out, s

@@ -18,7 +18,7 @@ import gdsckpt
 from gdsckpt import codecs
 from gdsckpt.backend import gpu_status
 from gdsckpt.codecs.zstd_cpu import shuffle_bytes, unshuffle_bytes
-from ckpt_tools import rebuild, split
+from ckpt_tools import file_declaring
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANES = codecs.lookup("ans-planes")
@@ -66,27 +66,12 @@ def test_the_writer_makes_a_plane_per_byte_of_the_scalar():
     assert PLANES.nvcomp_native and PLANES.nvcomp_algorithm == "ANS"
 
 
-def _file_of(spec: dict, tmp_path) -> tuple[Path, int]:
-    """A file whose float32 stream is declared `spec`, its chunk records otherwise intact."""
-    p = tmp_path / "base.gdsckpt"
-    gdsckpt.save({"w": torch.randn(100_000), "i": torch.arange(1000)}, p, codec="zstd", chunk_bytes=64 << 10)
-    data = p.read_bytes()
-    _, doc, _ = split(data)
-    s = next(i for i, st in enumerate(doc["streams"]) if st["dtype"] == "float32")
-    doc["streams"][s]["codec"] = spec
-    for c in doc["chunks"]:
-        if c["stream"] == s:
-            c.pop("frames", None)
-    out = tmp_path / "planes.gdsckpt"
-    out.write_bytes(rebuild(data, doc))
-    return out, s
-
 
 SPEC = {"name": "ans-planes", "data_type": "|u1", "nvcomp": "6.0.0", "uncomp_chunk_size": 512 << 10, "shuffle": 4}
 
 
 def test_the_spec_round_trips_through_the_index(tmp_path):
-    p, s = _file_of(SPEC, tmp_path)
+    p, s = file_declaring(SPEC, tmp_path)
     with gdsckpt.open(p) as ck:
         assert ck.index.plan.streams[s].codec == SPEC
         assert ck.verify()["chunks"] > 0  # checksums are the CPU's business whatever the codec
@@ -95,7 +80,7 @@ def test_the_spec_round_trips_through_the_index(tmp_path):
 def test_on_a_cpu_host_a_load_is_refused_naming_the_codec(tmp_path):
     if gpu_status()[0]:
         pytest.skip("this host has a GPU")
-    p, _ = _file_of(SPEC, tmp_path)
+    p, _ = file_declaring(SPEC, tmp_path)
     with pytest.raises(gdsckpt.CodecUnavailableError) as e:
         gdsckpt.load(p)
     assert "'ans-planes' chunks, which only nvCOMP on a GPU can decode" in str(e.value)
@@ -113,7 +98,7 @@ def test_on_a_cpu_host_a_load_is_refused_naming_the_codec(tmp_path):
     ({"name": "ans", "data_type": "<f4", "nvcomp": "6.0.0", "shuffle": 4}, "byte shuffle on a 'ans' stream"),
 ])
 def test_a_damaged_spec_is_refused_on_open(tmp_path, spec, problem):
-    p, s = _file_of(spec, tmp_path)
+    p, s = file_declaring(spec, tmp_path)
     with pytest.raises(gdsckpt.CheckpointFormatError, match=f"stream {s}: {problem}"):
         gdsckpt.open(p)
 
@@ -123,7 +108,7 @@ def test_without_shuffle_it_is_ans_over_bytes(tmp_path):
     forger's own bytes in another order)."""
     spec = {k: v for k, v in SPEC.items() if k != "shuffle"}
     assert PLANES.spec_problem(spec) is None
-    p, s = _file_of(spec, tmp_path)
+    p, s = file_declaring(spec, tmp_path)
     with gdsckpt.open(p) as ck:
         assert ck.index.plan.streams[s].codec == spec
 

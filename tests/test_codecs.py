@@ -18,7 +18,7 @@ from gdsckpt import format as fmt
 from gdsckpt.backend import gpu_status
 from gdsckpt.cpu_backend import CpuBackend
 from gdsckpt.dtypes import BY_NAME
-from ckpt_tools import rebuild, split
+from ckpt_tools import file_declaring
 from conftest import all_dtype_tensors, assert_same
 
 CODECS = pytest.mark.parametrize("codec", codecs.CODECS, ids=lambda c: c.name)
@@ -111,21 +111,6 @@ def test_on_the_cpu_it_round_trips_or_is_refused(codec, tmp_path):
         assert codec.max_expansion / 8 < zeros <= codec.max_expansion
 
 
-def _file_of(spec: dict, tmp_path) -> str:
-    """A file whose float32 stream is declared `spec` (its compressed chunks otherwise intact)."""
-    p = tmp_path / "base.gdsckpt"
-    gdsckpt.save({"w": torch.randn(100_000), "i": torch.arange(1000)}, p, codec="zstd", chunk_bytes=64 << 10)
-    data = p.read_bytes()
-    _, doc, _ = split(data)
-    s = next(i for i, st in enumerate(doc["streams"]) if st["dtype"] == "float32")
-    doc["streams"][s]["codec"] = spec
-    for c in doc["chunks"]:
-        if c["stream"] == s and not spec.get("frame_bytes"):
-            c.pop("frames", None)
-    out = tmp_path / f"{spec['name']}.gdsckpt"
-    out.write_bytes(rebuild(data, doc))
-    return out
-
 
 @CODECS
 def test_where_the_cpu_cannot_decode_the_codec_says_why(codec, tmp_path):
@@ -137,7 +122,7 @@ def test_where_the_cpu_cannot_decode_the_codec_says_why(codec, tmp_path):
         return  # read back in test_on_the_cpu_it_round_trips_or_is_refused
     if gpu_status()[0]:
         pytest.skip("this host has a GPU")
-    p = _file_of(spec, tmp_path)
+    p, _ = file_declaring(spec, tmp_path)
     with gdsckpt.open(p) as ck:
         assert ck.verify()["chunks"] > 0
         assert not CpuBackend().can_decode(ck.index.plan.streams[0].codec)
