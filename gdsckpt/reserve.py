@@ -35,14 +35,12 @@ from typing import Callable
 import torch
 
 from .async_save import check_pool_bytes, default_pool_limit
-from .backend import check_gds, choose
 from .device_copy import cuda_device_of, on_device
-from .dtypes import name_of
 from .memory_snapshot import slot_bytes
 from .pinned_pool import align_up, pool_for
 from .plan import Plan, make_plan
 from .ring import Completion
-from .save import SaveOptions, Sink, save_flat
+from .save import SaveOptions, Sink, backend_kind, save_flat, tensor_specs
 from .tree import flatten
 
 __all__ = ["reserve", "Reservation", "Planned", "plan_for", "reserve_memory", "in_background"]
@@ -84,10 +82,8 @@ def plan_for(state, save_options: dict) -> Planned:
     runs) and plan it."""
     options = SaveOptions(**save_options)
     _, leaves = flatten(state)
-    kind = choose(any(l.tensor.is_cuda for l in leaves), options.backend)
-    check_gds(options.io, kind, "save")
-    specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
-    plan = make_plan(specs, lambda dtype: None, options.chunk_bytes_for(kind))  # the bounds need no codec
+    kind = backend_kind(leaves, options)
+    plan = make_plan(tensor_specs(leaves), lambda dtype: None, options.chunk_bytes_for(kind))  # bounds: no codec
     device = None
     if kind == "gpu":  # the device save_async makes current (else the caller's current one)
         device = cuda_device_of(l.tensor for l in leaves)

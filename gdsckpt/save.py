@@ -38,8 +38,8 @@ from .stats import Stats, stream_stats
 from .storage import AtomicFile, save_target
 from .tree import Leaf
 
-__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "check_codec",
-           "check_optimizer", "is_int"]
+__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "backend_kind", "tensor_specs",
+           "check_codec", "check_optimizer", "is_int"]
 
 
 # ---------------------------------------------------------------- options
@@ -235,6 +235,18 @@ class Sink:
 # ---------------------------------------------------------------- the pipeline
 
 
+def backend_kind(leaves: list[Leaf], options: SaveOptions) -> str:
+    """The backend a save of `leaves` runs on ("gpu" or "cpu"); GDSUnavailableError for io="gds" without it."""
+    kind = choose(any(l.tensor.is_cuda for l in leaves), options.backend)
+    check_gds(options.io, kind, "save")
+    return kind
+
+
+def tensor_specs(leaves: list[Leaf]) -> list[tuple]:
+    """plan.make_plan's (key, dtype name, shape, bytes) per leaf."""
+    return [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
+
+
 def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, options: SaveOptions, *,
               started: float | None = None) -> Stats:
     """Save a flattened state (tree.flatten's skeleton and leaves) into `destination`.
@@ -243,12 +255,10 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
     usable. Returns once destination.commit returned. started: when the caller's save began
     (perf_counter), for Stats.seconds; default now."""
     t_start = time.perf_counter() if started is None else started
-    kind = choose(any(l.tensor.is_cuda for l in leaves), options.backend)
-    check_gds(options.io, kind, "save")
+    kind = backend_kind(leaves, options)
     chunk_bytes = options.chunk_bytes_for(kind)
     with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
-        specs = [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
-        plan = make_plan(specs, lambda dtype: codecs.resolve(options.codec, dtype, gpu=kind == "gpu",
+        plan = make_plan(tensor_specs(leaves), lambda dtype: codecs.resolve(options.codec, dtype, gpu=kind == "gpu",
                                                              nvcomp_version=be.nvcomp_version), chunk_bytes)
         tensors = [l.tensor for l in leaves]
         timings = Timings()
