@@ -235,6 +235,13 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
     return records
 
 
+def _check_stored(index: Index, i: int, stored: Bytes, got: int, backend: Backend, path) -> None:
+    """verify_chunk for chunk i read into `stored` (`got` bytes of it), with the backend's checksum."""
+    rec, chunk = index.records[i], index.plan.chunks[i]
+    key = index.plan.tensors[chunk.segments[0].tensor].key
+    verify_chunk(got, backend.checksum(stored, index.checksum) if got == rec.stored else 0, rec, path, key, i)
+
+
 def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, file: ChunkFile, depth: int,
                 timings: Timings, path, *, verify_only: bool = False, reached: list[int] | None = None) -> None:
     """Read, verify and decode the chunks `chunk_ids` into the tensors' byte views `views`
@@ -258,14 +265,13 @@ def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, fil
         for j, i in enumerate(chunk_ids[:len(slots)]):
             submit(slots[j], i)
         for j, i in enumerate(chunk_ids):
-            slot, chunk, rec = slots[j % len(slots)], plan.chunks[i], records[i]
-            key = plan.tensors[chunk.segments[0].tensor].key
+            slot = slots[j % len(slots)]
             t = time.perf_counter()
             fut, slot.pending = slot.pending, None
             got = fut.get()
             t = timings.add("read_wait", t)
-            stored = slot.stored[:rec.stored]
-            verify_chunk(got, backend.checksum(stored, index.checksum) if got == rec.stored else 0, rec, path, key, i)
+            stored = slot.stored[:records[i].stored]
+            _check_stored(index, i, stored, got, backend, path)
             t = timings.add("verify", t)
             if verify_only:
                 backend.synchronize()  # the slot is free once its checksum has run
@@ -313,7 +319,7 @@ def read_verified(index: Index, chunk_ids: list[int], backend: Backend, file: Ch
     written. The stored bytes of chunk_ids[j] are at [j]. `workers` threads check chunks side by
     side (the CPU's checksum lets go of the GIL); the error raised is the first damaged chunk's in
     chunk order. Stages: "atomic_read" (waiting for reads), "atomic_verify" (checking)."""
-    plan, records = index.plan, index.records
+    records = index.records
     futures: list[IOFuture] = []
     if in_place(file):
         stored = [file.view(records[i].stored, records[i].file_offset) for i in chunk_ids]
@@ -327,10 +333,8 @@ def read_verified(index: Index, chunk_ids: list[int], backend: Backend, file: Ch
             at += align_up(rec.stored)
 
     def check_one(j: int, got: int) -> None:
-        i, rec = chunk_ids[j], records[chunk_ids[j]]
-        key = plan.tensors[plan.chunks[i].segments[0].tensor].key
-        data = stored[j][:got]
-        verify_chunk(got, backend.checksum(data, index.checksum) if got == rec.stored else 0, rec, path, key, i)
+        i, data = chunk_ids[j], stored[j][:got]
+        _check_stored(index, i, data, got, backend, path)
         if check is not None:
             check(i, data)
 
