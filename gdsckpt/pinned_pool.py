@@ -123,15 +123,11 @@ class PinnedPool:
         with self._cond:
             target = min(grow_to, limit)
             while self.capacity + self.growing < target and self._room(limit):
-                t = time.perf_counter()
-                self._grow(min(self._arena_size(limit), self._room(limit)))
-                allocated += time.perf_counter() - t
+                allocated += self._grow(min(self._arena_size(limit), self._room(limit)))
             while self.in_use + need > limit or self.capacity - self.in_use < need:
                 room = self._room(limit)
                 if self.in_use + need <= limit and room > 0:
-                    t = time.perf_counter()
-                    self._grow(min(self._arena_size(limit), room))
-                    allocated += time.perf_counter() - t
+                    allocated += self._grow(min(self._arena_size(limit), room))
                     continue
                 if self.in_use + need <= limit and self.growing:
                     # the room comes with the arena `grow` is allocating: wait for it, allocate no other
@@ -229,10 +225,13 @@ class PinnedPool:
         small = 1 << max(20, (max(limit // 16, 1)).bit_length() - 1)
         return min(self.arena_bytes, small)
 
-    def _grow(self, size: int) -> None:
+    def _grow(self, size: int) -> float:
+        """Allocate one arena of `size` bytes (holding the lock); the seconds it took."""
+        t = time.perf_counter()
         arena = _Arena(size, self.pinned)
         self._arenas.append(arena)
         self.capacity += arena.size
+        return time.perf_counter() - t
 
     def _take(self, need: int) -> list:
         pieces, left = [], need
