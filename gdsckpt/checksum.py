@@ -108,7 +108,21 @@ def gf_xpow(e: int) -> int:
 
 
 def gf_mul_vec(a: int, b: np.ndarray) -> np.ndarray:
-    """a * b[i] mod P for every element of the uint64 array b (vectorised over b)."""
+    """a * b[i] mod P for every element of the uint64 array b (vectorised over b): bit by bit for
+    a few elements; for many, by byte tables of the map s -> s * a (8 lookups per element, ~20x
+    fewer array passes: the GPU CRC's per-thread constants, 135k of them on an H100, are built
+    with this in every new process)."""
+    b = np.asarray(b, dtype=np.uint64)
+    if b.size <= 1024:
+        return _gf_mul_bits(a, b)
+    t = linear_tables(mul_basis(a), 8)
+    p = t[0][b & np.uint64(0xFF)]
+    for j in range(1, 8):
+        p ^= t[j][(b >> np.uint64(8 * j)) & np.uint64(0xFF)]
+    return p
+
+
+def _gf_mul_bits(a: int, b: np.ndarray) -> np.ndarray:
     b = b.astype(np.uint64, copy=True)
     p = np.zeros_like(b)
     poly, one = np.uint64(POLY_REFLECTED), np.uint64(1)
@@ -123,7 +137,11 @@ def shift_tables(nbytes: int, bits: int = 8) -> np.ndarray:
     """(64 // bits, 2^bits) uint64 tables of the linear map s -> s * x^(8 * nbytes) mod P, `bits`
     bits of s at a time: with bits = 8 the map of s is T[0][s & 0xff] ^ T[1][(s >> 8) & 0xff] ^ ...
     ^ T[7][s >> 56]. nbytes = 8, bits = 8 gives the classic slice-by-8 tables."""
-    basis = mul_basis(gf_xpow(8 * nbytes))  # the image of each bit of s
+    return linear_tables(mul_basis(gf_xpow(8 * nbytes)), bits)
+
+
+def linear_tables(basis: np.ndarray, bits: int) -> np.ndarray:
+    """The tables of the GF(2)-linear map whose image of bit i is basis[i], `bits` bits at a time."""
     t = np.zeros((64 // bits, 1 << bits), dtype=np.uint64)
     idx = np.arange(1 << bits)
     for j in range(64 // bits):
@@ -135,7 +153,7 @@ def shift_tables(nbytes: int, bits: int = 8) -> np.ndarray:
 def mul_basis(c: int) -> np.ndarray:
     """(64,) uint64: the image of each bit under s -> s * c mod P (so s * c = XOR of the entries
     at s's set bits): a multiplication by a constant as 64 independent loads."""
-    return gf_mul_vec(c, np.uint64(1) << np.arange(64, dtype=np.uint64))
+    return _gf_mul_bits(c, np.uint64(1) << np.arange(64, dtype=np.uint64))
 
 
 def crc64nvme_of_zeros(n: int) -> int:

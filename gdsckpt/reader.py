@@ -77,8 +77,8 @@ class Checkpoint:
             self.source.close()
             raise
         self._check_nvcomp()
-        # I/O workers: the caller's, else those that suit the source (a memory copy's), else the backend's.
-        self._backend_choice, self._io = backend, io
+        # I/O path and workers: the caller's, else those that suit the source (a memory copy's), else the backend's.
+        self._backend_choice, self._io = backend, self.source.io if io == "auto" else io
         self._io_threads = io_threads if io_threads is not None else self.source.io_threads
         # Every key path -> tensor: each stored tensor's key, then the keys of its aliases (tensors
         # saved as one because they shared memory, e.g. tied embeddings), which read and load_into

@@ -52,6 +52,7 @@ class ChunkSource(Protocol):
     label: Path | str  # names the checkpoint in errors and stats: the user's path, or the URL
     size: int  # bytes
     io_threads: int | None  # the I/O workers that suit it where the caller names none; None: the backend's
+    io: str  # the I/O path that suits it where the caller asks for "auto" (backend.IO_CHOICES)
 
     def pread(self, n: int, offset: int) -> bytes:
         """`n` bytes at `offset` of the checkpoint that was opened (fewer only past its end)."""
@@ -95,6 +96,7 @@ class LocalFile:
     go by the path, and refuse a file that is not the one opened."""
 
     io_threads = None
+    io = "auto"
 
     def __init__(self, path: Path):
         self.label = path
@@ -157,6 +159,7 @@ class StoreObject:
     only the chunk records a caller asks for. Endpoint and credentials: the AWS variables."""
 
     io_threads = None
+    io = "auto"
 
     def __init__(self, url: str):
         self.label = url

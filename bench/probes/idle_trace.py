@@ -1,10 +1,11 @@
-"""Where does a save_async's GPU idle time go? A torch.profiler trace around one checkpoint.
+"""Where does a checkpoint's GPU idle time go? A torch.profiler trace around one checkpoint.
 
-    OUT=dir python bench/probes/idle_trace.py [--size gpt2-medium] [--modes host,overlap]
+    OUT=dir python bench/probes/idle_trace.py [--size gpt2-medium] [--methods async,async-overlap,dcp-gdsckpt]
 
 The loop is gdsckpt-bench --train's (its GPT, AdamW, bf16 autocast, loss.item() every step, so the
 host waits for the GPU at each step's end). After warm-up and one untimed save (the pool pinned),
-each mode gets a trace of --before steps, the save_async call, and --after steps. Per step:
+each method (gdsckpt-bench --train's: its setup, its save call) gets a trace of --before steps, the
+call, and --after steps (36 covers the background write of the file too). Per step:
   wall_ms        the step's host time
   train_busy_ms  kernel time on the training stream inside the step (clipped to it)
   idle_ms        wall - train_busy: the training stream with nothing to run
@@ -13,7 +14,7 @@ each mode gets a trace of --before steps, the save_async call, and --after steps
 and the training stream's gaps over 1 ms after the call, each with the main thread's innermost
 operator at the gap's start (a named wait: the optimizer's hook, a copy, a sync; none: Python).
 Extra idle of the checkpoint = the call's own time + the steps' idle beyond the median idle of
-the steps before it. Writes idle_trace.json and, per mode, a filtered gzip trace into $OUT.
+the steps before it. Writes idle_trace.json and, per method, a filtered gzip trace into $OUT.
 """
 
 from __future__ import annotations
@@ -36,27 +37,19 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import gdsckpt  # noqa: E402
 from gdsckpt.bench import train_loop, train_methods  # noqa: E402
 
 
 def step(model, opt, batches):
-    idx = batches.next()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(idx[:, :-1])
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    with record_function("opt.step"):
-        opt.step()
-    return loss.item()
+    """One step with no checkpoint method (warm-up; write_interference's loop)."""
+    return method_step(model, opt, batches, train_methods.Method())
 
 
 def analyse(trace: dict, before: int, after: int) -> dict:
     ev = trace["traceEvents"]
     ann = {e["name"]: e for e in ev if e.get("cat") == "user_annotation" and e.get("ph") == "X"}
     steps = [ann[f"step{i}"] for i in range(before + after)]
-    call = ann.get("save_async")
+    call = ann.get("checkpoint")
     main_tid = steps[0]["tid"]
     kernels = [e for e in ev if e.get("cat") == "kernel" and e.get("ph") == "X"]
     copies = [e for e in ev if e.get("cat") == "gpu_memcpy" and e.get("ph") == "X"]
@@ -71,12 +64,17 @@ def analyse(trace: dict, before: int, after: int) -> dict:
         lo, hi = s["ts"], s["ts"] + s["dur"]
         return sum(max(0, min(e["ts"] + e["dur"], hi) - max(e["ts"], lo)) for e in evs if pred(e))
 
+    runtime = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"]
     rows = []
     for i, s in enumerate(steps):
         tb = within(kernels, s, lambda e: e["args"]["stream"] == train)
-        d2h = [e for e in copies if e["args"]["stream"] != train and "DtoH" in e["name"]]
         lo, hi = s["ts"], s["ts"] + s["dur"]
-        rows.append({"step": i - before, "wall_ms": s["dur"] / 1e3, "train_busy_ms": tb / 1e3,
+        mine = [e for e in runtime if e["tid"] == main_tid and lo <= e["ts"] < hi]
+        d2h = [e for e in copies if e["args"]["stream"] != train and "DtoH" in e["name"]]
+        rows.append({"main_runtime_ms": sum(e["dur"] for e in mine) / 1e3, "main_runtime_calls": len(mine),
+                     "main_runtime_max_ms": max((e["dur"] for e in mine), default=0) / 1e3,
+                     "other_threads_runtime_ms": within(runtime, s, lambda e: e["tid"] != main_tid) / 1e3,
+                     "step": i - before, "wall_ms": s["dur"] / 1e3, "train_busy_ms": tb / 1e3,
                      "idle_ms": (s["dur"] - tb) / 1e3,
                      "other_ms": within(kernels, s, lambda e: e["args"]["stream"] != train) / 1e3,
                      "d2h_ms": within(d2h, s, lambda e: True) / 1e3,
@@ -102,18 +100,23 @@ def analyse(trace: dict, before: int, after: int) -> dict:
     return {"train_stream": train, "call_ms": call["dur"] / 1e3 if call else None, "base_idle_ms": base,
             "base_wall_ms": base_wall, "extra_idle_ms": round(extra_idle, 2), "extra_wall_ms": round(extra_wall, 2),
             "steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
-            "gaps": gaps[:25]}
+            "gaps": gaps[:25], "other_threads_longest_runtime": [
+                {"name": e["name"], "tid": e["tid"], "ms": e["dur"] / 1e3,
+                 "at_ms": round((e["ts"] - steps[before]["ts"]) / 1e3, 2)}
+                for e in sorted((e for e in runtime if e["tid"] != main_tid and e["ts"] >= steps[0]["ts"]),
+                                key=lambda e: -e["dur"])[:15]]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="gpt2-medium")
-    ap.add_argument("--modes", default="host,overlap")
+    ap.add_argument("--methods", default="async,async-overlap",
+                    help="gdsckpt-bench --train's methods (train_methods.ALIASES), e.g. async,dcp-gdsckpt")
     ap.add_argument("--before", type=int, default=3)
-    ap.add_argument("--after", type=int, default=6)
+    ap.add_argument("--after", type=int, default=6, help="steps traced after the call (36: the file's write too)")
     ap.add_argument("--warm", type=int, default=12)
     ap.add_argument("--loop-saves", type=int, default=0,
-                    help="no trace: N saves of the first mode, one every 12 steps (to run under py-spy --gil)")
+                    help="no trace: N saves of the first method, one every 12 steps (to run under py-spy --gil)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
     model, opt, windows, info = train_loop.build(args.size, "cuda")
@@ -121,50 +124,72 @@ def main() -> None:
     for _ in range(args.warm):
         step(model, opt, batches)
     d = Path(tempfile.mkdtemp(dir=os.environ.get("TRACE_DIR")))
-    t = time.perf_counter()
-    first = gdsckpt.save_async(train_methods.checkpoint_state(model, opt), d / "first").result()
+    ctx = train_methods.Ctx(model, opt, d, "cuda")
+    asked = args.methods.split(",")
+    methods = [m for m in train_methods.select(args.methods) if m.name != "none" or "none" in asked]
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(), "model": info,
-              "first_save": {"blocked_s": first.blocked_s, "pool_alloc_s": first.pool_alloc_s,
-                             "to_durable_s": time.perf_counter() - t, "io_path": first.io_path}, "modes": {}}
+              "first_save": {}, "methods": {}}
+    for m in methods:  # setup (a reservation, a process group) and one untimed save: steady state after
+        m.setup(ctx)
+        if m.name == "none":
+            continue
+        t = time.perf_counter()
+        m.save(ctx, ctx.state(), d / f"first-{len(result['first_save'])}").result()
+        result["first_save"][m.name] = {"to_durable_s": time.perf_counter() - t, "io_path": ctx.io_path}
     if args.loop_saves:
-        mode = args.modes.split(",")[0]
-        kw = {"snapshot": mode, "optimizer": opt} if mode == "overlap" else {"snapshot": mode}
+        m = methods[0]
         t = time.perf_counter()
         for i in range(args.loop_saves * 12):
-            step(model, opt, batches)
+            method_step(model, opt, batches, m)
             if i % 12 == 11:
-                gdsckpt.save_async(train_methods.checkpoint_state(model, opt), d / mode, **kw)
-        gdsckpt.save_async(train_methods.checkpoint_state(model, opt), d / mode, **kw).result()
-        print(json.dumps({"mode": mode, "saves": args.loop_saves, "seconds": time.perf_counter() - t}))
+                m.save(ctx, ctx.state(), d / f"loop-{i}")
+        m.save(ctx, ctx.state(), d / "loop-last").result()
+        print(json.dumps({"method": m.name, "saves": args.loop_saves, "seconds": time.perf_counter() - t}))
         return
-    for mode in args.modes.split(","):
+    for n, m in enumerate(methods):
         for _ in range(3):
-            step(model, opt, batches)
-        kw = {"snapshot": mode, "optimizer": opt} if mode == "overlap" else {"snapshot": mode}
+            method_step(model, opt, batches, m)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(args.before + args.after):
                 with record_function(f"step{i}"):
-                    step(model, opt, batches)
-                if i == args.before - 1:
-                    with record_function("save_async"):
-                        fut = gdsckpt.save_async(train_methods.checkpoint_state(model, opt), d / mode, **kw)
+                    method_step(model, opt, batches, m)
+                if i == args.before - 1 and m.name != "none":
+                    with record_function("checkpoint"):
+                        fut = m.save(ctx, ctx.state(), d / f"traced-{n}")
             torch.cuda.synchronize()
-        stats = fut.result()
-        raw = d / f"{mode}.json"
+        stats = fut.result() if m.name != "none" else None
+        raw = d / f"trace-{n}.json"
         prof.export_chrome_trace(str(raw))
         trace = json.loads(raw.read_text())
         r = analyse(trace, args.before, args.after)
         r["stats"] = {k: getattr(stats, k) for k in ("blocked_s", "snapshot_s", "hook_wait_s", "background_s",
                                                        "pool_wait_s", "io_path", "file_bytes") if hasattr(stats, k)}
-        result["modes"][mode] = r
+        result["methods"][m.name] = r
         keep = [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "user_annotation")
-                or (e.get("cat") == "cpu_op" and e.get("dur", 0) > 200) or e.get("ph") == "M"]
-        with gzip.open(out_dir / f"trace-{mode}.json.gz", "wt") as f:
+                or (e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver") and e.get("dur", 0) > 200)
+                or e.get("ph") == "M"]
+        with gzip.open(out_dir / f"trace-{n}.json.gz", "wt") as f:
             json.dump({"traceEvents": keep}, f)
         raw.unlink()
-        print(mode, json.dumps({k: r[k] for k in ("call_ms", "extra_idle_ms", "extra_wall_ms", "base_wall_ms")}),
+        print(m.name, json.dumps({k: r[k] for k in ("call_ms", "extra_idle_ms", "extra_wall_ms", "base_wall_ms")}),
               json.dumps(r["gaps"][:8]), flush=True)
+    for m in methods:
+        m.teardown()
     (out_dir / "idle_trace.json").write_text(json.dumps(result, indent=1))
+
+
+def method_step(model, opt, batches, method) -> None:
+    """One step of the loop, with the method's wait before the optimizer step (the overlap modes)."""
+    idx = batches.next()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    method.before_step()
+    with record_function("opt.step"):
+        opt.step()
+    return loss.item()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ copy's bytes onto the GPU that its read path was chosen from. Writes $OUT/memory
 
     python bench/probes/memory_restore.py [--size gpt2-medium] [--steps 3] [--repeats 2]   # ~5 min on an H100
     python bench/probes/memory_restore.py --size tiny --device cpu --repeats 1   # a smoke test
+    python bench/probes/memory_restore.py --only setup,profile   # where a new process's fixed cost goes
 
 This process trains the model a few steps (gdsckpt/bench/train_loop.py), saves the state once
 through Checkpointer(memory=True) (a memory copy, and the file), keeps a CRC-64 per tensor, then
@@ -18,6 +19,12 @@ start cold each time):
   (memory_source.MemorySource.io_threads: 4, 8, 16; defaults.MEMORY_READ_THREADS is the default),
   and two passes (READ_ONCE_GPU_FRACTION = 0: checking pass, then the decoding one, as when the
   device has no room for the stored bytes). The cold local file, for comparison.
+* setup (--only setup): a new process's one-time costs, each timed on its own before the restore:
+  importing the GPU modules, cuFile's GDS probe, the backend (stream, codecs object, checksum
+  kernels), each checksum kernel's first launch, each codec's first encode and decode of 16 MiB,
+  KvikIO's first read of the segment (its thread pool and bounce buffers); then the restore, the
+  process now warm. profile: cProfile over a cold restore (its top functions), then a second,
+  warm restore in the same process.
 * paths: the segment's records to device memory, nothing else: KvikIO compat reads of the shm file
   (4, 8, 16 threads; the first call in a process apart: it allocates the bounce buffers), copies
   from the pageable mapping (what a new process did before), and mmap(MAP_POPULATE) +
@@ -64,25 +71,33 @@ def _sync(device: str) -> None:
 # ---------------------------------------------------------------- children
 
 
+def _restarted_state(size: str, device: str):
+    """The model and AdamW as a restarted run holds them before its restore: built, one step taken
+    (AdamW's state exists), every tensor of the checkpointed state zeroed."""
+    from gdsckpt.bench.train_loop import build
+    from gdsckpt.bench.train_methods import checkpoint_state
+    from gdsckpt.tree import flatten
+    model, opt, _, _ = build(size, device)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = checkpoint_state(model, opt)
+    for leaf in flatten(state)[1]:
+        leaf.tensor.zero_()
+    _sync(device)
+    return model, opt, state
+
+
 def restore_child(d: Path, size: str, device: str, what: str, threads: int | None, two_pass: bool) -> dict:
     """One restore in this (new) process; what: "memory" or "local_cold"."""
     from gdsckpt import Checkpointer, reader
     from gdsckpt.bench.disk import drop_page_cache
-    from gdsckpt.bench.train_methods import checkpoint_state
-    from gdsckpt.bench.train_loop import build
     from gdsckpt.memory_source import MemorySource
     if threads is not None:
         MemorySource.io_threads = threads
     if two_pass:
         reader.READ_ONCE_GPU_FRACTION = 0.0
-    model, opt, _, _ = build(size, device)
-    for p in model.parameters():  # AdamW's state, as a restarted run has it after its first step
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = checkpoint_state(model, opt)
-    from gdsckpt.tree import flatten
-    for leaf in flatten(state)[1]:
-        leaf.tensor.zero_()
+    _, _, state = _restarted_state(size, device)
     if what == "local_cold":
         for p in d.glob("step_*"):
             drop_page_cache(p)
@@ -103,6 +118,82 @@ def restore_child(d: Path, size: str, device: str, what: str, threads: int | Non
             "stages": {k: round(v, 4) for k, v in stages.items()},
             "io_path": r.stats.io_path if r.stats is not None else None,
             "stored_bytes": r.stats.stored_bytes if r.stats is not None else None}
+
+
+def setup_child(d: Path, size: str, device: str) -> dict:
+    """Each one-time cost of a new process's first GPU restore, apart; then the restore itself."""
+    import importlib
+    from gdsckpt.codecs import spec_for
+    from gdsckpt.memory_tier import list_copies
+    _, _, state = _restarted_state(size, device)
+    times: dict = {}
+
+    def tick(name, fn):
+        t = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize()
+        times[name] = round(time.perf_counter() - t, 4)
+        return r
+
+    tick("import_gpu_modules", lambda: importlib.import_module("gdsckpt.gpu.backend"))
+    from gdsckpt.gpu import backend as gb, io as gio, kernels
+    from gdsckpt.gpu.codecs import nvcomp_version
+    tick("gds_probe", gio.gds_available)
+    tick("io_settings", lambda: gio.io_settings("auto", None))
+    be = tick("backend", gb.GpuBackend)
+    buf = torch.randint(0, 255, (16 << 20,), dtype=torch.uint8, device="cuda")
+    for alg in kernels.ALGORITHMS:
+        tick(f"checksum_first_{alg}", lambda: be.checksum(buf, alg))
+    with be:
+        for name, dt, dtype in (("ans", "float32", torch.float32), ("ans", "bfloat16", torch.bfloat16),
+                                ("ans-planes", "float32", torch.float32)):
+            spec = spec_for(name, dt, nvcomp_version(), "gpu")
+            src = torch.randn(4 << 20, device="cuda").to(dtype).view(torch.uint8)[:16 << 20]
+            out = be.empty(be.max_stored(spec, src.nbytes))
+            scratch = torch.empty_like(src)
+            n, frames = tick(f"encode_first_{name}_{dt}", lambda: be.encode(spec, src.clone(), out, scratch))
+            back = torch.empty_like(src)
+            tick(f"decode_first_{name}_{dt}", lambda: be.decode(spec, out[:n], back, frames))
+            assert torch.equal(back, src)
+        copy = list_copies(d)[0]
+        f = be.open(copy["folder"] / copy["record"]["slot"], "r")
+        tick("kvikio_first_read_1MiB", lambda: f.pread(buf, 1 << 20, 0).get())
+        f.close()
+    t = time.perf_counter()
+    r = _restore(d, state, device)
+    return {"kind": "setup", "one_time_s": times, "one_time_total_s": round(sum(times.values()), 4),
+            "restore_after_setup_s": time.perf_counter() - t, "source": r.source,
+            "stages": {k: round(v, 4) for k, v in r.stats.stages.items()}}
+
+
+def _restore(d: Path, state, device: str):
+    from gdsckpt import Checkpointer
+    with Checkpointer(d, memory=True) as ck:
+        r = ck.restore(state)
+    _sync(device)
+    return r
+
+
+def profile_child(d: Path, size: str, device: str) -> dict:
+    """cProfile over a cold restore in this new process; then a warm one, timed plainly."""
+    import cProfile
+    import io
+    import pstats
+    _, _, state = _restarted_state(size, device)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    _restore(d, state, device)
+    prof.disable()
+    cold = time.perf_counter() - t
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    t = time.perf_counter()
+    r = _restore(d, state, device)
+    warm = time.perf_counter() - t
+    return {"kind": "profile", "cold_profiled_s": cold, "warm_s": warm, "warm_source": r.source,
+            "warm_stages": {k: round(v, 4) for k, v in r.stats.stages.items()},
+            "top_cumulative": text.getvalue().splitlines()[:110]}
 
 
 def paths_child(segment: Path, nbytes: int, how: str) -> dict:
@@ -185,6 +276,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="training steps before the save")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--directory", default=None, help="where the checkpoint file goes (default: a temporary folder)")
+    ap.add_argument("--only", default="restores,paths",
+                    help="comma-separated: restores, paths, setup, profile (the last two: GPU only)")
     ap.add_argument("--child", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     if a.child:
@@ -192,6 +285,9 @@ def main() -> None:
         if kind == "restore":
             d, size, device, what, threads, two = rest
             r = restore_child(Path(d), size, device, what, None if threads == "-" else int(threads), two == "1")
+        elif kind in ("setup", "profile"):
+            d, size, device = rest
+            r = (setup_child if kind == "setup" else profile_child)(Path(d), size, device)
         else:
             segment, nbytes, how = rest
             r = paths_child(Path(segment), int(nbytes), how)
@@ -225,15 +321,21 @@ def main() -> None:
         if gpu:
             variants += [("memory", t, 0) for t in (4, 8, 16) if t != MEMORY_READ_THREADS] + [("memory", None, 1)]
         variants.append(("local_cold", None, 0))
+        only = set(a.only.split(","))
         rows = []
-        for rep in range(a.repeats):
+        for rep in range(a.repeats if "restores" in only else 0):
             for what, threads, two in variants:
                 r = _child("restore", d, a.size, a.device, what, "-" if threads is None else threads, two)
                 r["repeat"] = rep
                 rows.append(r)
                 print(json.dumps(r), flush=True)
         result["restores"] = rows
-        if gpu:
+        for kind in ("setup", "profile"):
+            if gpu and kind in only:
+                result[kind] = [_child(kind, d, a.size, a.device) for _ in range(a.repeats)]
+                for r in result[kind]:
+                    print(json.dumps(r, indent=1), flush=True)
+        if gpu and "paths" in only:
             paths = []
             for rep in range(a.repeats):
                 for how in ("kvikio-4", "kvikio-8", "kvikio-16", "pageable", "register"):

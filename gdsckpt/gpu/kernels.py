@@ -149,10 +149,14 @@ _crc_kernels: dict = {}
 
 
 def _crc_kernel(threads: int, blocks_per_sm: int, unroll: int, nibble: bool) -> cupy.RawKernel:
+    """The CRC kernel of one shape. Its parameters are #defines in the source, not -D options:
+    CuPy preprocesses an empty file once per distinct option set to key its kernel cache (~20 ms
+    of NVRTC in each new process), and the other kernels here use the default options."""
     key = (threads, blocks_per_sm, unroll, nibble)
     if key not in _crc_kernels:
-        _crc_kernels[key] = cupy.RawKernel(_CRC, "gdsckpt_crc64nvme", options=(
-            f"-DTHREADS={threads}", f"-DBPSM={blocks_per_sm}", f"-DUNROLL={unroll}", f"-DNIBBLE={int(nibble)}"))
+        defines = "".join(f"#define {name} {value}\n" for name, value in
+                          (("THREADS", threads), ("BPSM", blocks_per_sm), ("UNROLL", unroll), ("NIBBLE", int(nibble))))
+        _crc_kernels[key] = cupy.RawKernel(defines + _CRC, "gdsckpt_crc64nvme")
     return _crc_kernels[key]
 
 
