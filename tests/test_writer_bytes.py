@@ -64,3 +64,39 @@ def test_the_goldens_are_whole_checkpoints_of_the_state():
         with gdsckpt.open(GOLDEN / f"{name}.gdsckpt") as ck:
             ck.verify(deep=True)
             assert_same(ck.load(), golden_state())
+
+
+def test_index_from_cached_parts_is_the_whole_document_encoded_at_once():
+    """encode_index joins the index from parts, its tensor list cached per layout: the bytes are
+    json.dumps of the whole document, for layouts saved in turn and the same tensors on another
+    device (a cached list is never handed to another layout)."""
+    from gdsckpt.plan import make_plan
+    from gdsckpt.ring import ChunkRecord
+
+    def whole(meta, skeleton, devices, plan, records) -> bytes:
+        doc = {**meta, "format": [fmt.MAJOR, fmt.MINOR], "checksum": fmt.CHECKSUM, "skeleton": skeleton,
+               "streams": [{"dtype": s.dtype, "codec": s.codec, "nbytes": s.nbytes} for s in plan.streams],
+               "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "stream": t.stream,
+                            "offset": t.offset, "nbytes": t.nbytes, "device": d}
+                           for t, d in zip(plan.tensors, devices)],
+               "chunks": []}
+        for c, r in zip(plan.chunks, records):
+            rec = {"stream": c.stream, "offset": c.offset, "length": c.length, "file_offset": r.file_offset,
+                   "stored": r.stored, "checksum": f"{r.checksum:016x}"}
+            if r.raw:
+                rec["raw"] = True
+            if r.frames is not None:
+                rec["frames"] = r.frames
+            doc["chunks"].append(rec)
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    layouts = []
+    for n in (3, 5):
+        specs = [(f"w{i}", "float32", (i + 1, 2), 8 * (i + 1)) for i in range(n)]
+        plan = make_plan(specs, lambda d: {"name": "zstd", "level": 3}, 16)
+        records = [ChunkRecord(64 * c.index, c.length - 1, c.index % 2 == 1, 2 ** 63 + c.index,
+                               [c.length] if c.index == 0 else None) for c in plan.chunks]
+        skeleton = {"w": [{"__tensor__": i} for i in range(n)], "lr": 0.5, "nan": float("nan")}
+        layouts.append(({"library": "x", "created": n}, skeleton, ["cuda:0"] * n, plan, records))
+    for args in layouts + layouts + [(*layouts[0][:2], ["cpu"] * 3, *layouts[0][3:])]:
+        assert fmt.encode_index(*args) == whole(*args)
