@@ -117,3 +117,17 @@ def file_declaring(spec: dict, tmp_path) -> tuple:
     out = tmp_path / "declared.gdsckpt"
     out.write_bytes(rebuild(data, doc))
     return out, s
+
+
+def once_more_on_gloo_abort(run) -> None:
+    """run(attempt) with attempt 1, and once more with 2 if a rank died with SIGABRT ("terminate
+    called without an active exception": a C++ thread torn down in gloo's teardown, once in about
+    four loaded runs, after the rank's assertions passed; not understood yet). Any other failure,
+    an assertion's included, fails at once."""
+    import torch.multiprocessing as mp
+    for attempt in (1, 2):
+        try:
+            return run(attempt)
+        except mp.ProcessExitedException as e:
+            if attempt == 2 or "SIGABRT" not in str(e):
+                raise

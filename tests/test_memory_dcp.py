@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
+from ckpt_tools import once_more_on_gloo_abort  # noqa: E402
 from test_manager_dcp import WORLD, full_state, same_local, sharded  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
@@ -88,11 +89,16 @@ def _restart(rank: int, d: Path, mesh) -> None:
 
 
 def test_two_ranks_memory_tier(tmp_path):
+    once_more_on_gloo_abort(lambda attempt: _two_ranks(tmp_path / f"try{attempt}"))
+
+
+def _two_ranks(run: Path) -> None:
     import torch.multiprocessing as mp
+    run.mkdir()
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
     try:
         env = {"GDSCKPT_MEMORY_ROOT": str(root)}
-        mp.start_processes(_rank_main, args=(str(tmp_path), env, "save"), nprocs=WORLD, join=True,
+        mp.start_processes(_rank_main, args=(str(run), env, "save"), nprocs=WORLD, join=True,
                            start_method="spawn")
         # the copies outlived the processes: a folder per rank, each with its two steps
         folders = sorted(os.listdir(root))
@@ -100,7 +106,7 @@ def test_two_ranks_memory_tier(tmp_path):
         for f in folders:
             assert sorted(n for n in os.listdir(root / f) if n.endswith(".commit")) == \
                 ["step_00000002.commit", "step_00000004.commit"]
-        mp.start_processes(_rank_main, args=(str(tmp_path), env, "restart"), nprocs=WORLD, join=True,
+        mp.start_processes(_rank_main, args=(str(run), env, "restart"), nprocs=WORLD, join=True,
                            start_method="spawn")
     finally:
         shutil.rmtree(root, ignore_errors=True)
