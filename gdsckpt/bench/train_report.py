@@ -19,9 +19,9 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
  methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
    {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
    blocked_s: {mean, max, each}, completion_s: {mean, max, each},
-   steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's median step],
+   steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's step at its position],
    gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
-   overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the median step before its first checkpoint),
+   overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the mean step before its first checkpoint),
    first_save: {blocked_s, completion_s} (outside the loops, after `reserve`),
    reserve: {when, seconds, where, allocated_bytes, held_bytes, limit_bytes, pinned, warm_s, alloc_s, slots} | null
    (what the method's setup reserved ahead of its first save: gdsckpt.reserve / Checkpointer.reserve),
@@ -77,28 +77,31 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
 
 def _in_loop_overhead(loop: Loop, interval: int, ckpts: int) -> float:
     """Overhead per checkpoint against the loop's own first interval, before any checkpoint
-    (its median step, the loop's first step left out): loop seconds - steps x that median.
+    (its mean step, the loop's first step left out): loop seconds - steps x that mean (a
+    median would read the skewed steps' few slow ones as overhead).
     Immune to drift between loops (on the 2x H200 host, 'none' loops ran up to 12% slower
     or faster than the loops beside them), blind to a slowdown that outlasts the interval."""
-    base = statistics.median(loop.steps[1:interval] or loop.steps[:interval])
+    base = statistics.fmean(loop.steps[1:interval] or loop.steps[:interval])
     return (loop.seconds - len(loop.steps) * base) / ckpts
 
 
 def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = "steps") -> list | None:
     """Where a method's loop time lands: for k = 1..interval, how much longer the k-th training
-    step after a checkpoint took than the median step of the same repeat's 'none' loop (mean
-    over checkpoints and repeats). A step's time includes any wait the method imposes before
-    opt.step (blocked time, also counted there); the checkpoint call itself is not in it.
+    step after a checkpoint took than the step at the same position of the same repeat's 'none'
+    loop (mean over checkpoints and repeats). Paired by position, not against the 'none' loop's
+    median: steps are skewed (a few slow ones), so a median base reads every step as slower.
+    A step's time includes any wait the method imposes before opt.step (blocked time, also
+    counted there); the checkpoint call itself is not in it.
     what="gpu_waits": the same for the part of each step the host waited for the GPU (more:
     the GPU ran slower; less, with a slower step: the host did)."""
     extra = [[] for _ in range(interval)]
     for i, loop in enumerate(loops):
-        base = statistics.median(getattr(none_loops[min(i, len(none_loops) - 1)], what))
+        base = getattr(none_loops[min(i, len(none_loops) - 1)], what)
         per_step = getattr(loop, what)
         for c in loop.ckpt_steps:
             for k in range(interval):
-                if c + k < len(per_step):
-                    extra[k].append(per_step[c + k] - base)
+                if c + k < min(len(per_step), len(base)):
+                    extra[k].append(per_step[c + k] - base[c + k])
     return [round(statistics.fmean(e), 4) for e in extra] if extra and extra[0] else None
 
 
