@@ -9,9 +9,9 @@ A first save_async allocates its host pool (pinned_pool.py) inside the call: pin
 costs ~0.5 s per GB (H100, 2026-11-23), so the first save blocked as long as a synchronous one.
 A reservation, on its own thread:
 
-1. warms the backend a save of `state` runs on: one tiny snapshot (a few KiB of zeros per dtype
-   of `state`, on its device, discarded), which makes the per-device codecs, kernels and
-   streams a first save would make inside its call;
+1. warms the backend a save of `state` runs on: one tiny snapshot (one codec-choice sample of
+   zeros per dtype of `state`, on its device, discarded), which makes the per-device codecs
+   (every candidate of codec="auto"), kernels and streams a first save would make inside its call;
 2. grows the device's pool (pinned_pool.pool_for) to save_async's bound for `state`
    (async_save.default_pool_limit of its plan, or pool_bytes=), an arena at a time without
    holding the pool's lock (PinnedPool.grow): a save that starts meanwhile takes the arenas
@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from .async_save import check_pool_bytes, default_pool_limit
+from .defaults import CODEC_SAMPLE_PIECE_BYTES
 from .device_copy import cuda_device_of, on_device
 from .memory_snapshot import slot_bytes
 from .pinned_pool import align_up, pool_for
@@ -45,7 +46,12 @@ from .tree import flatten
 
 __all__ = ["reserve", "Reservation", "Planned", "plan_for", "reserve_memory", "in_background"]
 
-WARM_BYTES = 64 << 10  # the warm-up snapshot's bytes per dtype: enough for a chunk of every codec
+# The warm-up snapshot's bytes per dtype: one codec-choice sample piece, so that codec="auto"
+# samples it with every candidate codec (on the GPU: byte-plane ANS's nvCOMP codec and shuffle
+# kernel too, not only the typed ANS that zeros pick). Below it nothing was sampled, and a first
+# save on a fresh host compiled and made them in its call: 1.03 s blocked, 0.12 s steady
+# (H100, 2026-11-24, bench/results/2026-11-24-h100-drift/).
+WARM_BYTES = CODEC_SAMPLE_PIECE_BYTES
 
 
 @dataclass

@@ -53,7 +53,8 @@ def test_train_and_cost(tmp_path, capsys):
     cost = {c["name"]: c for c in r["cost"]["methods"]}
     assert r["cost"]["checkpoints_per_month"] == 30 * 24
     c = cost["gdsckpt.save"]
-    idle = max(0.0, rows["gdsckpt.save"]["overhead_per_ckpt_s"]["mean"])
+    from gdsckpt.bench.targets import idle_estimate
+    idle = max(0.0, idle_estimate(rows["gdsckpt.save"])[0])
     assert abs(c["idle_usd_month"] - 720 * idle / 3600 * 8 * 3) < 1e-9
     assert abs(c["storage_usd_month"] - 2 * rows["gdsckpt.save"]["stored_bytes"] * 8 / 1e12 * 20) < 1e-9
 
@@ -120,3 +121,32 @@ def test_train_under_torchrun(tmp_path):
     # storage per GPU: the directory's bytes shared out over the ranks
     g = rows["dcp.async_save GdsckptWriter"]
     assert abs(c[g["name"]]["checkpoint_bytes"] - g["stored_bytes"] / 2 * r["cost"]["inputs"]["gpus"]) < 1
+
+
+def test_local_overhead_ignores_drift_between_and_within_loops():
+    """The local estimate: a checkpoint's call and the steps it slowed, whatever the loops' drift;
+    none where a write outlasted the steps it counts (its tail would be missed)."""
+    from gdsckpt.bench.targets import idle_estimate
+    from gdsckpt.bench.train_loop import Loop
+    from gdsckpt.bench.train_report import _local_overhead
+
+    interval, steps = 40, 120
+    ckpts = [40, 80]
+
+    def loop(base: float, drift: float, cost: dict, call: float = 0.0, done: float = 1.0) -> Loop:
+        s = [base + drift * i + cost.get(i, 0.0) for i in range(steps)]
+        return Loop(sum(s), calls=[call] * len(ckpts), completion=[done] * len(ckpts), steps=s,
+                    ckpt_steps=ckpts if call else [])
+    none = loop(0.100, 0.0, {})
+    # 5% slower overall and drifting within the loop; each checkpoint: a 20 ms call, +50 ms on
+    # the step after it, +1 ms on each of the next 20 (the write)
+    slowed = {c + k: (0.050 if k == 0 else 0.001) for c in ckpts for k in range(21)}
+    method = loop(0.105, 1e-5, slowed, call=0.020)
+    assert abs(_local_overhead(method, none, interval) - 0.090) < 1e-9
+    # the loop's own estimate reads the drift as overhead
+    assert (method.seconds - none.seconds) / len(ckpts) > 0.3
+    # a write that outlasted the 30 steps counted: no local estimate
+    assert _local_overhead(loop(0.1, 0.0, slowed, call=0.02, done=3.5), none, interval) is None
+    row = {"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": 0.09}}
+    assert idle_estimate(row) == (0.09, "local")
+    assert idle_estimate({"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": None}}) == (0.4, "loop")

@@ -356,6 +356,34 @@ def test_gpu_reserve_pins_the_pool_and_the_first_save_allocates_nothing(tmp_path
     assert gdsckpt.reserve(state, wait=True).result().allocated_bytes == 0
 
 
+_FIRST_SAVE_MAKES_NO_CODEC = """
+import json, sys, torch, gdsckpt
+from gdsckpt.gpu.backend import _resources
+g = torch.Generator(device="cuda").manual_seed(9)
+# AdamW-like streams, so that codec="auto" samples typed and byte-plane ANS for each float dtype
+state = {"w": torch.randn(8_000_000, device="cuda", generator=g),
+         "v": torch.randn(8_000_000, device="cuda", generator=g).square_() * 1e-6,
+         "h": torch.randn(4_000_000, device="cuda", generator=g).to(torch.bfloat16)}
+gdsckpt.reserve(state, wait=True).result()
+codecs = _resources(torch.cuda.current_device()).codecs._codecs
+made = set(codecs)
+gdsckpt.save_async(state, sys.argv[1]).result(120)
+print(json.dumps({"made": sorted(made, key=str), "new": sorted(set(codecs) - made, key=str)}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_reserve_makes_every_codec_the_first_save_uses(tmp_path):
+    """In a new process (nothing made before it): after reserve, the first save makes no nvCOMP
+    codec of its own, byte-plane ANS's included, though the warm-up's zeros would store best
+    under typed ANS."""
+    child = _child(_FIRST_SAVE_MAKES_NO_CODEC, tmp_path / "a.gdsckpt", tmp=tmp_path)
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err
+    codecs = json.loads(out.strip().splitlines()[-1])
+    assert {k[0] for k in codecs["made"]} >= {"ans", "ans-planes"} and codecs["new"] == [], codecs
+
+
 @pytest.mark.gpu
 def test_gpu_checkpointer_reserve_page_locks_the_slots_before_the_first_save(tmp_path, shm):
     g = torch.Generator(device="cuda").manual_seed(9)

@@ -2,13 +2,14 @@
 
 Every GPU of a synchronous data-parallel job stands still while one checkpoints, so:
 
-  idle GPU-hours / month = checkpoints / month x loop overhead per checkpoint (s) / 3600 x GPUs
+  idle GPU-hours / month = checkpoints / month x overhead per checkpoint (s) / 3600 x GPUs
   idle $ / month         = idle GPU-hours / month x $ per GPU-hour
   storage $ / month      = retention (checkpoints kept) x stored bytes per checkpoint / 1e12 x $ per TB-month
 
-with checkpoints / month = 30 days / the checkpoint interval, the overhead and stored bytes
-measured by --train per method. By default each GPU is assumed to checkpoint a state like the
-measured one (stored bytes per checkpoint = the measured file x GPUs); --state-per-gpu scales
+with checkpoints / month = 30 days / the checkpoint interval, the overhead (targets.idle_estimate:
+the local estimate where there is one) and stored bytes measured by --train per method. By
+default each GPU is assumed to checkpoint a state like the measured one (stored bytes per
+checkpoint = the measured file x GPUs); --state-per-gpu scales
 both the overhead and the stored bytes linearly from the measured state's size, an assumption
 the output names.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+from .targets import idle_estimate
 from .workload import parse_size
 
 MONTH_S = 30 * 24 * 3600
@@ -51,7 +53,7 @@ def compute(result: dict, args) -> dict:
     for r in result["methods"]:
         if r["name"] == "none":
             continue
-        o = (r.get("overhead_per_ckpt_s") or {}).get("mean")
+        o, _ = idle_estimate(r)
         if r.get("status") != "ok" or o is None:
             rows.append({"name": r["name"], "error": r.get("error") or r.get("status")})
             continue

@@ -124,6 +124,7 @@ def _pinned_torch() -> int:
 class Loop:
     seconds: float
     blocked: list = field(default_factory=list)
+    calls: list = field(default_factory=list)  # each checkpoint call's own seconds (blocked, less the optimizer's wait)
     completion: list = field(default_factory=list)
     peak_torch: int = 0
     peak_device: int = 0
@@ -160,7 +161,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
 
     def after(*a):
         hook_t[1] += time.perf_counter() - hook_t[0]
-    blocked, done_at, started = [], {}, []
+    blocked, calls, done_at, started = [], [], {}, []
     pending = []
     t0 = time.perf_counter()
     step_s, ckpt_steps, gpu_waits = [], [], []
@@ -179,6 +180,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             handle = method.save(ctx, ctx.state(), path)
             te = time.perf_counter()
             blocked.append(te - tc)
+            calls.append(te - tc)
             started.append(tc)
             ckpt_steps.append(step)
             i = len(started) - 1
@@ -208,7 +210,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
         first.remove()
     if last is not None:
         last.remove()
-    loop = Loop(seconds, blocked, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain,
+    loop = Loop(seconds, blocked, calls, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain,
                 steps=step_s, ckpt_steps=ckpt_steps, gpu_waits=gpu_waits)
     if cuda:
         loop.peak_torch = torch.cuda.max_memory_allocated() - base_alloc

@@ -21,7 +21,8 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    blocked_s: {mean, max, each}, completion_s: {mean, max, each},
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's step at its position],
    gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
-   overhead_in_loop_per_ckpt_s: {mean, min, max, each} (loop s - steps x the mean step before its first checkpoint),
+   overhead_local_per_ckpt_s: {mean, min, max, each per repeat} (the call + the steps after each checkpoint beyond
+     the quiet steps around it, less the same in the 'none' loop; mean null where a write outlasted the steps counted),
    first_save: {blocked_s, completion_s} (outside the loops, after `reserve`),
    reserve: {when, seconds, where, allocated_bytes, held_bytes, limit_bytes, pinned, warm_s, alloc_s, slots} | null
    (what the method's setup reserved ahead of its first save: gdsckpt.reserve / Checkpointer.reserve),
@@ -63,8 +64,7 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
                 "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
                 "gpu_wait_after_ckpt_extra_s": (_extra_after_ckpt(loops, none_loops, interval, "gpu_waits")
                                                 if m.name != "none" else None),
-                "overhead_in_loop_per_ckpt_s": _summ([_in_loop_overhead(l, interval, ckpts) for l in loops]
-                                                     if m.name != "none" else []),
+                "overhead_local_per_ckpt_s": _summ(_locals(loops, none_loops, interval) if m.name != "none" else []),
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
                         "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
                 "host": {"pinned_torch_bytes": max(l.pinned for l in loops),
@@ -75,14 +75,37 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
     return out
 
 
-def _in_loop_overhead(loop: Loop, interval: int, ckpts: int) -> float:
-    """Overhead per checkpoint against the loop's own first interval, before any checkpoint
-    (its mean step, the loop's first step left out): loop seconds - steps x that mean (a
-    median would read the skewed steps' few slow ones as overhead).
-    Immune to drift between loops (on the 2x H200 host, 'none' loops ran up to 12% slower
-    or faster than the loops beside them), blind to a slowdown that outlasts the interval."""
-    base = statistics.fmean(loop.steps[1:interval] or loop.steps[:interval])
-    return (loop.seconds - len(loop.steps) * base) / ckpts
+def _locals(loops: list, none_loops: list, interval: int) -> list:
+    """_local_overhead of each loop (against the 'none' loop of its repeat); [] if any is None."""
+    each = [_local_overhead(l, none_loops[min(i, len(none_loops) - 1)], interval) for i, l in enumerate(loops)]
+    return [] if None in each else each
+
+
+def _local_overhead(loop: Loop, none_loop: Loop, interval: int) -> float | None:
+    """Overhead per checkpoint from the steps around each checkpoint, immune to drift between
+    loops (the H100 host's 'none' loops of one run differed by up to 5%, 0.2 s per checkpoint
+    at 8 checkpoints per 36 s loop; on the 2x H200 host by 12%): the checkpoint call, plus the
+    `interval - quiet` steps after it, each less the mean of the `quiet` steps before it and the
+    `quiet` steps that end its interval (the quiet ones: a linear drift cancels); less the same
+    sum for the 'none' loop of the repeat at the same steps (position effects cancel). None where
+    a checkpoint's write outlasted the steps counted (its tail would be missed) or the loop has
+    no full interval around it."""
+    quiet = max(1, interval // 4)
+    window = interval - quiet
+
+    def beyond_quiet(steps: list, c: int) -> float:
+        base = statistics.fmean(steps[c - quiet:c] + steps[c + window:c + interval])
+        return sum(steps[c:c + window]) - window * base
+
+    if len(loop.completion) != len(loop.ckpt_steps) or not loop.ckpt_steps:
+        return None
+    per = []
+    for c, call, done in zip(loop.ckpt_steps, loop.calls, loop.completion):
+        if c < quiet or c + interval > min(len(loop.steps), len(none_loop.steps)) \
+                or done > call + sum(loop.steps[c:c + window]):
+            return None
+        per.append(call + beyond_quiet(loop.steps, c) - beyond_quiet(none_loop.steps, c))
+    return statistics.fmean(per)
 
 
 def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = "steps") -> list | None:
@@ -108,7 +131,7 @@ def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = 
 def rank_row(r: dict) -> dict:
     """The figures of one rank's method row that the per-rank table shows."""
     keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save", "reserve",
-            "steps_after_ckpt_extra_s", "gpu_wait_after_ckpt_extra_s", "overhead_in_loop_per_ckpt_s", "gpu", "host",
+            "steps_after_ckpt_extra_s", "gpu_wait_after_ckpt_extra_s", "overhead_local_per_ckpt_s", "gpu", "host",
             "stored_bytes")
     return {k: r[k] for k in keep if k in r}
 
@@ -160,8 +183,8 @@ def print_train(result: dict, out=None) -> None:
                   f"(warm-up {v['warm_s']:.2f} s, allocation {v['alloc_s']:.2f} s)", file=out)
     for r in d["methods"]:
         if r.get("steps_after_ckpt_extra_s"):
-            print(f"  {r['name']:<44} overhead/ckpt against its own first interval "
-                  f"{_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
+            print(f"  {r['name']:<44} overhead/ckpt around each checkpoint "
+                  f"{_f(r['overhead_local_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
                   f"{_after(r)}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
@@ -170,7 +193,7 @@ def print_train(result: dict, out=None) -> None:
                 print(f"  rank {rr['rank']} {r['name']:<36}{_f(o['mean']):>8} s overhead, {_f(b['mean'])} s blocked "
                       f"(max {_f(b['max'])}), done {_f(r['completion_s']['mean'], '{:.2f}')} s, "
                       f"+GPU {r['gpu']['peak_extra_torch_bytes'] / 2**30:.2f} GiB"
-                      + (f"; in-loop overhead {_f(r['overhead_in_loop_per_ckpt_s']['mean'])} s, steps after "
+                      + (f"; local overhead {_f(r['overhead_local_per_ckpt_s']['mean'])} s, steps after "
                          f"{_after(r)}" if r.get("steps_after_ckpt_extra_s") else ""),
                       file=out)
     print("  overhead/ckpt: (loop s - the same repeat's 'none' loop s) / checkpoints per loop, mean (min..max);"
