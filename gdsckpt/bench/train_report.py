@@ -18,7 +18,8 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
  repeats, dcp_planner (cached | default: the DCP methods' save planner), step_s (the 'none' loops' mean),
  methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
    {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
-   blocked_s: {mean, max, each}, completion_s: {mean, max, each},
+   blocked_s: {mean, max, each}, call_s: {mean, max, each} (the call alone: blocked less the optimizer's wait),
+   completion_s: {mean, max, each},
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's step at its position],
    gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
    overhead_local_per_ckpt_s: {mean, min, max, each per repeat} (the call + the steps after each checkpoint beyond
@@ -60,6 +61,7 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
                 "drain_s": [round(l.drain, 4) for l in loops],
                 "overhead_per_ckpt_s": _summ(over if m.name != "none" else []),
                 "blocked_s": _summ([b for l in loops for b in l.blocked]),
+                "call_s": _summ([c for l in loops for c in l.calls]),
                 "completion_s": _summ([c for l in loops for c in l.completion]),
                 "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
                 "gpu_wait_after_ckpt_extra_s": (_extra_after_ckpt(loops, none_loops, interval, "gpu_waits")
