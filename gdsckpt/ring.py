@@ -219,16 +219,11 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
                     backend.copy(slot.stored[:stored], src)
                     src = slot.stored
             payload = src[:stored] if raw else slot.stored[:stored]
-            # The write first, then the checksum (both only read the payload; the slot is reused
-            # after both, in stream order and by its I/O future): the copy engine (a snapshot's
-            # device-to-host copy) or the disk starts a checksum kernel and a GIL round trip
-            # sooner, which an overlapped snapshot paid on every chunk while the training
-            # thread held the GIL.
+            ck = backend.checksum(payload, layout.checksum)
+            t = timings.add("checksum", t)
             offset = layout.place(stored)
             slot.pending = file.pwrite(payload, stored, offset)
-            t = timings.add("submit", t)
-            ck = backend.checksum(payload, layout.checksum)
-            timings.add("checksum", t)
+            timings.add("submit", t)
             records.append(ChunkRecord(offset, stored, raw, ck, frames))
         t = time.perf_counter()
         layout.finish(records)
