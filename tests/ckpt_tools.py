@@ -121,9 +121,15 @@ def file_declaring(spec: dict, tmp_path) -> tuple:
 
 def once_more_on_gloo_abort(run) -> None:
     """run(attempt) with attempt 1, and once more with 2 if a rank died with SIGABRT ("terminate
-    called without an active exception": a C++ thread torn down in gloo's teardown, once in about
-    four loaded runs, after the rank's assertions passed; not understood yet). Any other failure,
-    an assertion's included, fails at once."""
+    called without an active exception"). Any other failure, an assertion's included, fails at once.
+
+    The abort is torch's, at interpreter exit, after the rank's assertions passed and
+    destroy_process_group returned (1 run in 15-20 under load on the 2-core VM; a core dump's
+    backtrace, 2026-11-24): a ProcessGroupGloo worker thread (runLoop) destroys the last
+    AsyncAllgatherWork, whose tensors Python made, after the main thread's wait returned; its
+    decref takes the GIL while Py_FinalizeEx runs, Python ends the thread (pthread_exit), and
+    the forced unwind through a noexcept destructor calls std::terminate. pytorch/pytorch#179291
+    (destroy the groups at exit) was abandoned; nothing a rank does before exit closes the race."""
     import torch.multiprocessing as mp
     for attempt in (1, 2):
         try:
