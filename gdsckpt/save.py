@@ -258,8 +258,9 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
     kind = backend_kind(leaves, options)
     chunk_bytes = options.chunk_bytes_for(kind)
     with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
-        plan = make_plan(tensor_specs(leaves), lambda dtype: codecs.resolve(options.codec, dtype, gpu=kind == "gpu",
-                                                             nvcomp_version=be.nvcomp_version), chunk_bytes)
+        def planned_codec(dtype: str) -> dict:
+            return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
+        plan = make_plan(tensor_specs(leaves), planned_codec, chunk_bytes)
         tensors = [l.tensor for l in leaves]
         timings = Timings()
         file = destination.open(be)

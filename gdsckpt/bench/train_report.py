@@ -56,7 +56,7 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
         loops: list[Loop] = row.pop("loops")
         if loops and none_loops:
             # Paired with the 'none' loop of the same repeat (they ran minutes apart at most).
-            over = [(l.seconds - none_loops[min(i, len(none_loops) - 1)].seconds) / ckpts for i, l in enumerate(loops)]
+            over = [(l.seconds - _none_of(none_loops, i).seconds) / ckpts for i, l in enumerate(loops)]
             row.update({
                 "loops_s": [round(l.seconds, 4) for l in loops],
                 "drain_s": [round(l.drain, 4) for l in loops],
@@ -78,9 +78,14 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
     return out
 
 
+def _none_of(none_loops: list[Loop], i: int) -> Loop:
+    """The 'none' loop repeat i is paired with (its own, or the last if there are fewer)."""
+    return none_loops[min(i, len(none_loops) - 1)]
+
+
 def _locals(loops: list, none_loops: list, interval: int) -> list:
     """_local_overhead of each loop (against the 'none' loop of its repeat); [] if any is None."""
-    each = [_local_overhead(l, none_loops[min(i, len(none_loops) - 1)], interval) for i, l in enumerate(loops)]
+    each = [_local_overhead(l, _none_of(none_loops, i), interval) for i, l in enumerate(loops)]
     return [] if None in each else each
 
 
@@ -104,8 +109,9 @@ def _local_overhead(loop: Loop, none_loop: Loop, interval: int) -> float | None:
         return None
     per = []
     for c, call, done in zip(loop.ckpt_steps, loop.calls, loop.completion):
-        if c < quiet or c + interval > min(len(loop.steps), len(none_loop.steps)) \
-                or done > call + sum(loop.steps[c:c + window]):
+        if c < quiet or c + interval > min(len(loop.steps), len(none_loop.steps)):
+            return None
+        if done > call + sum(loop.steps[c:c + window]):  # the write's tail would be missed
             return None
         per.append(call + beyond_quiet(loop.steps, c) - beyond_quiet(none_loop.steps, c))
     return statistics.fmean(per)
@@ -122,7 +128,7 @@ def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = 
     the GPU ran slower; less, with a slower step: the host did)."""
     extra = [[] for _ in range(interval)]
     for i, loop in enumerate(loops):
-        base = getattr(none_loops[min(i, len(none_loops) - 1)], what)
+        base = getattr(_none_of(none_loops, i), what)
         per_step = getattr(loop, what)
         for c in loop.ckpt_steps:
             for k in range(interval):
