@@ -21,7 +21,7 @@ from .checksum import ALGORITHMS
 from .codecs.base import CpuCoder
 from .defaults import CPU_CODEC_THREADS, CPU_DIRECT_IO, CPU_IO_THREADS, CPU_WRITEBACK
 from .errors import CodecUnavailableError
-from .ring import Completion
+from .ring import ChecksumList, Completion
 from .storage import open_direct, pwrite_all, pwrite_direct
 
 
@@ -256,6 +256,9 @@ class CpuBackend:
 
     def checksum(self, buf: torch.Tensor, algorithm: str) -> int:
         return ALGORITHMS[algorithm](_np(buf))
+
+    def checksums(self, algorithm: str, count: int) -> ChecksumList:
+        return ChecksumList(lambda buf: self.checksum(buf, algorithm))
 
     def open(self, path: Path, mode: str) -> HostFile:
         return HostFile(path, mode, self.io_threads, self._owned)

@@ -17,6 +17,13 @@ CHUNK_BYTES = {"gpu": 256 << 20, "cpu": 16 << 20}
 # 835 MiB of GPU memory: one staging buffer + nvCOMP's worst-case output per slot.
 RING_DEPTH = 2
 
+# The pipeline's CUDA stream runs at the device's highest priority (torch maps any lower number to
+# it). Alone on the GPU it changes nothing; beside training (an overlapped snapshot) the ring's
+# kernels at the default priority waited behind the training kernels for SMs, up to 5-8 ms per
+# chunk, while the copy engine idled and the optimizer step waited for the snapshot
+# (bench/results/2026-11-24-h100-priority/).
+PIPELINE_STREAM_PRIORITY = -(1 << 20)
+
 # KvikIO: 4 threads, O_DIRECT. Best cold restore (2.9 GB/s logical) and a save within the
 # sweep's noise of the best (2026-11-22-h100-b/kvikio-sweep.json); over 8 saves interleaved with
 # the disk probe the steadiest, 81-99% of the disk's bound, where 8 threads x 16 MiB tasks
@@ -125,6 +132,10 @@ MEMORY_KEEP = 2
 CODEC_SAMPLE_PIECES = 8
 CODEC_SAMPLE_PIECE_BYTES = 4 * ANS_INTERNAL_CHUNK
 CODEC_CHOICE_CACHE = 64
+
+# Plans kept by layout (plan.PLANS), for saves of a state seen before: one per layout a process
+# saves in turn (a model's and its EMA's, each rank's shards); a plan is a few hundred KB.
+PLAN_CACHE = 8
 # A restore that checks every chunk before it writes a byte (load_into(atomic=True), every
 # Checkpointer restore into a state) reads each stored byte once, into device memory, where the
 # stored bytes of the chunks it reads fit in this share of the GPU's free memory (then freed):

@@ -33,6 +33,9 @@ from .defaults import POOL_ARENA_BYTES
 ALIGN = 4096  # O_DIRECT's alignment for offsets, lengths and buffers; also the file format's record alignment
 
 
+_ZEROS = bytes(ALIGN)
+
+
 def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -87,7 +90,7 @@ class Extent:
         pad = self.nbytes - nbytes
         if pad > 0:
             arena, start, length = self.pieces[-1]  # the padding (< 4 KiB) lies in the last piece
-            arena.tensor[start + length - pad:start + length].zero_()
+            arena.mv[start + length - pad:start + length] = _ZEROS[:pad]  # not a torch op: those let go of the GIL
 
 
 class PinnedPool:

@@ -6,8 +6,12 @@ tensor segments. A chunk that lies inside one tensor needs no gather copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
+
+from .defaults import PLAN_CACHE
 
 
 # NamedTuples, not frozen dataclasses: a save builds thousands of these, and a frozen
@@ -99,3 +103,33 @@ def segments(tensors, members, t: int, start: int, length: int) -> tuple[tuple[S
         else:
             break
     return tuple(segs), t
+
+
+class Plans:
+    """make_plan by layout, the newest `size` layouts kept: a training loop saves one layout again
+    and again, and planning its thousand tensors is milliseconds of Python on the thread an
+    overlapped snapshot shares with training. `key` names what else the codecs depend on. Each
+    call gets its own streams (the codec choice sets their specs); the tensors and chunks lists are
+    the kept plan's, never changed after planning (the GPU's gather tables are kept by them)."""
+
+    def __init__(self, size: int = PLAN_CACHE):
+        self._size = size
+        self._kept: OrderedDict[tuple, Plan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, specs, choose_codec, chunk_bytes: int, key: tuple) -> Plan:
+        full = (tuple(specs), chunk_bytes, key)
+        with self._lock:
+            plan = self._kept.get(full)
+            if plan is not None:
+                self._kept.move_to_end(full)
+        if plan is None:
+            plan = make_plan(specs, choose_codec, chunk_bytes)
+            with self._lock:
+                self._kept[full] = plan
+                while len(self._kept) > self._size:
+                    self._kept.popitem(last=False)
+        return Plan(plan.tensors, [replace(st, codec=dict(st.codec)) for st in plan.streams], plan.chunks)
+
+
+PLANS = Plans()  # the process's: every save shares it

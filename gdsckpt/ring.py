@@ -42,7 +42,8 @@ class IOFuture(Protocol):
 class ChunkFile(Protocol):
     """Where chunk records go (or come from): a file, or a bench sink with storage removed.
     `fd` is the host file descriptor for the small writes (header, index, footer) and fsync,
-    None where there is no file."""
+    None where there is no file. pwrite reads `buf` after the work its backend has queued so far
+    (the ring does not wait for it): a copy ordered on the backend's stream, or a wait first."""
 
     fd: int | None
 
@@ -54,6 +55,29 @@ class ChunkFile(Protocol):
 
 
 Gather = Callable[[Chunk, Bytes], Bytes]
+
+
+class Checksums(Protocol):
+    """A save's chunk checksums, queued in the pipeline's order and read back together: on the
+    GPU, one wait for the whole save instead of one per chunk."""
+
+    def add(self, buf: Bytes) -> None: ...
+
+    def values(self) -> list[int]:
+        """Every added buffer's checksum, in the order added."""
+
+
+class ChecksumList:
+    """Checksums computed as they are added (the CPU's, and any algorithm without a queued form)."""
+
+    def __init__(self, checksum: Callable[[Bytes], int]):
+        self._checksum, self._values = checksum, []
+
+    def add(self, buf: Bytes) -> None:
+        self._values.append(self._checksum(buf))
+
+    def values(self) -> list[int]:
+        return self._values
 
 
 class Backend(Protocol):
@@ -98,6 +122,9 @@ class Backend(Protocol):
 
     def checksum(self, buf: Bytes, algorithm: str) -> int:
         """`buf`'s checksum by one of checksum.ALGORITHMS (the file's version decides which)."""
+
+    def checksums(self, algorithm: str, count: int) -> Checksums:
+        """Up to `count` checksums by `algorithm`, read back once (the save ring's)."""
 
     def open(self, path: Path, mode: str) -> ChunkFile: ...
 
@@ -196,6 +223,7 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
     gather = backend.gatherer(plan, ByteViews(tensors))
     staging = backend.empty(max_len)
     slots = [_Slot(backend.empty(max_stored)) for _ in range(depth)]
+    sums = backend.checksums(layout.checksum, len(plan.chunks))
     records: list[ChunkRecord] = []
     try:
         for chunk in plan.chunks:
@@ -219,13 +247,16 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
                     backend.copy(slot.stored[:stored], src)
                     src = slot.stored
             payload = src[:stored] if raw else slot.stored[:stored]
-            ck = backend.checksum(payload, layout.checksum)
+            sums.add(payload)  # queued; read back with the others once the last chunk is queued
             t = timings.add("checksum", t)
             offset = layout.place(stored)
             slot.pending = file.pwrite(payload, stored, offset)
             timings.add("submit", t)
-            records.append(ChunkRecord(offset, stored, raw, ck, frames))
+            records.append(ChunkRecord(offset, stored, raw, 0, frames))
         t = time.perf_counter()
+        for rec, ck in zip(records, sums.values(), strict=True):
+            rec.checksum = ck
+        t = timings.add("checksum", t)
         layout.finish(records)
         t = timings.add("index", t)
         _drain(slots, timings)

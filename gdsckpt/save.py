@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from ._version import __version__
 from .backend import check_gds, check_io, choose, make_backend
 from .defaults import CHUNK_BYTES, RING_DEPTH
 from .dtypes import BY_NAME, name_of
-from .plan import Plan, make_plan
+from .plan import PLANS, Plan
 from .ring import Backend, ChunkFile, Timings, write_chunks
 from .stats import Stats, stream_stats
 from .storage import AtomicFile, save_target
@@ -260,7 +261,8 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
     with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
         def planned_codec(dtype: str) -> dict:
             return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
-        plan = make_plan(tensor_specs(leaves), planned_codec, chunk_bytes)
+        plan = PLANS.get(tensor_specs(leaves), planned_codec, chunk_bytes,
+                         (kind, be.nvcomp_version, json.dumps(options.codec, sort_keys=True)))
         tensors = [l.tensor for l in leaves]
         timings = Timings()
         file = destination.open(be)

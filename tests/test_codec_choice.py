@@ -15,7 +15,7 @@ from gdsckpt import codecs
 from gdsckpt.cpu_backend import CpuBackend
 from gdsckpt.defaults import CODEC_SAMPLE_PIECE_BYTES, CODEC_SAMPLE_PIECES
 from gdsckpt.dtypes import name_of
-from gdsckpt.plan import Plan, make_plan
+from gdsckpt.plan import Plan, Plans, make_plan
 from gdsckpt.ring import ByteViews
 from gdsckpt.tree import flatten
 
@@ -121,6 +121,26 @@ def test_the_cache_keeps_the_newest_layouts():
     choices.put(("c",), B)
     assert choices.get(("b",)) is None and choices.get(("a",)) == A and choices.get(("c",)) == B
     assert len(choices) == 2
+
+
+def test_plans_are_kept_per_layout_and_each_save_chooses_in_its_own_streams():
+    plans, planned = Plans(size=2), []
+
+    def codec_of(dtype):
+        planned.append(dtype)
+        return dict(A)
+    specs = [("w", "float32", (1 << 20,), 4 << 20), ("i", "int64", (8,), 64)]
+    first = plans.get(specs, codec_of, 256 << 20, ("gpu",))
+    again = plans.get(list(specs), codec_of, 256 << 20, ("gpu",))
+    assert planned == ["float32", "int64"]  # planned once
+    assert again.chunks is first.chunks and again.tensors is first.tensors  # what the GPU keeps its tables by
+    again.streams[0].codec = dict(B)  # codec="auto" choosing for this save only
+    again.streams[1].codec["shuffle"] = 2
+    assert plans.get(specs, codec_of, 256 << 20, ("gpu",)).streams[0].codec == A
+    assert first.streams[1].codec == A
+    for other in ((specs, 1 << 20, ("gpu",)), (specs, 256 << 20, ("cpu",)), (specs[:1], 256 << 20, ("gpu",))):
+        assert plans.get(other[0], codec_of, other[1], other[2]).chunks is not first.chunks  # another layout
+    assert plans.get(specs, codec_of, 256 << 20, ("gpu",)).chunks is not first.chunks  # the oldest went
 
 
 # ---------------------------------------------------------------- the sampler on a real backend

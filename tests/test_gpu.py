@@ -58,6 +58,35 @@ def test_tensors_on_another_gpu_are_copied_in(tmp_path):
         assert_same(gdsckpt.load(tmp_path / "x.gdsckpt"), state)
 
 
+def test_a_layout_saved_again_reuses_its_gather_tables_and_stays_exact(tmp_path):
+    """A training loop's saves: the same plan at the same addresses gathers through the tables
+    the first save uploaded (the small host tensors' new values included); a tensor at another
+    address gets new tables. Every file is exact."""
+    from gdsckpt.gpu.backend import _resources
+    state = _odd_state("cuda")
+    res = _resources(torch.cuda.current_device())
+    gdsckpt.save(state, tmp_path / "a.gdsckpt", chunk_bytes=1 << 20)
+    tables = res.gather_tables
+    state["big_bf16"].mul_(3)  # in place: the same addresses, new values
+    state["tiny"][5].add_(1)
+    state["cpu_step"].fill_(151.0)
+    gdsckpt.save(state, tmp_path / "b.gdsckpt", chunk_bytes=1 << 20)
+    assert res.gather_tables is tables
+    assert_same(gdsckpt.load(tmp_path / "b.gdsckpt"), state)
+    state["tiny"][7] = state["tiny"][7] + 1  # a new tensor, at another address
+    gdsckpt.save(state, tmp_path / "c.gdsckpt", chunk_bytes=1 << 20)
+    assert res.gather_tables is not tables
+    assert_same(gdsckpt.load(tmp_path / "c.gdsckpt"), state)
+
+
+def test_the_pipeline_stream_has_the_highest_priority():
+    """Beside training (an overlapped snapshot) the ring's kernels must not queue behind the
+    training's for SMs."""
+    from gdsckpt.gpu.backend import _resources
+    _, highest = torch.cuda.Stream.priority_range()
+    assert _resources(torch.cuda.current_device()).torch_stream.priority == highest
+
+
 def test_ring_memory_stays_within_depth_x_2_x_chunk(tmp_path):
     """Issue 4, target 6: one logical-bytes buffer plus `depth` stored-bytes slots, whatever the state's size."""
     g = torch.Generator(device="cuda").manual_seed(2)

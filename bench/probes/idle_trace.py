@@ -165,8 +165,10 @@ def main() -> None:
         r["stats"] = {k: getattr(stats, k) for k in ("blocked_s", "snapshot_s", "hook_wait_s", "background_s",
                                                        "pool_wait_s", "io_path", "file_bytes") if hasattr(stats, k)}
         result["methods"][m.name] = r
+        main_tid = next(e["tid"] for e in trace["traceEvents"] if e.get("name") == "step0")
         keep = [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "user_annotation")
-                or (e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver") and e.get("dur", 0) > 200)
+                or (e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")
+                    and (e.get("dur", 0) > 200 or e.get("tid") != main_tid))  # every call of the snapshot's threads
                 or e.get("ph") == "M"]
         with gzip.open(out_dir / f"trace-{n}.json.gz", "wt") as f:
             json.dump({"traceEvents": keep}, f)

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from ..codecs import gpu_can_decode
-from ..defaults import SMALL_HOST_TENSOR
+from ..defaults import PIPELINE_STREAM_PRIORITY, SMALL_HOST_TENSOR
 from ..device_copy import side_stream
+from ..ring import ChecksumList
 from . import kernels
 from .codecs import NvcompCodecs, nvcomp_version
 from .io import DeviceFile, io_settings
@@ -32,11 +33,12 @@ class _DeviceResources:
     their configs), the checksum kernels. One pipeline at a time per GPU holds them."""
 
     def __init__(self, index: int):
-        self.torch_stream = torch.cuda.Stream(index)
+        self.torch_stream = torch.cuda.Stream(index, priority=PIPELINE_STREAM_PRIORITY)
         self.stream = cupy.cuda.ExternalStream(self.torch_stream.cuda_stream, index)
         copies = side_stream("copy", torch.device("cuda", index))
-        self.codecs = NvcompCodecs(self.stream, index, drain_copies=copies.synchronize)
+        self.codecs = NvcompCodecs(self.stream, index, copies=cupy.cuda.ExternalStream(copies.cuda_stream, index))
         self._checksums: dict = {}
+        self.gather_tables: _GatherTables | None = None  # the last save's, reused by the next of the same layout
         self.lock = threading.Lock()
 
     def checksummer(self, algorithm: str):
@@ -53,6 +55,67 @@ def _resources(index: int) -> _DeviceResources:
     return _DeviceResources(index)
 
 
+class _GatherTables:
+    """A plan's gather tiles on the device, for its tensors at the addresses `ptr` (those `here`,
+    on this GPU; the `small_host` ones packed into `packed`): built with numpy and uploaded once,
+    then reused while later saves find the same plan at the same addresses (`fits`). Building them
+    cost an overlapped snapshot ~4 ms of Python per save, on a thread that shares the GIL with
+    training (bench/results/2026-11-24-h100-priority/)."""
+
+    def __init__(self, plan, ptr: np.ndarray, here: np.ndarray, small_host: list[int], tensors, device, stream):
+        self._chunks, self._ptr, self._here = plan.chunks, ptr.copy(), here.copy()
+        self._small = [(i, tensors[i].nbytes) for i in small_host]
+        ptr = ptr.copy()
+        self.packed = None  # device memory the tiles point into for the small host tensors
+        if small_host:
+            self.packed = torch.empty(sum(n for _, n in self._small), dtype=torch.uint8, device=device)
+            ptr[small_host] = self.packed.data_ptr() + np.cumsum([0] + [n for _, n in self._small[:-1]])
+        far = ~here
+        far[small_host] = False  # what is left: large host tensors, tensors on another GPU
+        # (tensor, offset in it, offset in the chunk, length, chunk) per segment
+        seg = np.array([(s.tensor, s.tensor_offset, s.chunk_offset, s.length, c.index)
+                        for c in plan.chunks for s in c.segments], dtype=np.int64).reshape(-1, 5)
+        self.direct = [c.index for c in plan.chunks if len(c.segments) == 1 and here[c.segments[0].tensor]
+                       and (ptr[c.segments[0].tensor] + c.segments[0].tensor_offset) % 16 == 0]
+        gathered = ~far[seg[:, 0]] & ~np.isin(seg[:, 4], self.direct)
+        rows = seg[gathered]
+        tiles = kernels.gather_tiles(ptr[rows[:, 0]] + rows[:, 1], rows[:, 2], rows[:, 3])
+        tile_chunk = np.repeat(rows[:, 4], -(-rows[:, 3] // kernels.GATHER_TILE))
+        self.bounds = np.searchsorted(tile_chunk, np.arange(len(plan.chunks) + 1))
+        with stream:
+            self.tiles = cupy.asarray(tiles)
+        self.far_segs: dict[int, list] = {}
+        for t, toff, coff, n, c in seg[far[seg[:, 0]]].tolist():
+            self.far_segs.setdefault(c, []).append((t, toff, coff, n))
+
+    def fits(self, plan, ptr: np.ndarray, here: np.ndarray, small_host: list[int], tensors) -> bool:
+        """True if these tables gather `plan` from tensors at `ptr`: the same plan (the save
+        pipeline keeps plans by layout) and the same addresses."""
+        return (plan.chunks is self._chunks and np.array_equal(ptr, self._ptr) and np.array_equal(here, self._here)
+                and self._small == [(i, tensors[i].nbytes) for i in small_host])
+
+
+class _QueuedCrc:
+    """ring.Checksums by the CRC kernel: chunk i's launch writes slot i of one device array, and
+    values() reads them all back with one wait. A wait per chunk left the copy engine idle while
+    the checksum queued behind training kernels, and handed the GIL to the training thread of an
+    overlapped snapshot (bench/results/2026-11-24-h100-priority/)."""
+
+    def __init__(self, kernel: kernels.Crc64Nvme, stream: cupy.cuda.Stream, count: int):
+        self._kernel, self._stream, self._n = kernel, stream, 0
+        with stream:
+            self._out = cupy.empty(max(count, 1), dtype=cupy.uint64)
+
+    def add(self, buf: torch.Tensor) -> None:
+        self._kernel.launch(as_cupy(buf), self._out[self._n:self._n + 1])
+        self._n += 1
+
+    def values(self) -> list[int]:
+        host = self._out[:self._n].get(stream=self._stream)
+        self._stream.synchronize()  # get() with a stream may return before the copy lands
+        return [int(v) for v in host]
+
+
 class GpuBackend:
     name = "gpu"
 
@@ -66,6 +129,7 @@ class GpuBackend:
         self._ring_bytes = 0
         self._free_at_start = 0
         self._min_free = 0
+        self._encoded: set = set()  # (codec, bytes) encoded so far: the free memory is read after each one's first
 
     def __enter__(self):
         self._res.lock.acquire()
@@ -112,10 +176,11 @@ class GpuBackend:
         """(chunk, staging) -> the chunk's logical bytes on this GPU: a view of its tensor where the
         chunk lies inside one, else its segments gathered into `staging` by one kernel launch.
 
-        The tile tables of every chunk are built with numpy and uploaded once, here, so the ring's
+        The tile tables of every chunk are built with numpy and uploaded once per layout (kept for
+        the next save of the same plan at the same addresses: a training loop's), so the ring's
         per-chunk work does not grow with the tensor count. Small host tensors (AdamW's `step`
-        counters live on the CPU) are packed and uploaded together once; large host tensors and
-        tensors on another GPU are copied segment by segment."""
+        counters live on the CPU) are packed and uploaded together, into the same device buffer
+        each save; large host tensors and tensors on another GPU are copied segment by segment."""
         tensors, dev = views.tensors, self.device.index
         ptr = np.zeros(len(tensors), dtype=np.int64)
         here = np.zeros(len(tensors), dtype=bool)  # on this GPU: compressible in place
@@ -126,33 +191,19 @@ class GpuBackend:
                 here[i] = True
             elif not t.is_cuda and t.nbytes <= SMALL_HOST_TENSOR:
                 small_host.append(i)
-        packed = None  # device memory the tables point into: alive as long as `gather`
-        if small_host:
-            packed = torch.cat([views[i] for i in small_host]).to(self.device)
-            ptr[small_host] = packed.data_ptr() + np.cumsum([0] + [tensors[i].nbytes for i in small_host[:-1]])
-        far = ~here
-        far[small_host] = False  # what is left: large host tensors, tensors on another GPU
-        # (tensor, offset in it, offset in the chunk, length, chunk) per segment
-        seg = np.array([(s.tensor, s.tensor_offset, s.chunk_offset, s.length, c.index)
-                        for c in plan.chunks for s in c.segments], dtype=np.int64).reshape(-1, 5)
+        tables = self._res.gather_tables
+        if tables is None or not tables.fits(plan, ptr, here, small_host, tensors):
+            tables = self._res.gather_tables = _GatherTables(plan, ptr, here, small_host, tensors, self.device,
+                                                             self._stream)
+        if small_host:  # the packed copies' addresses are in the tables; their values are this save's
+            tables.packed.copy_(torch.cat([views[i] for i in small_host]))
         direct: dict[int, torch.Tensor] = {}
-        for c in plan.chunks:  # inside one tensor here, at nvCOMP's alignment: compress from its memory
-            if len(c.segments) == 1:
-                s = c.segments[0]
-                if here[s.tensor] and (ptr[s.tensor] + s.tensor_offset) % 16 == 0:
-                    direct[c.index] = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
-        gathered = ~far[seg[:, 0]] & ~np.isin(seg[:, 4], list(direct))
-        rows = seg[gathered]
-        tiles = kernels.gather_tiles(ptr[rows[:, 0]] + rows[:, 1], rows[:, 2], rows[:, 3])
-        tile_chunk = np.repeat(rows[:, 4], -(-rows[:, 3] // kernels.GATHER_TILE))
-        bounds = np.searchsorted(tile_chunk, np.arange(len(plan.chunks) + 1))
-        with self._stream:
-            dev_tiles = cupy.asarray(tiles)
-        far_segs: dict[int, list] = {}
-        for t, toff, coff, n, c in seg[far[seg[:, 0]]].tolist():
-            far_segs.setdefault(c, []).append((t, toff, coff, n))
+        for c in tables.direct:  # inside one tensor here, at nvCOMP's alignment: compress from its memory
+            s = plan.chunks[c].segments[0]
+            direct[c] = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
+        dev_tiles, bounds, far_segs = tables.tiles, tables.bounds, tables.far_segs
 
-        def gather(chunk, staging: torch.Tensor, _packed=packed) -> torch.Tensor:
+        def gather(chunk, staging: torch.Tensor) -> torch.Tensor:
             if chunk.index in direct:
                 return direct[chunk.index]
             lo, hi = bounds[chunk.index], bounds[chunk.index + 1]
@@ -167,7 +218,10 @@ class GpuBackend:
 
     def encode(self, spec, src, out, scratch):
         result = self._codecs.encode(spec, as_cupy(src), as_cupy(out), as_cupy(scratch))
-        self._min_free = min(self._min_free, torch.cuda.mem_get_info(self.device)[0])
+        shape = (spec["name"], src.nbytes)
+        if shape not in self._encoded:  # nvCOMP's scratch comes from pools: later chunks of a shape allocate nothing
+            self._encoded.add(shape)
+            self._min_free = min(self._min_free, torch.cuda.mem_get_info(self.device)[0])
         return result
 
     def decode(self, spec, stored, out, frames) -> None:
@@ -180,8 +234,14 @@ class GpuBackend:
     def checksum(self, buf: torch.Tensor, algorithm: str) -> int:
         return self._res.checksummer(algorithm)(as_cupy(buf))
 
+    def checksums(self, algorithm: str, count: int):
+        kernel = self._res.checksummer(algorithm)
+        if isinstance(kernel, kernels.Crc64Nvme):
+            return _QueuedCrc(kernel, self._stream, count)
+        return ChecksumList(lambda buf: kernel(as_cupy(buf)))  # format 1.0's sum: read, never written
+
     def open(self, path: Path, mode: str) -> DeviceFile:
-        return DeviceFile(path, mode, as_cupy)
+        return DeviceFile(path, mode, as_cupy, ready=self._torch_stream.synchronize)
 
     def synchronize(self) -> None:
         self._torch_stream.synchronize()

@@ -55,17 +55,18 @@ def _release() -> None:
 
 
 class NvcompCodecs:
-    """nvCOMP codecs on `stream`. `drain_copies` waits, without the GIL, for the device-to-host
-    copies this process has in flight on `device_id` (the snapshot's copy stream): nvCOMP reads the
-    compressed sizes back with a small device-to-host copy, which queues behind those copies on
+    """nvCOMP codecs on `stream`. `copies`: the stream of the device-to-host copies this process
+    has in flight on `device_id` (the snapshot's copy stream), waited for, without the GIL, before
+    nvCOMP reads the compressed sizes back: that small device-to-host copy queues behind them on
     the copy engine (4 ms behind one 256 MiB chunk's, bench/probes/encode_wait.py) while its
     Python binding holds the GIL; a training thread beside an overlapped snapshot stood still that
     long per chunk (py-spy --gil, bench/results/2026-11-24-h100-idle/)."""
 
-    def __init__(self, stream: cupy.cuda.Stream, device_id: int, drain_copies=None):
+    def __init__(self, stream: cupy.cuda.Stream, device_id: int, copies: cupy.cuda.Stream | None = None):
         self._stream = stream
         self._device = device_id
-        self._drain = drain_copies or (lambda: None)
+        self._copies = copies
+        self._copied = cupy.cuda.Event(block=False, disable_timing=True)
         self._codecs: dict[tuple, nvcomp.Codec] = {}
         self._configs: dict[tuple, object] = {}
         self._bounds: dict[tuple, int] = {}
@@ -152,10 +153,13 @@ class NvcompCodecs:
         return stored, frames
 
     def _wait(self) -> None:
-        """Wait without the GIL until reading nvCOMP's sizes is quick: the stream's work (nvCOMP's own
-        wait holds the GIL: gil_hold.py), then the copies queued ahead of its sizes read."""
+        """Wait without the GIL until reading nvCOMP's sizes is quick: for the stream's work
+        (nvCOMP's own wait holds the GIL: gil_hold.py) and the copies queued ahead of its sizes
+        read, in one wait (each wait hands the GIL to the training thread beside a snapshot)."""
+        if self._copies is not None:
+            self._copied.record(self._copies)
+            self._stream.wait_event(self._copied)
         self._stream.synchronize()
-        self._drain()
 
     def _planes(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray) -> cupy.ndarray:
         """What the coder reads: src itself, or for a spec with "shuffle", src's byte planes in

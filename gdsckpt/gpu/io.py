@@ -71,16 +71,19 @@ def io_settings(requested: str, io_threads: int | None):
 
 class DeviceFile:
     """A KvikIO CuFile with the ring's ChunkFile interface; `fd` is for the small host-side
-    writes and fsync. The GDS path and compat mode both hand CuFile the device buffer."""
+    writes and fsync. The GDS path and compat mode both hand CuFile the device buffer.
+    `ready()` waits for the pipeline's stream: KvikIO reads device memory outside stream order,
+    so a record is written only once the work that made it has run."""
 
-    def __init__(self, path: Path, mode: str, as_cupy):
+    def __init__(self, path: Path, mode: str, as_cupy, ready):
         if mode == "w":  # claim the name first: two writers never share a temporary
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # less the umask
         self._f = kvikio.CuFile(path, mode)
         self.fd = self._f.fileno()
-        self._cp = as_cupy
+        self._cp, self._ready = as_cupy, ready
 
     def pwrite(self, buf, nbytes: int, offset: int) -> Completion:
+        self._ready()
         return Completion(self._f.pwrite(self._cp(buf), nbytes, offset).get)
 
     def pread(self, buf, nbytes: int, offset: int) -> Completion:

@@ -199,14 +199,16 @@ class Crc64Nvme:
         self._fin_rows = [self._fin[k] for k in range(8)]
         self._host = np.zeros(1, dtype=np.uint64)
 
-    def launch(self, buf: cupy.ndarray) -> cupy.ndarray:
-        """Enqueue the CRC of `buf` (C-contiguous) on the stream; returns the 1-element device
-        array it lands in (overwritten by the next call). For n = 0 nothing is launched."""
+    def launch(self, buf: cupy.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
+        """Enqueue the CRC of `buf` (C-contiguous) on the stream into `out` (a 1-element uint64
+        device array; default: one of this object's, overwritten by the next call); returns it.
+        For n = 0 no kernel is launched."""
+        out = self._out if out is None else out
         n = buf.nbytes
         if n == 0:
             with self._stream:
-                self._out.fill(0)  # CRC-64/NVME of no bytes is 0 (init ^ xorout)
-            return self._out
+                out.fill(0)  # CRC-64/NVME of no bytes is 0 (init ^ xorout)
+            return out
         if not buf.flags.c_contiguous:
             raise ValueError("Crc64Nvme needs a C-contiguous buffer")
         a = buf.data.ptr
@@ -220,8 +222,8 @@ class Crc64Nvme:
             self._kernel((self._blocks,), (self._threads,), (
                 cupy.uint64(a - lo), cupy.uint64(lo), cupy.uint64(lo + n), cupy.int64(words), cupy.int64(z),
                 cupy.int64(rows), cupy.int32(n >= 8), self._tables, self._tail, self._partial, self._ticket,
-                self._fin_rows[k], cupy.uint64(extra), self._out))
-        return self._out
+                self._fin_rows[k], cupy.uint64(extra), out))
+        return out
 
     def __call__(self, buf: cupy.ndarray) -> int:
         self.launch(buf).get(stream=self._stream, out=self._host)
