@@ -6,6 +6,7 @@ tensor segments. A chunk that lies inside one tensor needs no gather copy.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -108,25 +109,28 @@ def segments(tensors, members, t: int, start: int, length: int) -> tuple[tuple[S
 class Plans:
     """make_plan by layout, the newest `size` layouts kept: a training loop saves one layout again
     and again, and planning its thousand tensors is milliseconds of Python on the thread an
-    overlapped snapshot shares with training. `key` names what else the codecs depend on. Each
-    call gets its own streams (the codec choice sets their specs); the tensors and chunks lists are
-    the kept plan's, never changed after planning (the GPU's gather tables are kept by them)."""
+    overlapped snapshot shares with training. A layout is the specs, the chunk size and the codec
+    each dtype is planned with. Each call gets its own streams (the codec choice sets their
+    specs); the tensors and chunks lists are the kept plan's, never changed after planning (the
+    GPU's gather tables are kept by them)."""
 
     def __init__(self, size: int = PLAN_CACHE):
         self._size = size
         self._kept: OrderedDict[tuple, Plan] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, specs, choose_codec, chunk_bytes: int, key: tuple) -> Plan:
-        full = (tuple(specs), chunk_bytes, key)
+    def get(self, specs, choose_codec, chunk_bytes: int) -> Plan:
+        specs = tuple(specs)
+        codec_of = {dtype: choose_codec(dtype) for dtype in dict.fromkeys(s[1] for s in specs)}
+        key = (specs, chunk_bytes, json.dumps(codec_of, sort_keys=True))
         with self._lock:
-            plan = self._kept.get(full)
+            plan = self._kept.get(key)
             if plan is not None:
-                self._kept.move_to_end(full)
+                self._kept.move_to_end(key)
         if plan is None:
-            plan = make_plan(specs, choose_codec, chunk_bytes)
+            plan = make_plan(specs, codec_of.__getitem__, chunk_bytes)
             with self._lock:
-                self._kept[full] = plan
+                self._kept[key] = plan
                 while len(self._kept) > self._size:
                     self._kept.popitem(last=False)
         return Plan(plan.tensors, [replace(st, codec=dict(st.codec)) for st in plan.streams], plan.chunks)

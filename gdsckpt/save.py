@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import enum
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,8 +260,7 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
     with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
         def planned_codec(dtype: str) -> dict:
             return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
-        plan = PLANS.get(tensor_specs(leaves), planned_codec, chunk_bytes,
-                         (kind, be.nvcomp_version, json.dumps(options.codec, sort_keys=True)))
+        plan = PLANS.get(tensor_specs(leaves), planned_codec, chunk_bytes)
         tensors = [l.tensor for l in leaves]
         timings = Timings()
         file = destination.open(be)

@@ -124,23 +124,25 @@ def test_the_cache_keeps_the_newest_layouts():
 
 
 def test_plans_are_kept_per_layout_and_each_save_chooses_in_its_own_streams():
-    plans, planned = Plans(size=2), []
-
-    def codec_of(dtype):
-        planned.append(dtype)
-        return dict(A)
+    plans, made = Plans(size=2), []
     specs = [("w", "float32", (1 << 20,), 4 << 20), ("i", "int64", (8,), 64)]
-    first = plans.get(specs, codec_of, 256 << 20, ("gpu",))
-    again = plans.get(list(specs), codec_of, 256 << 20, ("gpu",))
-    assert planned == ["float32", "int64"]  # planned once
+
+    def planned(spec):
+        def codec_of(dtype):
+            made.append(dtype)
+            return dict(spec)
+        return codec_of
+    first = plans.get(specs, planned(A), 256 << 20)
+    again = plans.get(list(specs), planned(A), 256 << 20)
     assert again.chunks is first.chunks and again.tensors is first.tensors  # what the GPU keeps its tables by
+    assert made == ["float32", "int64"] * 2  # asked per dtype each time: the codecs are part of the layout
     again.streams[0].codec = dict(B)  # codec="auto" choosing for this save only
     again.streams[1].codec["shuffle"] = 2
-    assert plans.get(specs, codec_of, 256 << 20, ("gpu",)).streams[0].codec == A
+    assert plans.get(specs, planned(A), 256 << 20).streams[0].codec == A
     assert first.streams[1].codec == A
-    for other in ((specs, 1 << 20, ("gpu",)), (specs, 256 << 20, ("cpu",)), (specs[:1], 256 << 20, ("gpu",))):
-        assert plans.get(other[0], codec_of, other[1], other[2]).chunks is not first.chunks  # another layout
-    assert plans.get(specs, codec_of, 256 << 20, ("gpu",)).chunks is not first.chunks  # the oldest went
+    for other in ((specs, 1 << 20, A), (specs, 256 << 20, B), (specs[:1], 256 << 20, A)):
+        assert plans.get(other[0], planned(other[2]), other[1]).chunks is not first.chunks  # another layout
+    assert plans.get(specs, planned(A), 256 << 20).chunks is not first.chunks  # the oldest went
 
 
 # ---------------------------------------------------------------- the sampler on a real backend
