@@ -1,6 +1,7 @@
 """GPU tests: nvCOMP codecs, KvikIO I/O, restore into GPU memory. Run on the H100 machine."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -209,3 +210,54 @@ def test_atomic_load_into_verifies_on_the_gpu_and_leaves_targets_untouched_on_da
     with pytest.raises(gdsckpt.ChecksumError):
         gdsckpt.load_into(p, fresh, atomic=True)
     assert not any(t.any() for t in fresh.values())  # nothing written
+
+
+def test_chunk_sizes_read_from_the_bitstream_header_are_nvcomps():
+    """Every native-bitstream codec, on data that shrinks, does not, and is all zeros: the stored
+    length the ring takes from the header is nvCOMP's own, compared after the fact as a save does,
+    with every chunk written into one output buffer (each overwriting the last one's bitstream)."""
+    import cupy
+
+    from gdsckpt import codecs
+    from gdsckpt.gpu.codecs import NvcompCodecs, nvcomp_version
+    c = NvcompCodecs(cupy.cuda.Stream(non_blocking=True), torch.cuda.current_device())
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n = 8 << 20
+    datas = [(torch.randn(n // 4, device="cuda", generator=g) * 1e-3).view(torch.uint8),
+             (torch.randn(n // 2, device="cuda", generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8),
+             torch.randint(0, 256, (n,), device="cuda", dtype=torch.uint8, generator=g),
+             torch.zeros(n, dtype=torch.uint8, device="cuda"),
+             torch.randn(n // 4, device="cuda", generator=g).view(torch.uint8)[:n - 4 * 1001]]
+    specs = [codecs.spec_for(name, dtype, nvcomp_version(), side="gpu")
+             for name, dtype in (("ans", "float32"), ("ans-planes", "float32"), ("ans", "bfloat16"), ("bitcomp", "float32"))]
+    out = cupy.empty(max(c.max_stored(s, n) for s in specs), dtype=cupy.uint8)
+    scratch = cupy.empty(n, dtype=cupy.uint8)
+    results = []
+    for data in datas:
+        for spec in specs:
+            stored, _ = c.encode(spec, cupy.asarray(data).copy(), out, scratch)
+            result, header = c.unverified[-1]
+            assert stored == (header if header < data.numel() else -1)
+            results.append((result, header))
+    assert len(c.unverified) == len(datas) * len(specs)
+    c.verify_sizes()
+    assert c.unverified == [] and all(r.buffer_sizes[0] == h for r, h in results)
+
+
+def test_a_header_nvcomp_disagrees_with_fails_the_save_and_keeps_the_old_file(tmp_path, monkeypatch):
+    from gdsckpt.errors import GdsckptError
+    from gdsckpt.gpu import kernels
+    p = tmp_path / "x.gdsckpt"
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    gdsckpt.save(state, p)
+    before = p.read_bytes()
+    real = kernels.NativeSize.__call__
+    monkeypatch.setattr(kernels.NativeSize, "__call__", lambda self, out: real(self, out) + 16)
+    for save in (lambda: gdsckpt.save({"w": state["w"] * 2}, p),
+                 lambda: gdsckpt.save_async({"w": state["w"] * 2}, p).result()):
+        with pytest.raises(GdsckptError, match="header gives"):
+            save()
+        deadline = time.time() + 10  # save_async's writer removes its temporary on its own thread
+        while len(list(tmp_path.iterdir())) > 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert p.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["x.gdsckpt"]

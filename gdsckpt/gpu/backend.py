@@ -96,24 +96,28 @@ class _GatherTables:
 
 
 class _QueuedCrc:
-    """ring.Checksums by the CRC kernel: chunk i's launch writes slot i of one device array, and
-    values() reads them all back with one wait. A wait per chunk left the copy engine idle while
-    the checksum queued behind training kernels, and handed the GIL to the training thread of an
-    overlapped snapshot (bench/results/2026-11-24-h100-priority/)."""
+    """ring.Checksums by the CRC kernel: chunk i's launch writes word i of pinned host memory
+    directly (the kernel reaches it by its host address), and values() waits once for the stream.
+    A wait and a read-back per chunk left the copy engine idle while the checksum queued behind
+    training kernels, and handed the GIL to the training thread of an overlapped snapshot
+    (bench/results/2026-11-24-h100-priority/); a device array read back at the end would queue
+    behind the last chunks' device-to-host copies."""
 
     def __init__(self, kernel: kernels.Crc64Nvme, stream: cupy.cuda.Stream, count: int):
         self._kernel, self._stream, self._n = kernel, stream, 0
-        with stream:
-            self._out = cupy.empty(max(count, 1), dtype=cupy.uint64)
+        self._mem = cupy.cuda.alloc_pinned_memory(8 * max(count, 1))
+        self._host = np.frombuffer(self._mem, dtype=np.uint64, count=max(count, 1))
 
     def add(self, buf: torch.Tensor) -> None:
-        self._kernel.launch(as_cupy(buf), self._out[self._n:self._n + 1])
+        if buf.numel() == 0:
+            self._host[self._n] = 0  # CRC-64/NVME of no bytes
+        else:
+            self._kernel.launch(as_cupy(buf), cupy.uint64(self._mem.ptr + 8 * self._n))
         self._n += 1
 
     def values(self) -> list[int]:
-        host = self._out[:self._n].get(stream=self._stream)
-        self._stream.synchronize()  # get() with a stream may return before the copy lands
-        return [int(v) for v in host]
+        self._stream.synchronize()
+        return [int(v) for v in self._host[:self._n]]
 
 
 class GpuBackend:
@@ -150,9 +154,11 @@ class GpuBackend:
         """Order the pipeline after the caller's pending work on these tensors."""
         self._torch_stream.wait_stream(self._caller_stream)
         self._free_at_start = self._min_free = torch.cuda.mem_get_info(self.device)[0]
+        self._codecs.unverified.clear()  # a failed save's
 
     def finish(self) -> None:
         self._torch_stream.synchronize()
+        self._codecs.verify_sizes()
 
     def memory(self) -> dict:
         return {"ring_gpu_bytes": self._ring_bytes,

@@ -19,9 +19,11 @@ from nvidia import nvcomp
 
 from ..codecs import ZSTD_HEADER_MAX, check_zstd_header, frame_bounds, frame_offsets
 from ..codecs import of as codec_of
+from ..errors import GdsckptError
 from . import kernels
 
 _ALIGN = 16  # nvCOMP's most restrictive buffer alignment
+_UNVERIFIED_MAX = 4096  # sizes read from headers and not yet compared with nvCOMP's (a save has its chunks')
 
 
 def nvcomp_version() -> str:
@@ -55,18 +57,25 @@ def _release() -> None:
 
 
 class NvcompCodecs:
-    """nvCOMP codecs on `stream`. `copies`: the stream of the device-to-host copies this process
-    has in flight on `device_id` (the snapshot's copy stream), waited for, without the GIL, before
-    nvCOMP reads the compressed sizes back: that small device-to-host copy queues behind them on
-    the copy engine (4 ms behind one 256 MiB chunk's, bench/probes/encode_wait.py) while its
-    Python binding holds the GIL; a training thread beside an overlapped snapshot stood still that
-    long per chunk (py-spy --gil, bench/results/2026-11-24-h100-idle/)."""
+    """nvCOMP codecs on `stream`.
+
+    nvCOMP reads the compressed sizes back with a small device-to-host copy, which queues behind
+    the device-to-host copies in flight on the copy engine (4 ms behind one 256 MiB chunk's,
+    bench/probes/encode_wait.py) while its Python binding holds the GIL: a training thread beside
+    an overlapped snapshot stood still that long per chunk (bench/results/2026-11-24-h100-idle/).
+    So a native-bitstream chunk's size is read from its header by our own kernel (kernels.NativeSize,
+    no copy engine), and nvCOMP's own sizes are compared with those once the save's copies are done
+    (`verify_sizes`, before it commits); zstd's frame sizes, with no header, are read after waiting,
+    without the GIL, for `copies`: the stream of this process's device-to-host copies on
+    `device_id` (the snapshot's copy stream)."""
 
     def __init__(self, stream: cupy.cuda.Stream, device_id: int, copies: cupy.cuda.Stream | None = None):
         self._stream = stream
         self._device = device_id
         self._copies = copies
         self._copied = cupy.cuda.Event(block=False, disable_timing=True)
+        self._native_size = kernels.NativeSize(stream)
+        self.unverified: list = []  # (nvCOMP's result, the stored length read from its header)
         self._codecs: dict[tuple, nvcomp.Codec] = {}
         self._configs: dict[tuple, object] = {}
         self._bounds: dict[tuple, int] = {}
@@ -124,8 +133,7 @@ class NvcompCodecs:
             if key not in self._configs:  # chunks share a few sizes: configure once per size
                 self._configs[key] = codec.compression_config([n])
             result = codec.encode(srcs, out=outs, compression_config=self._configs[key])
-            self._wait()
-            stored = result.buffer_sizes[0]
+            stored = self._stored(out, result)
             if stored < n:
                 return stored, None
             if coded is not src and _overlap(src, coded):  # src was the scratch: give back its bytes to store raw
@@ -151,6 +159,29 @@ class NvcompCodecs:
                 scratch[offsets[i]:offsets[i] + k] = out[i * stride:i * stride + k]
             out[:stored] = scratch[:stored]
         return stored, frames
+
+    def _stored(self, out: cupy.ndarray, result) -> int:
+        """A native-bitstream chunk's stored length, from its header (see the class docstring)."""
+        stored = self._native_size(out)
+        if stored is None:  # not the header this version of nvCOMP writes: nvCOMP's own read
+            self._wait()
+            return result.buffer_sizes[0]
+        self.unverified.append((result, stored))
+        if len(self.unverified) > _UNVERIFIED_MAX:  # encodes outside a save (a probe's): check as they come
+            self.verify_sizes()
+        return stored
+
+    def verify_sizes(self) -> None:
+        """nvCOMP's own size of every chunk read from its header since the last call, compared with
+        that: a save calls it once its copies are done, before it commits (GpuBackend.finish)."""
+        pending, self.unverified = self.unverified, []
+        if pending:
+            self._wait()
+        for result, stored in pending:
+            if result.buffer_sizes[0] != stored:
+                raise GdsckptError(f"nvCOMP compressed a chunk to {result.buffer_sizes[0]} bytes, but its bitstream's "
+                                   f"header gives {stored}: this nvCOMP ({nvcomp_version()}) lays its header out "
+                                   "differently; nothing was saved")
 
     def _wait(self) -> None:
         """Wait without the GIL until reading nvCOMP's sizes is quick: for the stream's work

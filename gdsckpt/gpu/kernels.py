@@ -199,10 +199,11 @@ class Crc64Nvme:
         self._fin_rows = [self._fin[k] for k in range(8)]
         self._host = np.zeros(1, dtype=np.uint64)
 
-    def launch(self, buf: cupy.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
-        """Enqueue the CRC of `buf` (C-contiguous) on the stream into `out` (a 1-element uint64
-        device array; default: one of this object's, overwritten by the next call); returns it.
-        For n = 0 no kernel is launched."""
+    def launch(self, buf: cupy.ndarray, out=None):
+        """Enqueue the CRC of `buf` (C-contiguous) on the stream into `out`, returned: a 1-element
+        uint64 device array (default: this object's, overwritten by the next call), or, for n > 0,
+        the address of a uint64 the GPU writes as a cupy.uint64 (pinned host memory). For n = 0 no
+        kernel is launched."""
         out = self._out if out is None else out
         n = buf.nbytes
         if n == 0:
@@ -229,6 +230,40 @@ class Crc64Nvme:
         self.launch(buf).get(stream=self._stream, out=self._host)
         self._stream.synchronize()  # get() with a stream may be asynchronous, depending on CuPy's version
         return int(self._host[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# A chunk's stored length, from nvCOMP's native bitstream (ans, bitcomp): its header holds the
+# magic number (u32 at byte 0), the compressed payload's length (u64 at byte 8) and the payload's
+# offset (u32 at byte 40); the stored length is their sum (nvCOMP 6.0: bench/probes/nvcomp_header.py).
+# One thread writes them into pinned host memory, which a kernel reaches by its host address (UVA),
+# so the read uses no copy engine and never queues behind device-to-host copies.
+NVCOMP_NATIVE_MAGIC = 1385239335
+_NATIVE_SIZE = r"""
+extern "C" __global__ void gdsckpt_native_size(const unsigned char* header, unsigned long long* out) {
+    out[0] = *(const unsigned int*)header;
+    out[1] = *(const unsigned long long*)(header + 8) + *(const unsigned int*)(header + 40);
+}
+"""
+_native_size_kernel = cupy.RawKernel(_NATIVE_SIZE, "gdsckpt_native_size")
+
+
+class NativeSize:
+    """The stored length of a chunk nvCOMP encoded into its native bitstream, read on `stream`."""
+
+    def __init__(self, stream: cupy.cuda.Stream):
+        self._stream = stream
+        self._mem = cupy.cuda.alloc_pinned_memory(16)
+        self._host = np.frombuffer(self._mem, dtype=np.uint64, count=2)
+
+    def __call__(self, out: cupy.ndarray) -> int | None:
+        """The length of the bitstream at the start of `out` (8-byte aligned) once the stream's work
+        has run, or None where it does not start with nvCOMP's native header."""
+        self._host[:] = 0
+        with self._stream:
+            _native_size_kernel((1,), (1,), (out, cupy.uint64(self._mem.ptr)))
+        self._stream.synchronize()
+        return int(self._host[1]) if int(self._host[0]) == NVCOMP_NATIVE_MAGIC else None
 
 
 # ---------------------------------------------------------------------------------------------
