@@ -128,7 +128,7 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     none where a write outlasted the steps it counts (its tail would be missed)."""
     from gdsckpt.bench.targets import idle_estimate
     from gdsckpt.bench.train_loop import Loop
-    from gdsckpt.bench.train_report import _local_overhead
+    from gdsckpt.bench.train_report import _local_per_ckpt, _local_summary
 
     interval, steps = 40, 120
     ckpts = [40, 80]
@@ -142,11 +142,14 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     # the step after it, +1 ms on each of the next 20 (the write)
     slowed = {c + k: (0.050 if k == 0 else 0.001) for c in ckpts for k in range(21)}
     method = loop(0.105, 1e-5, slowed, call=0.020)
-    assert abs(_local_overhead(method, none, interval) - 0.090) < 1e-9
+    assert [round(x, 9) for x in _local_per_ckpt(method, none, interval)] == [0.090, 0.090]
+    summary = _local_summary([method, method], [none], interval)
+    assert abs(summary["mean"] - 0.090) < 1e-9 and summary["n"] == 4 and summary["se"] < 1e-9
     # the loop's own estimate reads the drift as overhead
     assert (method.seconds - none.seconds) / len(ckpts) > 0.3
     # a write that outlasted the 30 steps counted: no local estimate
-    assert _local_overhead(loop(0.1, 0.0, slowed, call=0.02, done=3.5), none, interval) is None
+    assert _local_per_ckpt(loop(0.1, 0.0, slowed, call=0.02, done=3.5), none, interval) is None
+    assert _local_summary([loop(0.1, 0.0, slowed, call=0.02, done=3.5)], [none], interval)["mean"] is None
     row = {"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": 0.09}}
     assert idle_estimate(row) == (0.09, "local")
     assert idle_estimate({"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": None}}) == (0.4, "loop")

@@ -13,6 +13,8 @@ host memory and the process's peak RSS over its start.
 from __future__ import annotations
 
 import gc
+import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +86,37 @@ def n_checkpoints(steps: int, interval: int) -> int:
     long to finish in the background as the others, as in a long run; whatever it still needs
     after that is drained inside the timed loop (drain_s)."""
     return max(0, steps // interval - 1 if steps % interval == 0 else steps // interval)
+
+
+KEEP = 2  # checkpoints a loop keeps on disk, as a run's retention would: older ones are deleted
+
+
+class Retention:
+    """Deletes each checkpoint once KEEP newer ones are durable, on a thread of its own (never
+    the training thread's time), so that long loops fit the disk; `join` waits for the deletions."""
+
+    def __init__(self):
+        self.paths: list[Path] = []
+        self.threads: list[threading.Thread] = []
+
+    def saved(self, path: Path, handle) -> None:
+        self.paths.append(path)
+        if len(self.paths) > KEEP:
+            old = self.paths[-KEEP - 1]
+            if handle is None:
+                self._delete(old)
+            else:
+                handle.add_done_callback(lambda f: self._delete(old))
+
+    def _delete(self, path: Path) -> None:
+        t = threading.Thread(target=lambda: shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True),
+                             name="bench-retention", daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def join(self) -> None:
+        for t in list(self.threads):
+            t.join()
 
 
 def _rss_reset():
@@ -163,6 +196,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
         hook_t[1] += time.perf_counter() - hook_t[0]
     blocked, calls, done_at, started = [], [], {}, []
     pending = []
+    retention = Retention()
     t0 = time.perf_counter()
     step_s, ckpt_steps, gpu_waits = [], [], []
     for step in range(1, steps + 1):
@@ -189,6 +223,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             else:
                 handle.add_done_callback(lambda f, i=i: done_at.__setitem__(i, time.perf_counter()))
                 pending.append(handle)
+            retention.saved(path, handle)
             if hooks:
                 if last is not None:
                     last.remove()
@@ -206,6 +241,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     deadline = time.perf_counter() + 5  # result() can return before the done callbacks have run
     while len(done_at) < len(started) and time.perf_counter() < deadline:
         time.sleep(0.001)
+    retention.join()
     if first is not None:
         first.remove()
     if last is not None:

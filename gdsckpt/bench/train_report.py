@@ -22,8 +22,11 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    completion_s: {mean, max, each},
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's step at its position],
    gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
-   overhead_local_per_ckpt_s: {mean, min, max, each per repeat} (the call + the steps after each checkpoint beyond
-     the quiet steps around it, less the same in the 'none' loop; mean null where a write outlasted the steps counted),
+   overhead_local_per_ckpt_s: {mean, min, max, each per repeat, se, n} (the call + the steps after each checkpoint
+     beyond the quiet steps around it, less the same in the 'none' loop; mean null where a write outlasted the steps
+     counted; se: the standard error of the mean over its n checkpoints, all repeats),
+   raw: [per repeat: {steps_ms, ckpt_steps, calls_ms, completion_s}] (each step's and call's own time, to redo the
+     estimates),
    first_save: {blocked_s, completion_s} (outside the loops, after `reserve`),
    reserve: {when, seconds, where, allocated_bytes, held_bytes, limit_bytes, pinned, warm_s, alloc_s, slots} | null
    (what the method's setup reserved ahead of its first save: gdsckpt.reserve / Checkpointer.reserve),
@@ -67,7 +70,8 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
                 "steps_after_ckpt_extra_s": _extra_after_ckpt(loops, none_loops, interval) if m.name != "none" else None,
                 "gpu_wait_after_ckpt_extra_s": (_extra_after_ckpt(loops, none_loops, interval, "gpu_waits")
                                                 if m.name != "none" else None),
-                "overhead_local_per_ckpt_s": _summ(_locals(loops, none_loops, interval) if m.name != "none" else []),
+                "overhead_local_per_ckpt_s": _local_summary(loops, none_loops, interval) if m.name != "none" else _summ([]),
+                "raw": [_raw(l) for l in loops],
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
                         "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
                 "host": {"pinned_torch_bytes": max(l.pinned for l in loops),
@@ -83,14 +87,24 @@ def _none_of(none_loops: list[Loop], i: int) -> Loop:
     return none_loops[min(i, len(none_loops) - 1)]
 
 
-def _locals(loops: list, none_loops: list, interval: int) -> list:
-    """_local_overhead of each loop (against the 'none' loop of its repeat); [] if any is None."""
-    each = [_local_overhead(l, _none_of(none_loops, i), interval) for i, l in enumerate(loops)]
-    return [] if None in each else each
+def _local_summary(loops: list, none_loops: list, interval: int) -> dict:
+    """_summ of each loop's local estimate (against the 'none' loop of its repeat), with the
+    standard error of the mean over every checkpoint of every repeat; mean null if any loop has none."""
+    each = [_local_per_ckpt(l, _none_of(none_loops, i), interval) for i, l in enumerate(loops)]
+    if any(e is None for e in each):
+        return {**_summ([]), "se": None, "n": 0}
+    every = [x for e in each for x in e]
+    se = statistics.stdev(every) / len(every) ** 0.5 if len(every) > 1 else None
+    return {**_summ([statistics.fmean(e) for e in each]), "se": se, "n": len(every)}
 
 
-def _local_overhead(loop: Loop, none_loop: Loop, interval: int) -> float | None:
-    """Overhead per checkpoint from the steps around each checkpoint, immune to drift between
+def _raw(loop: Loop) -> dict:
+    return {"steps_ms": [round(s * 1e3, 2) for s in loop.steps], "ckpt_steps": list(loop.ckpt_steps),
+            "calls_ms": [round(c * 1e3, 2) for c in loop.calls], "completion_s": [round(c, 3) for c in loop.completion]}
+
+
+def _local_per_ckpt(loop: Loop, none_loop: Loop, interval: int) -> list | None:
+    """Overhead of each checkpoint from the steps around each checkpoint, immune to drift between
     loops (the H100 host's 'none' loops of one run differed by up to 5%, 0.2 s per checkpoint
     at 8 checkpoints per 36 s loop; on the 2x H200 host by 12%): the checkpoint call, plus the
     `interval - quiet` steps after it, each less the mean of the `quiet` steps before it and the
@@ -114,7 +128,7 @@ def _local_overhead(loop: Loop, none_loop: Loop, interval: int) -> float | None:
         if done > call + sum(loop.steps[c:c + window]):  # the write's tail would be missed
             return None
         per.append(call + beyond_quiet(loop.steps, c) - beyond_quiet(none_loop.steps, c))
-    return statistics.fmean(per)
+    return per
 
 
 def _extra_after_ckpt(loops: list, none_loops: list, interval: int, what: str = "steps") -> list | None:
@@ -192,8 +206,10 @@ def print_train(result: dict, out=None) -> None:
                   f"(warm-up {v['warm_s']:.2f} s, allocation {v['alloc_s']:.2f} s)", file=out)
     for r in d["methods"]:
         if r.get("steps_after_ckpt_extra_s"):
+            loc = r["overhead_local_per_ckpt_s"]
+            se = f" +- {loc['se']:.3f} (n={loc['n']})" if loc.get("se") is not None else ""
             print(f"  {r['name']:<44} overhead/ckpt around each checkpoint "
-                  f"{_f(r['overhead_local_per_ckpt_s']['mean'])} s; steps after a checkpoint took "
+                  f"{_f(loc['mean'])}{se} s; steps after a checkpoint took "
                   f"{_after(r)}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
