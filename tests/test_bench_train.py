@@ -128,7 +128,7 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     none where a write outlasted the steps it counts (its tail would be missed)."""
     from gdsckpt.bench.targets import idle_estimate
     from gdsckpt.bench.train_loop import Loop
-    from gdsckpt.bench.train_report import _local_per_ckpt, _local_summary
+    from gdsckpt.bench.train_report import _local_per_ckpt, _local_summary, _median_overhead
 
     interval, steps = 40, 120
     ckpts = [40, 80]
@@ -150,6 +150,17 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     # a write that outlasted the 30 steps counted: no local estimate
     assert _local_per_ckpt(loop(0.1, 0.0, slowed, call=0.02, done=3.5), none, interval) is None
     assert _local_summary([loop(0.1, 0.0, slowed, call=0.02, done=3.5)], [none], interval)["mean"] is None
+    # by medians: a slow step every 17 (the H100 host's come every ~16, in every loop) moves it
+    # less than the means; 4 checkpoints, each meeting the slow steps at other positions
+    cks4 = [40, 80, 120, 160]
+    cost4 = {c + k: (0.050 if k == 0 else 0.001) for c in cks4 for k in range(21)}
+    spikes = [0.04 if i % 17 == 3 else 0.0 for i in range(200)]
+    spiky = Loop(0, calls=[0.02] * 4, completion=[1.0] * 4, ckpt_steps=cks4,
+                 steps=[0.1 + cost4.get(i, 0.0) + spikes[i] for i in range(200)])
+    flat = Loop(0, steps=[0.1 + spikes[(i + 6) % 200] for i in range(200)])  # its own, elsewhere
+    assert abs(_median_overhead([spiky], [flat], interval) - 0.090) < 1e-9
+    assert abs(_local_summary([spiky], [flat], interval)["mean"] - 0.090) > 0.005
+    assert _median_overhead([loop(0.1, 0.0, slowed, call=0.02, done=3.5)], [none], interval) is None
     row = {"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": 0.09}}
     assert idle_estimate(row) == (0.09, "local")
     assert idle_estimate({"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": None}}) == (0.4, "loop")

@@ -6,7 +6,7 @@ their time (issue 22, target 1: what precedes the snapshot's first device-to-hos
 The loop is gdsckpt-bench --train's (its GPT, AdamW, bf16 autocast, loss.item() every step).
 After warm-up and gdsckpt.reserve, each save is save_async(state, snapshot="overlap",
 optimizer=opt) on the bench's checkpoint state, then 30 training steps (the file written).
-Per save, unprofiled: the call's seconds (state_dict included, as in --train), and from the
+First the call's parts alone (state_dict, flatten, freeze_for_overlap). Per save, unprofiled: the call's seconds (state_dict included, as in --train), and from the
 call's end the snapshot thread's start, its first ring chunk (write_chunks entered) and its end.
 Then the same saves under cProfile: once the call, once save_flat up to the ring in the snapshot
 thread (on Python 3.12 a profile sees every thread: the other thread's functions show too, the
@@ -99,6 +99,21 @@ def one(i: int, profile: str | None) -> dict:
             **{f"{k}_ms_after_call": (v - t1) * 1e3 for k, v in sorted(marks.items())}}
 
 
+def phases() -> dict:
+    """The call's parts one by one, unprofiled, each after a training step as in --train: the
+    bench's state_dict, tree.flatten (the walk and its checks), freeze_for_overlap."""
+    step(model, opt, batches)
+    t0 = time.perf_counter()
+    state = checkpoint_state(model, opt)
+    t1 = time.perf_counter()
+    _, leaves = gdsckpt.tree.flatten(state)
+    t2 = time.perf_counter()
+    gdsckpt.overlap.freeze_for_overlap([l.tensor for l in leaves], opt)
+    t3 = time.perf_counter()
+    return {"state_dict_ms": (t1 - t0) * 1e3, "flatten_ms": (t2 - t1) * 1e3, "freeze_ms": (t3 - t2) * 1e3}
+
+
+parts = [phases() for _ in range(args.saves)]
 rows = [one(i, kind) for kind in (None, "call", "prologue") for i in range(args.saves)]
 
 
@@ -112,10 +127,12 @@ def top(p: cProfile.Profile, n=40) -> list:
 
 
 result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name(), "size": args.size,
-          "tensors": len(gdsckpt.tree.flatten(checkpoint_state(model, opt))[1]), "saves": rows,
+          "tensors": len(gdsckpt.tree.flatten(checkpoint_state(model, opt))[1]), "phases": parts, "saves": rows,
           "per_save_profile": {k: top(p) for k, p in profiles.items()}}
 out = Path(os.environ.get("OUT", ".")) / "call_profile.json"
 out.write_text(json.dumps(result, indent=1))
+for r in parts:
+    print({k: round(v, 2) for k, v in r.items()})
 for r in rows:
     print({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})
 for k in profiles:

@@ -25,6 +25,10 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    overhead_local_per_ckpt_s: {mean, min, max, each per repeat, se, n} (the call + the steps after each checkpoint
      beyond the quiet steps around it, less the same in the 'none' loop; mean null where a write outlasted the steps
      counted; se: the standard error of the mean over its n checkpoints, all repeats),
+   overhead_median_per_ckpt_s: the same window by medians (the call's median + for each step k after a checkpoint
+     the median over every checkpoint of its step k beyond its loop's quiet steps' median, summed, less the same in
+     the 'none' loops): the few slow steps any loop of the H100 host shows (bench/probes/slow_steps.py) move it
+     less than the local estimate's means, and it misses any such step a checkpoint itself causes; null as local,
    raw: [per repeat: {steps_ms, ckpt_steps, calls_ms, completion_s}] (each step's and call's own time, to redo the
      estimates),
    first_save: {blocked_s, completion_s} (outside the loops, after `reserve`),
@@ -71,6 +75,7 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
                 "gpu_wait_after_ckpt_extra_s": (_extra_after_ckpt(loops, none_loops, interval, "gpu_waits")
                                                 if m.name != "none" else None),
                 "overhead_local_per_ckpt_s": _local_summary(loops, none_loops, interval) if m.name != "none" else _summ([]),
+                "overhead_median_per_ckpt_s": _median_overhead(loops, none_loops, interval) if m.name != "none" else None,
                 "raw": [_raw(l) for l in loops],
                 "gpu": {"peak_extra_torch_bytes": max(l.peak_torch for l in loops) - base_torch,
                         "peak_extra_device_bytes": max(l.peak_device for l in loops) - base_device},
@@ -96,6 +101,30 @@ def _local_summary(loops: list, none_loops: list, interval: int) -> dict:
     every = [x for e in each for x in e]
     se = statistics.stdev(every) / len(every) ** 0.5 if len(every) > 1 else None
     return {**_summ([statistics.fmean(e) for e in each]), "se": se, "n": len(every)}
+
+
+def _median_overhead(loops: list, none_loops: list, interval: int) -> float | None:
+    """overhead_median_per_ckpt_s (TRAIN_SCHEMA_DOC); None where any loop has no local estimate."""
+    if any(_local_per_ckpt(l, _none_of(none_loops, i), interval) is None for i, l in enumerate(loops)):
+        return None
+    quiet = max(1, interval // 4)
+    window = interval - quiet
+
+    def beyond(pairs: list) -> float:
+        """Sum over k of the median, over (steps, c) pairs, of steps[c + k] beyond the median of
+        that loop's quiet steps (the `quiet` before each checkpoint and after its window)."""
+        per_k = [[] for _ in range(window)]
+        for steps, cks in pairs:
+            base = statistics.median([s for c in cks for s in steps[c - quiet:c] + steps[c + window:c + interval]])
+            for c in cks:
+                for k in range(window):
+                    per_k[k].append(steps[c + k] - base)
+        return sum(statistics.median(x) for x in per_k)
+
+    calls = [c for l in loops for c in l.calls]
+    mine = beyond([(l.steps, l.ckpt_steps) for l in loops])
+    base = beyond([(_none_of(none_loops, i).steps, l.ckpt_steps) for i, l in enumerate(loops)])
+    return statistics.median(calls) + mine - base
 
 
 def _raw(loop: Loop) -> dict:
@@ -209,7 +238,7 @@ def print_train(result: dict, out=None) -> None:
             loc = r["overhead_local_per_ckpt_s"]
             se = f" +- {loc['se']:.3f} (n={loc['n']})" if loc.get("se") is not None else ""
             print(f"  {r['name']:<44} overhead/ckpt around each checkpoint "
-                  f"{_f(loc['mean'])}{se} s; steps after a checkpoint took "
+                  f"{_f(loc['mean'])}{se} s (by medians {_f(r.get('overhead_median_per_ckpt_s'))} s); steps after a checkpoint took "
                   f"{_after(r)}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
