@@ -35,9 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
 
 import gdsckpt  # noqa: E402
-from gdsckpt.bench import train_loop  # noqa: E402
 from gdsckpt.bench.train_methods import checkpoint_state  # noqa: E402
-from idle_trace import step  # noqa: E402
+from idle_trace import step, warm_loop  # noqa: E402
 
 save_mod = sys.modules["gdsckpt.save"]  # the module (gdsckpt.save is the function)
 
@@ -47,10 +46,7 @@ ap.add_argument("--saves", type=int, default=8)
 ap.add_argument("--between", type=int, default=30)
 args = ap.parse_args()
 
-model, opt, windows, info = train_loop.build(args.size, "cuda")
-batches = train_loop.Batches(windows, info["batch"], "cuda")
-for _ in range(5):
-    step(model, opt, batches)
+model, opt, batches, info = warm_loop(args.size, 5)
 gdsckpt.reserve(checkpoint_state(model, opt)).result()
 directory = Path(tempfile.mkdtemp(dir=os.environ.get("TMPDIR")))
 

@@ -45,6 +45,16 @@ def step(model, opt, batches):
     return method_step(model, opt, batches, train_methods.Method())
 
 
+def warm_loop(size: str = "gpt2-medium", warm: int = 10):
+    """gdsckpt-bench --train's model, optimizer and batches of `size` on the GPU, after `warm`
+    steps: (model, opt, batches, info). The probes that time that loop start here."""
+    model, opt, windows, info = train_loop.build(size, "cuda")
+    batches = train_loop.Batches(windows, info["batch"], "cuda")
+    for _ in range(warm):
+        step(model, opt, batches)
+    return model, opt, batches, info
+
+
 def analyse(trace: dict, before: int, after: int) -> dict:
     ev = trace["traceEvents"]
     ann = {e["name"]: e for e in ev if e.get("cat") == "user_annotation" and e.get("ph") == "X"}
@@ -119,10 +129,7 @@ def main() -> None:
                     help="no trace: N saves of the first method, one every 12 steps (to run under py-spy --gil)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
-    model, opt, windows, info = train_loop.build(args.size, "cuda")
-    batches = train_loop.Batches(windows, info["batch"], "cuda")
-    for _ in range(args.warm):
-        step(model, opt, batches)
+    model, opt, batches, info = warm_loop(args.size, args.warm)
     d = Path(tempfile.mkdtemp(dir=os.environ.get("TRACE_DIR")))
     ctx = train_methods.Ctx(model, opt, d, "cuda")
     asked = args.methods.split(",")

@@ -13,23 +13,19 @@ written) slower than the 'none' loop's. Here the bench's GPT trains while one th
 Per case: mean step time while the writer runs against idle, and the writer's GB/s.
 Writes write_interference.json.
 """
-import argparse, json, mmap, os, statistics, sys, tempfile, threading, time
+import argparse, json, os, statistics, sys, tempfile, threading, time
 from pathlib import Path
 import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from gdsckpt.bench import train_loop  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
-from idle_trace import step  # noqa: E402
+from idle_trace import step, warm_loop  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--size", default="gpt2-medium")
 ap.add_argument("--gb", type=float, default=4)
 args = ap.parse_args()
-model, opt, windows, info = train_loop.build(args.size, "cuda")
-batches = train_loop.Batches(windows, info["batch"], "cuda")
-for _ in range(10):
-    step(model, opt, batches)
+model, opt, batches, info = warm_loop(args.size)
 BLOCK = 64 << 20
 n = int(args.gb * 1e9) // BLOCK * BLOCK
 pinned = torch.empty(BLOCK, dtype=torch.uint8, pin_memory=True).random_(0, 255)

@@ -30,18 +30,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
-from gdsckpt.bench import train_loop  # noqa: E402
-from idle_trace import step  # noqa: E402
+from idle_trace import step, warm_loop  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gb", type=float, default=4)
 ap.add_argument("--rounds", type=int, default=4)
 ap.add_argument("--seconds", type=float, default=3.0)
 args = ap.parse_args()
-model, opt, windows, info = train_loop.build("gpt2-medium", "cuda")
-batches = train_loop.Batches(windows, info["batch"], "cuda")
-for _ in range(10):
-    step(model, opt, batches)
+model, opt, batches, info = warm_loop()
 PIECE, RECORD = 64 << 20, 256 << 20
 n = int(args.gb * 1e9) // RECORD * RECORD
 small = torch.empty(PIECE, dtype=torch.uint8, pin_memory=True).random_(0, 255)
