@@ -6,8 +6,9 @@ their time (issue 22, target 1: what precedes the snapshot's first device-to-hos
 The loop is gdsckpt-bench --train's (its GPT, AdamW, bf16 autocast, loss.item() every step).
 After warm-up and gdsckpt.reserve, each save is save_async(state, snapshot="overlap",
 optimizer=opt) on the bench's checkpoint state, then 30 training steps (the file written).
-First the call's parts alone (state_dict, flatten, freeze_for_overlap). Per save, unprofiled: the call's seconds (state_dict included, as in --train), and from the
-call's end the snapshot thread's start, its first ring chunk (write_chunks entered) and its end.
+First the call's parts alone (state_dict, flatten, freeze_for_overlap). Per save, unprofiled:
+the call's seconds (state_dict included, as in --train), and from the call's end the snapshot
+thread's start, its first ring chunk (write_chunks entered) and its end.
 Then the same saves under cProfile: once the call, once save_flat up to the ring in the snapshot
 thread (on Python 3.12 a profile sees every thread: the other thread's functions show too, the
 training's torch.nn ones during the prologue); the functions with the most own time per save.

@@ -237,9 +237,9 @@ def print_train(result: dict, out=None) -> None:
         if r.get("steps_after_ckpt_extra_s"):
             loc = r["overhead_local_per_ckpt_s"]
             se = f" +- {loc['se']:.3f} (n={loc['n']})" if loc.get("se") is not None else ""
-            print(f"  {r['name']:<44} overhead/ckpt around each checkpoint "
-                  f"{_f(loc['mean'])}{se} s (by medians {_f(r.get('overhead_median_per_ckpt_s'))} s); steps after a checkpoint took "
-                  f"{_after(r)}", file=out)
+            median = _f(r.get("overhead_median_per_ckpt_s"))
+            print(f"  {r['name']:<44} overhead/ckpt around each checkpoint {_f(loc['mean'])}{se} s "
+                  f"(by medians {median} s); steps after a checkpoint took {_after(r)}", file=out)
     for rr in d.get("ranks", []):
         for r in rr["methods"]:
             if r.get("overhead_per_ckpt_s") and r["name"] != "none":
