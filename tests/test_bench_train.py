@@ -34,6 +34,7 @@ def test_train_and_cost(tmp_path, capsys):
     assert t["method"] == "gdsckpt.save_async" and t["rank"] is None
     # no GPU memory target on the CPU
     assert set(t["checks"]) == {"idle_s", "blocked_s", "durable_x_sync", "first_blocked_beyond_steady_s"}
+    assert t["checks"]["idle_s"]["target"] == 0.05  # issue 22, target 1 (the DCP rows: 0.10)
     # save_async reserved its pool in its setup, before its first save (issue 22, target 3), and says so
     a = rows["gdsckpt.save_async"]
     res = a["reserve"]
@@ -115,6 +116,7 @@ def test_train_under_torchrun(tmp_path):
     assert set(t) == {(m, k) for m in ("dcp.async_save GdsckptWriter", "dcp.async_save GdsckptWriter overlap")
                       for k in (0, 1)}
     assert t[("dcp.async_save GdsckptWriter overlap", 1)]["blocked_s"]["target"] == 0.02
+    assert t[("dcp.async_save GdsckptWriter", 0)]["idle_s"]["target"] == 0.10
     assert "durable_x_sync" in t[("dcp.async_save GdsckptWriter", 1)]
     c = {m["name"]: m for m in r["cost"]["methods"]}
     assert r["cost"]["inputs"]["measured_state_bytes"] == r["state"]["per_rank_bytes"]

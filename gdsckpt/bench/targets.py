@@ -5,7 +5,8 @@
 not why: the round's NOTES.md says that. The targets (issue 13), per checkpoint and, under
 torchrun, per rank; snapshot="device" is the opt-in full copy and is not held to them:
 
-  idle_s            overhead per checkpoint <= 0.10 s, every background gdsckpt method: the
+  idle_s            overhead per checkpoint <= 0.05 s for the save_async rows (issue 22, target 1),
+                    <= 0.10 s for the DCP rows (issue 13; issue 22, target 2): the
                     local estimate (overhead_local_per_ckpt_s: the call and the steps after
                     each checkpoint beyond the quiet steps around it), which drift between
                     loops does not move; the loop's time beyond the 'none' loop's where there
@@ -34,6 +35,7 @@ from pathlib import Path
 from gdsckpt.defaults import CHUNK_BYTES, RING_DEPTH
 
 IDLE_S = 0.10
+SAVE_ASYNC_IDLE_S = 0.05
 BLOCKED_S = 0.15
 OVERLAP_BLOCKED_S = 0.02
 RING_BYTES = RING_DEPTH * 2 * CHUNK_BYTES["gpu"]
@@ -57,7 +59,7 @@ def check(result: dict) -> list[dict]:
                 continue
             checks = {}
             if family is not None:
-                checks = {"idle_s": _idle(m),
+                checks = {"idle_s": _idle(m, SAVE_ASYNC_IDLE_S if family == "gdsckpt.save_async" else IDLE_S),
                           "blocked_s": _compare(OVERLAP_BLOCKED_S if "overlap" in name else BLOCKED_S,
                                                 m["blocked_s"]["mean"])}
                 if gpu:
@@ -82,9 +84,9 @@ def idle_estimate(m: dict) -> tuple[float | None, str]:
     return (m.get("overhead_per_ckpt_s") or {}).get("mean"), "loop"
 
 
-def _idle(m: dict) -> dict:
+def _idle(m: dict, target: float) -> dict:
     measured, estimate = idle_estimate(m)
-    return {**_compare(IDLE_S, measured), "estimate": estimate}
+    return {**_compare(target, measured), "estimate": estimate}
 
 
 def _first_beyond(m: dict) -> float | None:
