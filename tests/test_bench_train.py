@@ -35,6 +35,7 @@ def test_train_and_cost(tmp_path, capsys):
     # no GPU memory target on the CPU
     assert set(t["checks"]) == {"idle_s", "blocked_s", "durable_x_sync", "first_blocked_beyond_steady_s"}
     assert t["checks"]["idle_s"]["target"] == 0.05  # issue 22, target 1 (the DCP rows: 0.10)
+    assert "by_medians" in t["checks"]["idle_s"]  # the window by per-step medians, beside the estimate
     # save_async reserved its pool in its setup, before its first save (issue 22, target 3), and says so
     a = rows["gdsckpt.save_async"]
     res = a["reserve"]

@@ -11,7 +11,8 @@ torchrun, per rank; snapshot="device" is the opt-in full copy and is not held to
                     each checkpoint beyond the quiet steps around it), which drift between
                     loops does not move; the loop's time beyond the 'none' loop's where there
                     is no local estimate (a write outlasted the steps it counts). `estimate`
-                    says which;
+                    says which; `by_medians`: the same window by per-step medians
+                    (overhead_median_per_ckpt_s), beside it;
   blocked_s         caller blocked <= 0.15 s, or <= 0.02 s in an overlap mode (where it includes
                     the optimizer step's wait for the snapshot);
   extra_gpu_bytes   torch's peak GPU memory beyond the 'none' loop <= the ring's bound
@@ -86,7 +87,9 @@ def idle_estimate(m: dict) -> tuple[float | None, str]:
 
 def _idle(m: dict, target: float) -> dict:
     measured, estimate = idle_estimate(m)
-    return {**_compare(target, measured), "estimate": estimate}
+    by_medians = m.get("overhead_median_per_ckpt_s")
+    return {**_compare(target, measured), "estimate": estimate,
+            "by_medians": None if by_medians is None else round(by_medians, 4)}
 
 
 def _first_beyond(m: dict) -> float | None:
@@ -117,8 +120,10 @@ def print_targets(entries: list[dict], out=None) -> None:
             scale, unit = (2**30, " GiB") if k == "extra_gpu_bytes" else (1, "x" if k == "durable_x_sync" else " s")
             short = c["short_by"] / scale
             how = f" ({c['estimate']})" if "estimate" in c else ""
+            medians = f" (by medians {c['by_medians']:.3f} s)" if c.get("by_medians") is not None else ""
             parts.append(f"{k}{how} {c['measured'] / scale:.3f}{unit} " +
-                         ("met" if c["met"] else f"short by {short:.3f}{unit}" if short >= 5e-4 else "short by <0.001"))
+                         ("met" if c["met"] else f"short by {short:.3f}{unit}" if short >= 5e-4 else "short by <0.001")
+                         + medians)
         print(f"    {who}: " + "; ".join(parts), file=out)
 
 

@@ -38,7 +38,7 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
  cost: {...} | null, targets: [{method, rank, checks: {idle_s | blocked_s | extra_gpu_bytes | durable_x_sync |
    first_blocked_beyond_steady_s: {target, measured, met, short_by}}}] (bench/targets.py; idle_s also says its
-   estimate: local | loop);
+   estimate: local | loop, and by_medians: overhead_median_per_ckpt_s);
  under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
  ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save, reserve,
    steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
