@@ -244,7 +244,7 @@ class GpuBackend:
         kernel = self._res.checksummer(algorithm)
         if isinstance(kernel, kernels.Crc64Nvme):
             return _QueuedCrc(kernel, self._stream, count)
-        return ChecksumList(lambda buf: kernel(as_cupy(buf)))  # format 1.0's sum: read, never written
+        return ChecksumList(lambda buf: self.checksum(buf, algorithm))  # format 1.0's sum: read, never written
 
     def open(self, path: Path, mode: str) -> DeviceFile:
         return DeviceFile(path, mode, as_cupy, ready=self._torch_stream.synchronize)

@@ -49,8 +49,7 @@ def _release() -> None:
     callables in static storage, and releasing them after interpreter teardown segfaulted every
     process at exit (seen on the H100 host, nvCOMP 6.0.0)."""
     for c in list(_live):
-        c._codecs.clear()
-        c._configs.clear()
+        c.release()
     gc.collect()
     nvcomp.set_device_allocator(None)
     nvcomp.set_pinned_allocator(None)
@@ -81,14 +80,17 @@ class NvcompCodecs:
         self._bounds: dict[tuple, int] = {}
         _live.add(self)
 
-    def __del__(self):
-        # nvCOMP's codecs and results use the stream: they go first, while it is alive. A codec
-        # destroyed after the stream it was made on segfaults: tests/test_gpu.py's header test,
-        # whose codecs own their stream, crashed in 7 of 12 runs before, 0 of 12 after (H100,
-        # 2026-11-24). The pipeline's codecs live as long as the process (gpu/backend.py).
+    def release(self) -> None:
+        """Let go of nvCOMP's objects (codecs, configs, results): before the stream they were made
+        on, and before nvCOMP's allocators are handed back at exit (`_release`). A codec destroyed
+        after its stream segfaults: tests/test_gpu.py's header test, whose codecs own their
+        stream, crashed in 7 of 12 runs before __del__ did this, 0 of 12 after (H100, 2026-11-24).
+        The pipeline's codecs live as long as the process (gpu/backend.py)."""
         self.unverified.clear()
         self._codecs.clear()
         self._configs.clear()
+
+    __del__ = release  # an instance's attributes go in the order set, the stream's before the codecs'
 
     def _codec(self, spec: dict, decode: bool = False) -> nvcomp.Codec:
         key = (spec["name"], spec.get("data_type"), spec.get("uncomp_chunk_size"))
