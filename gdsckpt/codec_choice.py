@@ -148,7 +148,7 @@ class Sampler:
         sizes = {s: [0] * len(specs) for s, specs in todo.items()}
         for c in pieces:
             for k, spec in enumerate(todo[c.stream]):
-                src = gather(c, staging[:c.length])  # once per spec: an encoder may overwrite its scratch
-                stored, _ = be.encode(spec, src, out, staging)
+                src, shuffled = gather(c, staging[:c.length], spec)  # once per spec: an encoder may overwrite its scratch
+                stored, _ = be.encode(spec, src, out, staging, shuffled)
                 sizes[c.stream][k] += c.length if stored < 0 else stored
         return sizes

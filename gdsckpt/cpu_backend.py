@@ -211,8 +211,8 @@ class CpuBackend:
             dst.copy_(src)
 
     def gatherer(self, plan, views):
-        """(chunk, staging) -> the chunk's logical bytes: a view of its tensor where the chunk
-        lies inside one, else its segments copied into `staging`, split over the codec threads:
+        """(chunk, staging, spec) -> (the chunk's logical bytes, False): a view of its tensor where the
+        chunk lies inside one, else its segments copied into `staging`, split over the codec threads:
         by pointer (memmove) from plain host tensors, which costs ~1 us a segment where a torch
         view costs ~50 (a 350 MB AdamW state has ~3,600 tensors), else through the byte view."""
         tensors = views.tensors
@@ -234,21 +234,21 @@ class CpuBackend:
                     staging[s.chunk_offset:s.chunk_offset + s.length].copy_(
                         views[s.tensor][s.tensor_offset:s.tensor_offset + s.length])
 
-        def gather(chunk, staging: torch.Tensor) -> torch.Tensor:
-            segs = chunk.segments
+        def gather(chunk, staging: torch.Tensor, spec: dict) -> tuple[torch.Tensor, bool]:
+            segs = chunk.segments  # (a shuffled codec shuffles as it compresses: codecs/zstd_cpu.py)
             if len(segs) == 1 and tensors[segs[0].tensor].is_cpu:
                 s = segs[0]
-                return views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
+                return views[s.tensor][s.tensor_offset:s.tensor_offset + s.length], False
             base = staging.data_ptr()
             half = next((k for k, s in enumerate(segs) if s.chunk_offset >= chunk.length // 2), len(segs))
             self._codecs.threads.map(copy, [(base, staging, segs[:half]), (base, staging, segs[half:])])
-            return staging
+            return staging, False
         return gather
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
         return nbytes  # anything larger is stored raw instead
 
-    def encode(self, spec, src, out, scratch):
+    def encode(self, spec, src, out, scratch, shuffled=False):
         return self._codecs.encode(spec, _np(src), _np(out))
 
     def decode(self, spec, stored, out, frames) -> None:

@@ -54,7 +54,10 @@ class ChunkFile(Protocol):
     def close(self) -> None: ...
 
 
-Gather = Callable[[Chunk, Bytes], Bytes]
+# (chunk, staging, the chunk's codec spec) -> (bytes, shuffled): what the spec's coder reads. The
+# chunk's logical bytes (a view of its tensor, or staging filled), or, with shuffled True, their
+# byte planes of the spec's "shuffle" width in staging: the gather and the shuffle in one pass.
+Gather = Callable[[Chunk, Bytes, dict], tuple[Bytes, bool]]
 
 
 class Checksums(Protocol):
@@ -110,13 +113,13 @@ class Backend(Protocol):
 
     def copy(self, dst: Bytes, src: Bytes) -> None: ...
 
-    def gatherer(self, plan: Plan, views: "ByteViews") -> Gather:
-        """(chunk, staging) -> the chunk's logical bytes: a view of its tensor, or `staging` filled."""
+    def gatherer(self, plan: Plan, views: "ByteViews") -> Gather: ...
 
     def max_stored(self, spec: dict, nbytes: int) -> int: ...
 
-    def encode(self, spec: dict, src: Bytes, out: Bytes, scratch: Bytes) -> tuple[int, list | None]:
-        """(stored length, zstd frame lengths) with the stored bytes in `out`; (-1, None) if it would not shrink."""
+    def encode(self, spec: dict, src: Bytes, out: Bytes, scratch: Bytes, shuffled: bool = False) -> tuple[int, list | None]:
+        """(stored length, zstd frame lengths) with the stored bytes in `out`; (-1, None) if it would
+        not shrink, `src` then holding the logical bytes. shuffled: `src` is the gather's byte planes."""
 
     def decode(self, spec: dict, stored: Bytes, out: Bytes, frames: list | None) -> None: ...
 
@@ -235,10 +238,10 @@ def write_chunks(plan: Plan, tensors, backend: Backend, file: ChunkFile, layout:
                 timings.latencies.append(time.perf_counter() - slot.started)
                 t = timings.add("wait_io", t)
             slot.started = t
-            src = gather(chunk, staging[:chunk.length])
-            t = timings.add("gather", t)
             spec = plan.streams[chunk.stream].codec
-            stored, frames = backend.encode(spec, src, slot.stored, staging)
+            src, shuffled = gather(chunk, staging[:chunk.length], spec)
+            t = timings.add("gather", t)
+            stored, frames = backend.encode(spec, src, slot.stored, staging, shuffled)
             t = timings.add("compress", t)
             raw = stored < 0
             if raw:  # would not shrink: store the logical bytes as they are

@@ -43,6 +43,39 @@ def test_the_kernels_compute_the_cpu_shuffle(w):
                 assert (got[:so] == 0xCD).all() and (got[so + n:] == 0xCD).all()
 
 
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_the_gather_into_planes_is_the_gather_then_the_shuffle(w):
+    """One pass from the tensors to the planes (gpu/kernels.py), for tiles of every alignment: a
+    source, chunk offset or length off the element width, a chunk with tail bytes after its planes
+    and a tile across that edge; nothing written outside the chunk."""
+    import cupy
+    from gdsckpt.gpu import kernels
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(10 + w)
+    with stream:
+        data = cupy.asarray(rng.integers(0, 256, 8 << 20, dtype=np.uint8))
+        for lengths, src_skew in (([w * 1000, w * 70_001, w * 3], 0),  # whole elements: the word path
+                                  ([w * 4096, w * 1001, w * 3191], 0),  # 16-byte groups per plane, heads
+                                  ([w * 5, 3, w * 1000 + 1, w * 2 + 1], 0),  # offsets and lengths off w
+                                  ([w * 64, w * 4096], 1),  # sources off w: byte by byte
+                                  ([1 << 20, (1 << 20) + w - 1], 0)):  # the last tile ends in the tail
+            starts = rng.integers(0, (8 << 20) - max(lengths) - 16, len(lengths)) // 16 * 16 + src_skew
+            offsets = np.cumsum([0] + lengths[:-1])
+            length = int(sum(lengths))
+            tiles = kernels.gather_tiles(data.data.ptr + starts.astype(np.int64), offsets.astype(np.int64),
+                                         np.asarray(lengths, dtype=np.int64))
+            host = data.get(stream=stream)
+            stream.synchronize()
+            logical = np.concatenate([host[a:a + n] for a, n in zip(starts, lengths)])
+            want = shuffle_bytes(logical, w, np.empty(length, np.uint8))
+            out = cupy.full(length + 64, 0xAB, dtype=cupy.uint8)
+            kernels.gather(stream, cupy.asarray(tiles), out.data.ptr + 32, length, w)
+            got = out.get(stream=stream)
+            stream.synchronize()
+            assert np.array_equal(got[32:32 + length], want), (lengths, src_skew)
+            assert (got[:32] == 0xAB).all() and (got[32 + length:] == 0xAB).all()
+
+
 def _state(device="cuda") -> dict:
     g = torch.Generator().manual_seed(7)
     big = torch.randn(3_000_001, generator=g) * 1e-3

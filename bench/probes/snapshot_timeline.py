@@ -2,9 +2,11 @@
 thread started and ended, when the pool's device-to-host copies ran and how long the copy engine
 stood idle between them, how long the snapshot's kernels waited to start once launched and free to run (for SMs the
 training's kernels held),
-and when the optimizer step came (times in ms from the save call's end).
+and when the optimizer step came (times in ms from the save call's end). With --kernels, for any
+method's trace (the host mode's ring runs inside the call): the checkpoint's GPU time by kernel,
+every kernel off the training stream from the call's start to 300 ms after it.
 
-    python bench/probes/snapshot_timeline.py trace-0.json.gz [...]
+    python bench/probes/snapshot_timeline.py [--kernels] trace-0.json.gz [...]
 
 The snapshot thread is the thread other than the training one with the most CUDA runtime calls
 in the 20 ms after the call; the copy stream is the stream with the most device-to-host bytes.
@@ -61,5 +63,28 @@ def timeline(path: str) -> dict:
             "step_after_ms": ms(ann[f"step{sum(1 for k in ann if k.startswith('step') and ann[k]['ts'] < call['ts'])}"]["dur"])}
 
 
+def kernels(path: str) -> dict:
+    ev = json.load(gzip.open(path, "rt"))["traceEvents"]
+    ann = {e["name"]: e for e in ev if e.get("cat") == "user_annotation" and e.get("ph") == "X"}
+    call, first = ann["checkpoint"], ann["step0"]
+    busy: collections.Counter = collections.Counter()
+    for e in ev:
+        if e.get("cat") == "kernel" and first["ts"] <= e["ts"] <= first["ts"] + first["dur"]:
+            busy[e["args"]["stream"]] += e["dur"]
+    train = busy.most_common(1)[0][0]
+    by_kernel: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in ev:
+        if (e.get("cat") == "kernel" and e["args"]["stream"] != train
+                and call["ts"] <= e["ts"] <= call["ts"] + call["dur"] + 300_000):
+            name = e["name"].split("<")[0].split("(")[0][:60]  # cut at template arguments
+            by_kernel[name] += e["dur"]
+            count[name] += 1
+    return {"total_ms": round(sum(by_kernel.values()) / 1e3, 2),
+            "by_kernel": {k: {"ms": round(v / 1e3, 2), "launches": count[k]} for k, v in by_kernel.most_common()}}
+
+
 if __name__ == "__main__":
-    print(json.dumps({p: timeline(p) for p in sys.argv[1:]}, indent=1))
+    paths = [p for p in sys.argv[1:] if p != "--kernels"]
+    of = kernels if "--kernels" in sys.argv else timeline
+    print(json.dumps({p: of(p) for p in paths}, indent=1))

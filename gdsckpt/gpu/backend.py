@@ -179,8 +179,9 @@ class GpuBackend:
         dst.copy_(src, non_blocking=dst.is_cuda and src.is_cuda)
 
     def gatherer(self, plan, views):
-        """(chunk, staging) -> the chunk's logical bytes on this GPU: a view of its tensor where the
-        chunk lies inside one, else its segments gathered into `staging` by one kernel launch.
+        """(chunk, staging, spec) -> what the spec's coder reads, on this GPU: a view of its tensor
+        where the chunk lies inside one, else its segments gathered into `staging` by one kernel
+        launch; for a byte-plane codec, gathered straight into their planes (shuffled True).
 
         The tile tables of every chunk are built with numpy and uploaded once per layout (kept for
         the next save of the same plan at the same addresses: a training loop's), so the ring's
@@ -209,21 +210,23 @@ class GpuBackend:
             direct[c] = views[s.tensor][s.tensor_offset:s.tensor_offset + s.length]
         dev_tiles, bounds, far_segs = tables.tiles, tables.bounds, tables.far_segs
 
-        def gather(chunk, staging: torch.Tensor) -> torch.Tensor:
+        def gather(chunk, staging: torch.Tensor, spec: dict) -> tuple[torch.Tensor, bool]:
             if chunk.index in direct:
-                return direct[chunk.index]
+                return direct[chunk.index], False
+            far = far_segs.get(chunk.index, ())  # copied in as they are: then the coder shuffles
+            width = 1 if far else self._codecs.plane_width(spec)
             lo, hi = bounds[chunk.index], bounds[chunk.index + 1]
-            kernels.gather(self._stream, dev_tiles[lo:hi], staging.data_ptr())
-            for t, toff, coff, n in far_segs.get(chunk.index, ()):
+            kernels.gather(self._stream, dev_tiles[lo:hi], staging.data_ptr(), chunk.length, width)
+            for t, toff, coff, n in far:
                 self.copy(staging[coff:coff + n], views[t][toff:toff + n])
-            return staging
+            return staging, width > 1
         return gather
 
     def max_stored(self, spec: dict, nbytes: int) -> int:
         return self._codecs.max_stored(spec, nbytes)
 
-    def encode(self, spec, src, out, scratch):
-        result = self._codecs.encode(spec, as_cupy(src), as_cupy(out), as_cupy(scratch))
+    def encode(self, spec, src, out, scratch, shuffled=False):
+        result = self._codecs.encode(spec, as_cupy(src), as_cupy(out), as_cupy(scratch), shuffled)
         shape = (spec["name"], src.nbytes)
         if shape not in self._encoded:  # nvCOMP's scratch comes from pools: later chunks of a shape allocate nothing
             self._encoded.add(shape)

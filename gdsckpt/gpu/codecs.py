@@ -127,9 +127,17 @@ class NvcompCodecs:
             self._bounds[key] = _round(self._codec(spec).get_max_comp_buffer_size(nvcomp.as_array(probe)))
         return self._bounds[key]
 
-    def encode(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray):
-        """(stored length, frames) with the stored bytes in `out`, or (-1, None) if it would not shrink.
-        `scratch` may be overwritten (it may be `src` itself: src is consumed in stream order).
+    def plane_width(self, spec: dict) -> int:
+        """The width of the byte planes encode() codes `spec`'s chunks as (FORMAT.md's shuffle; 1: none)."""
+        kind = codec_of(spec)
+        return 1 if kind.nvcomp_algorithm is None or kind.framed else spec.get("shuffle", 1)
+
+    def encode(self, spec: dict, src: cupy.ndarray, out: cupy.ndarray, scratch: cupy.ndarray,
+               shuffled: bool = False):
+        """(stored length, frames) with the stored bytes in `out`, or (-1, None) if it would not
+        shrink, with `src` then holding the chunk's logical bytes. `scratch` may be overwritten (it
+        may be `src` itself: src is consumed in stream order). shuffled: `src` holds the byte planes
+        of plane_width(spec) already (gathered into them).
 
         Always the batched call: with caller-owned output buffers only a BatchArray reports the
         compressed sizes. ans/bitcomp: one entry (nvCOMP splits it internally); zstd: one per frame."""
@@ -137,7 +145,7 @@ class NvcompCodecs:
             return -1, None
         codec, n, ptr = self._codec(spec), src.nbytes, self._stream.ptr
         if not codec_of(spec).framed:
-            coded = self._planes(spec, src, out, scratch)
+            coded = src if shuffled else self._planes(spec, src, out, scratch)
             srcs = nvcomp.as_arrays(_typed(coded, spec), [0], [n], cuda_stream=ptr)
             outs = nvcomp.as_arrays(out, [0], [out.nbytes], cuda_stream=ptr)
             key = (spec["name"], spec.get("data_type"), n)
@@ -147,7 +155,7 @@ class NvcompCodecs:
             stored = self._stored(out, result)
             if stored < n:
                 return stored, None
-            if coded is not src and _overlap(src, coded):  # src was the scratch: give back its bytes to store raw
+            if shuffled or (coded is not src and _overlap(src, coded)):  # src holds planes: give back its bytes to store raw
                 kernels.unshuffle_bytes(self._stream, coded, out[:n], spec["shuffle"])
                 src.data.copy_from_device_async(out.data, n, stream=self._stream)
             return -1, None

@@ -356,6 +356,74 @@ extern "C" __global__ void gdsckpt_gather(const long long* tiles, int n, unsigne
 """
 _gather_kernel = cupy.RawKernel(_GATHER, "gdsckpt_gather")
 
+# The gather and FORMAT.md's byte shuffle in one pass, for a chunk that byte-plane ANS codes: each
+# tile's bytes go straight to their planes in the chunk buffer (byte b of element e at b*m + e,
+# m = chunk length / w, the tail bytes after the planes), instead of a gather into the buffer, a
+# shuffle into a second one and a copy back: three passes over the chunk in HBM, 12.7 ms of the
+# 28 ms that an overlapped snapshot of the bench's 4.9 GB state ran on the SMs beside training
+# (bench/results/2026-11-24-h100-fused/). A tile whose source, chunk offset and length are all
+# multiples of w, inside the planes, moves whole elements; any other tile byte by byte.
+_GATHER_PLANES = r"""
+// K = 16 / W elements per thread and step, so that each plane gets K bytes from each thread: one
+// K-byte store (P) where the plane's bytes are K-aligned, a warp filling 32 x K contiguous bytes of
+// each plane. Elements before the first aligned one, and after the last whole group, one at a time.
+template <typename E, typename P>
+__device__ void gather_planes(const long long* tiles, int n, unsigned char* base, long long length) {
+    const long long W = (long long)sizeof(E), K = 16 / W;
+    const long long m = length / W, body = m * W;
+    for (int t = blockIdx.x; t < n; t += gridDim.x) {
+        const unsigned char* src = (const unsigned char*)tiles[3 * t];
+        const long long off = tiles[3 * t + 1], len = tiles[3 * t + 2];
+        if ((unsigned long long)src % W == 0 && off % W == 0 && len % W == 0 && off + len <= body) {
+            const E* s = (const E*)src;
+            unsigned char* d = base + off / W;
+            const long long ne = len / W;
+            long long head = 0, groups = 0;
+            if (m % K == 0) {  // then every plane starts at the alignment of the first
+                head = (long long)((K - (unsigned long long)d % K) % K);
+                if (head > ne) head = ne;
+                groups = (ne - head) / K;
+            }
+            for (long long g = threadIdx.x; g < groups; g += blockDim.x) {
+                const long long i0 = head + g * K;
+                E e[16 / sizeof(E)];
+                #pragma unroll
+                for (int k = 0; k < (int)K; ++k) e[k] = s[i0 + k];
+                #pragma unroll
+                for (int b = 0; b < (int)W; ++b) {
+                    P p = 0;
+                    #pragma unroll
+                    for (int k = 0; k < (int)K; ++k) p |= (P)((e[k] >> (8 * b)) & 0xFF) << (8 * k);
+                    *(P*)(d + b * m + i0) = p;
+                }
+            }
+            const long long tail = head + groups * K;
+            for (long long i = threadIdx.x; i < head + (ne - tail); i += blockDim.x) {
+                const long long j = i < head ? i : tail + (i - head);
+                const E e = s[j];
+                #pragma unroll
+                for (int b = 0; b < (int)W; ++b) d[b * m + j] = (unsigned char)(e >> (8 * b));
+            }
+        } else {
+            for (long long k = threadIdx.x; k < len; k += blockDim.x) {
+                const long long o = off + k;
+                base[o < body ? (o % W) * m + o / W : o] = src[k];
+            }
+        }
+    }
+}
+extern "C" __global__ void gdsckpt_gather_planes_2(const long long* t, int n, unsigned char* b, long long len) {
+    gather_planes<unsigned short, unsigned long long>(t, n, b, len);
+}
+extern "C" __global__ void gdsckpt_gather_planes_4(const long long* t, int n, unsigned char* b, long long len) {
+    gather_planes<unsigned int, unsigned int>(t, n, b, len);
+}
+extern "C" __global__ void gdsckpt_gather_planes_8(const long long* t, int n, unsigned char* b, long long len) {
+    gather_planes<unsigned long long, unsigned short>(t, n, b, len);
+}
+"""
+_gather_planes_kernels = {w: cupy.RawKernel(_GATHER_PLANES, f"gdsckpt_gather_planes_{w}") for w in (2, 4, 8)}
+
 
 def gather_tiles(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> np.ndarray:
     """Segments (source pointer, offset in the chunk, length) -> (n, 3) int64 tiles of at most GATHER_TILE."""
@@ -366,12 +434,17 @@ def gather_tiles(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> np.nda
     return np.stack([src[seg] + at, dst[seg] + at, np.minimum(GATHER_TILE, length[seg] - at)], axis=1)
 
 
-def gather(stream: cupy.cuda.Stream, tiles: cupy.ndarray, base: int) -> None:
-    """Run the (n, 3) device tile table `tiles` into the chunk buffer at device address `base`."""
+def gather(stream: cupy.cuda.Stream, tiles: cupy.ndarray, base: int, length: int = 0, width: int = 1) -> None:
+    """Run the (n, 3) device tile table `tiles` into the chunk buffer at device address `base`;
+    with `width` 2, 4 or 8, into the byte planes of that width of the chunk's `length` bytes."""
     n = len(tiles)
     if n:
         with stream:
-            _gather_kernel((min(n, 1 << 16),), (256,), (tiles, cupy.int32(n), cupy.uint64(base)))
+            if width == 1:
+                _gather_kernel((min(n, 1 << 16),), (256,), (tiles, cupy.int32(n), cupy.uint64(base)))
+            else:
+                _gather_planes_kernels[width]((min(n, 1 << 16),), (256,),
+                                              (tiles, cupy.int32(n), cupy.uint64(base), cupy.int64(length)))
 
 
 # ---------------------------------------------------------------------------------------------
