@@ -236,6 +236,26 @@ def _ckpt(model, opt, step: int) -> dict:
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
 
+def test_what_only_the_step_changes_is_read_in_place_and_the_rest_copied():
+    """freeze_for_overlap keeps the optimizer's parameters (through state_dict()'s views) and its
+    state (the objects themselves, or any view of their memory) and copies everything else."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    moments = opt.state[model[0].weight]
+    leaves = [*model.state_dict().values(), moments["exp_avg"], moments["exp_avg_sq"][1:],
+              moments["exp_avg"].view(-1), torch.zeros(2), torch.empty(0)]
+    owned = overlap.StepOwned(opt)
+    kept = [t in owned for t in leaves]
+    # weight, bias, the BatchNorm's weight and bias: parameters; its running stats and count: not
+    assert kept == [True, True, True, True, False, False, False, True, True, True, False, False]
+    assert owned.gpu() is None
+    frozen = overlap.freeze_for_overlap(leaves, opt)
+    assert [f is t for f, t in zip(frozen, leaves)] == kept
+    assert all(torch.equal(f, t) for f, t in zip(frozen, leaves))
+
+
 def test_overlap_snapshot_runs_during_forward_backward_and_the_step_waits(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer()
     state = _ckpt(model, opt, 1)

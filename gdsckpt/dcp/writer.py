@@ -37,7 +37,7 @@ from torch.futures import Future
 from ..defaults import RING_DEPTH
 from ..device_copy import cuda_device_of, on_device, settle
 from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
-from ..overlap import memory_of, optimizer_memory, run_overlapped, wait_for_snapshot
+from ..overlap import StepOwned, run_overlapped, wait_for_snapshot
 from ..save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
 from ..stats import Stats
 from ..storage import fsync_dir
@@ -327,8 +327,8 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         return snapshot_state_dict(state_dict)
 
     def _stage_overlapped(self, state_dict) -> ConcurrentFuture:
-        guarded = optimizer_memory(self.optimizer)
-        frozen = snapshot_state_dict(state_dict, keep=lambda t: memory_of(t) in guarded)
+        owned = StepOwned(self.optimizer)
+        frozen = snapshot_state_dict(state_dict, keep=owned.__contains__)
         staging: ConcurrentFuture = ConcurrentFuture()
         staging.set_running_or_notify_cancel()
 
@@ -340,7 +340,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 staging.set_result(state)
 
         # the snapshot reads in place only the optimizer's memory: its GPU is the one to fence
-        gpu = next((device.index for device, _ in guarded if device.type == "cuda"), None)
+        gpu = owned.gpu()
         run_overlapped(lambda: stage_compressed(frozen, self.options), gpu, self.optimizer, finish)
         return staging
 
