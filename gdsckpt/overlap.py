@@ -164,7 +164,7 @@ class StepOwned:
         return memory in self._all
 
     def gpu(self) -> int | None:
-        """The GPU the parameters are on (the first, if several): the device to fence."""
+        """A GPU the parameters are on (one of them, if several): the device to fence."""
         return next((device.index for device, _ in self._params if device.type == "cuda"), None)
 
 

@@ -359,9 +359,9 @@ _gather_kernel = cupy.RawKernel(_GATHER, "gdsckpt_gather")
 # The gather and FORMAT.md's byte shuffle in one pass, for a chunk that byte-plane ANS codes: each
 # tile's bytes go straight to their planes in the chunk buffer (byte b of element e at b*m + e,
 # m = chunk length / w, the tail bytes after the planes), instead of a gather into the buffer, a
-# shuffle into a second one and a copy back: three passes over the chunk in HBM, 12.7 ms of the
-# 28 ms that an overlapped snapshot of the bench's 4.9 GB state ran on the SMs beside training
-# (bench/results/2026-11-24-h100-fused/). A tile whose source, chunk offset and length are all
+# shuffle into a second one and a copy back: three passes over the chunk in HBM, 12.7 of the
+# 28.9 ms of GPU work in a snapshot of the bench's 4.9 GB AdamW state, 4.8 ms in one pass (H100,
+# bench/results/2026-11-24-h100-fused/): the SM time an overlapped snapshot takes from training. A tile whose source, chunk offset and length are all
 # multiples of w, inside the planes, moves whole elements; any other tile byte by byte.
 _GATHER_PLANES = r"""
 // K = 16 / W elements per thread and step, so that each plane gets K bytes from each thread: one
