@@ -74,6 +74,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
 from dataclasses import fields
 
+from . import collector
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
 from .device_copy import cuda_device_of, on_device, snapshot_tensors
 from .errors import BackgroundSaveError, SaveInFlightError
@@ -171,33 +172,34 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     options = SaveOptions(**save_options)
     t0 = time.perf_counter()
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
-    skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
-    if not _calls.acquire(blocking=wait):
-        raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
-                                "(call .result() on its future first, or pass wait=True)")
-    try:
-        wait_for_snapshot()
-        _surface_failures(path)
-        if not wait and any(not f.done() for f, _, _ in _tracked):
+    with collector.paused():  # the call's objects (the skeleton, a Leaf per tensor) meet one young collection
+        skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
+        if not _calls.acquire(blocking=wait):
             raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                     "(call .result() on its future first, or pass wait=True)")
-        if mode is Snapshot.DEVICE:
-            _wait_for([f for f, _, _ in _tracked])
-            fut = _device_save(skeleton, leaves, path, options, t0)
-        else:
-            _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
-            if memory is not None:
-                dest = memory.destination(target, options)
+        try:
+            wait_for_snapshot()
+            _surface_failures(path)
+            if not wait and any(not f.done() for f, _, _ in _tracked):
+                raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
+                                        "(call .result() on its future first, or pass wait=True)")
+            if mode is Snapshot.DEVICE:
+                _wait_for([f for f, _, _ in _tracked])
+                fut = _device_save(skeleton, leaves, path, options, t0)
             else:
-                dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
-            if mode is Snapshot.OVERLAP:
-                fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
-            else:
-                fut = _host_save(skeleton, leaves, dest, options, t0)
-        _tracked.append((fut, mode, str(path)))
-        return fut
-    finally:
-        _calls.release()
+                _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
+                if memory is not None:
+                    dest = memory.destination(target, options)
+                else:
+                    dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
+                if mode is Snapshot.OVERLAP:
+                    fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
+                else:
+                    fut = _host_save(skeleton, leaves, dest, options, t0)
+            _tracked.append((fut, mode, str(path)))
+            return fut
+        finally:
+            _calls.release()
 
 
 # ---------------------------------------------------------------- host snapshot (host, overlap)
@@ -214,7 +216,7 @@ def _host_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, options:
 def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optimizer, options: SaveOptions,
                   t0: float) -> SaveFuture:
     tensors = freeze_for_overlap([l.tensor for l in leaves], optimizer)
-    frozen = [Leaf(l.key, t) for l, t in zip(leaves, tensors)]
+    frozen = [l if l.tensor is t else Leaf(l.key, t) for l, t in zip(leaves, tensors)]
     fut = _new_future()
     hook = HookTimer()
     blocked = time.perf_counter() - t0

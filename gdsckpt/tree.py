@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from . import dtypes
+from . import collector, dtypes
 from .errors import UnsupportedStateError
 from .stateful import is_stateful, state_of
 from .format import INT_LIMIT, MAX_DEPTH, MAX_NDIM, MAX_TENSORS, metadata_problem, shape_problem
@@ -79,13 +79,12 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
         if isinstance(obj, dict):
             items = []
             for k, v in obj.items():
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise UnsupportedStateError(f"dict key {k!r} at {key or '<root>'!r} is a {type(k).__name__}; "
-                                                "only str and int keys can be saved")
-                if isinstance(k, int) and not -INT_LIMIT < k < INT_LIMIT:
-                    raise UnsupportedStateError(
-                        f"int key at {key or '<root>'!r} has more than 4300 digits, more than a reader accepts")
-                items.append([k, walk(v, f"{key}{sep}{k}", depth + 1)])
+                if type(k) is not str:
+                    _check_key(k, key)
+                path = f"{key}{sep}{k}"
+                # a tensor value (most of a state's nodes) without the recursive call
+                items.append([k, {"tensor": add_leaf(v, path)} if isinstance(v, torch.Tensor)
+                              else walk(v, path, depth + 1)])
             if isinstance(obj, OrderedDict):
                 body = {"items": items}
                 meta = getattr(obj, "_metadata", None)
@@ -111,45 +110,46 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             "lists and tuples, and objects with state_dict() and load_state_dict()")
 
     def add_leaf(t: torch.Tensor, key: str) -> int:
-        # Per tensor: a few attribute reads (~2 us); the full view is compared only when two
+        # Per tensor: a few attribute reads (~1 us); the full view is compared only when two
         # tensors start at the same address, and overlaps are found by one sort at the end.
-        where = key or "<root>"
         if key in seen_keys:
-            raise UnsupportedStateError(f"two tensors share the key path {where!r}; rename one")
+            raise UnsupportedStateError(f"two tensors share the key path {key or '<root>'!r}; rename one")
         seen_keys.add(key)
         i = by_object.get(id(t))
-        if i is None:
-            _check_tensor(t, where)
-            n = t.numel()
-            if n:
-                dev, ptr = t.get_device(), t.data_ptr()
-                start = ptr << 10 | (dev + 1)
-                i = by_start.get(start)
-                if i is not None:
-                    if not _same_view(leaves[i].tensor, t):
-                        raise _overlap(leaves[i].key, key)
-                    by_object[id(t)] = i
-                    return i
-            i = len(leaves)
-            if i >= MAX_TENSORS:
-                raise UnsupportedStateError(f"more than {MAX_TENSORS} tensors, more than a reader accepts")
-            leaves.append(Leaf(key, t.detach() if t.requires_grad else t))
-            if n:
-                by_start[start] = i
-                span = n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
-                e = extents.get(dev)
-                if e is None:
-                    e = extents[dev] = ([], [], [])
-                e[0].append(ptr)
-                e[1].append(ptr + span * t.itemsize)
-                e[2].append(i)
-            by_object[id(t)] = i
+        if i is not None:
+            return i
+        _check_tensor(t, key)
+        n = t.numel()
+        if n:
+            dev, ptr = t.get_device(), t.data_ptr()
+            start = ptr << 10 | (dev + 1)
+            i = by_start.get(start)
+            if i is not None:
+                if not _same_view(leaves[i].tensor, t):
+                    raise _overlap(leaves[i].key, key)
+                by_object[id(t)] = i
+                return i
+        i = len(leaves)
+        if i >= MAX_TENSORS:
+            raise UnsupportedStateError(f"more than {MAX_TENSORS} tensors, more than a reader accepts")
+        if n:
+            by_start[start] = i
+            span = n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
+            e = extents.get(dev)
+            if e is None:
+                e = extents[dev] = ([], [], [])
+            e[0].append(ptr)
+            e[1].append(ptr + span * t.itemsize)
+            e[2].append(i)
+        leaves.append(_new_leaf(Leaf, (key, t.detach() if t.requires_grad else t)))
+        by_object[id(t)] = i
         return i
 
-    skeleton = walk(state, "", 0)
-    for starts, ends, owners in extents.values():
-        if len(starts) > 1:
-            _refuse_overlaps(starts, ends, owners, leaves)
+    with collector.paused():
+        skeleton = walk(state, "", 0)
+        for starts, ends, owners in extents.values():
+            if len(starts) > 1:
+                _refuse_overlaps(starts, ends, owners, leaves)
     return skeleton, leaves
 
 
@@ -200,9 +200,39 @@ def typed_value(kind: str, t: torch.Tensor):
     return arr[()] if kind == "npscalar" else arr.tobytes()
 
 
-def _check_tensor(t: torch.Tensor, where: str) -> None:
-    """Everything save refuses about one tensor, as an UnsupportedStateError naming it; cheap
-    attribute reads in the order that keeps each one safe to ask (a nested tensor has no sizes)."""
+def _check_key(k, where: str) -> None:
+    """A dict key that is not a str: an int a reader takes, else an UnsupportedStateError."""
+    if isinstance(k, bool) or not isinstance(k, (str, int)):
+        raise UnsupportedStateError(f"dict key {k!r} at {where or '<root>'!r} is a {type(k).__name__}; "
+                                    "only str and int keys can be saved")
+    if isinstance(k, int) and not -INT_LIMIT < k < INT_LIMIT:
+        raise UnsupportedStateError(
+            f"int key at {where or '<root>'!r} has more than 4300 digits, more than a reader accepts")
+
+
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # no dispatch of their own: their memory is their data
+_new_leaf = tuple.__new__  # Leaf(key, t) without NamedTuple's Python-level __new__ (~0.3 us a tensor)
+
+
+def _check_tensor(t: torch.Tensor, key: str) -> None:
+    """Everything save refuses about one tensor, as an UnsupportedStateError naming it (key path
+    `key`); cheap attribute reads in the order that keeps each one safe to ask (a nested tensor
+    has no sizes)."""
+    if type(t) not in _PLAIN_TENSORS or t.is_nested or t.layout is not torch.strided:
+        _check_unusual(t, key or "<root>")
+    if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
+        raise UnsupportedStateError(f"tensor {key or '<root>'!r} has dtype {t.dtype}, which gdsckpt does not store")
+    if not (t.is_cuda or t.is_cpu):
+        raise UnsupportedStateError(f"tensor {key or '<root>'!r} is on {t.device}; only cpu and cuda tensors can be saved")
+    if t.dim() > MAX_NDIM or not 0 < t.numel() < 1 << 62:  # else shape_problem has nothing to say
+        problem = shape_problem(t.shape)
+        if problem:
+            raise UnsupportedStateError(f"tensor {key or '<root>'!r}: {problem}, which a reader refuses")
+
+
+def _check_unusual(t: torch.Tensor, where: str) -> None:
+    """A tensor subclass or a layout other than strided: refused unless a subclass with torch's
+    own dispatch over dense memory."""
     if t.is_nested:
         raise UnsupportedStateError(f"tensor {where!r} is a nested tensor; only dense tensors can be saved "
                                     "(save its components, t.unbind(), as a list)")
@@ -213,14 +243,6 @@ def _check_tensor(t: torch.Tensor, where: str) -> None:
             f"tensor {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass with its own "
             "dispatch (FakeTensor, DTensor, ...) whose memory is not its data; save plain tensors "
             "(DTensor: through gdsckpt.dcp)")
-    if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
-        raise UnsupportedStateError(f"tensor {where!r} has dtype {t.dtype}, which gdsckpt does not store")
-    if not (t.is_cuda or t.is_cpu):
-        raise UnsupportedStateError(f"tensor {where!r} is on {t.device}; only cpu and cuda tensors can be saved")
-    if t.dim() > MAX_NDIM or not 0 < t.numel() < 1 << 62:  # else shape_problem has nothing to say
-        problem = shape_problem(t.shape)
-        if problem:
-            raise UnsupportedStateError(f"tensor {where!r}: {problem}, which a reader refuses")
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
