@@ -15,6 +15,8 @@ is saved as its state_dict(), in its place; it loads as that state.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import accumulate, repeat
+from operator import add, attrgetter, lt, mul
 from typing import Callable, NamedTuple
 
 import sys
@@ -43,26 +45,22 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
     """Check the whole state, then split it. Raises before anything is written.
 
     Runs on every save over thousands of nodes: keys ("/"-joined, "" for a bare tensor) are
-    built as strings on the way down, and each tensor is checked with cheap attribute reads.
+    built as strings on the way down, and the tensors are checked after the walk, all of them
+    at once attribute by attribute (_leaves).
 
     Tensors that are the same memory seen the same way (one tensor referenced twice, or tied
     weights: `state_dict()` gives each name its own `detach()` of the one parameter) become one
     leaf, placed twice in the skeleton, so they are stored once and load as one tensor. Views
     that overlap without being identical (a tensor and its transpose, or a row of it) are
     refused: storing them apart would silently untie them."""
-    leaves: list[Leaf] = []
+    found: list[torch.Tensor] = []  # the tensor of every placement, in the order the walk meets them
+    found_keys: list[str] = []  # the key path of each
+    nodes: list[dict] = []  # each placement's node, {kind: index into found} until _leaves numbers the leaves
     seen_keys: set[str] = set()
-    by_object: dict[int, int] = {}  # id(tensor) -> leaf (the tensors are alive in `state` meanwhile)
-    # Non-empty leaves by (first byte's address, device) packed into one int, and the bytes each
-    # spans, per device, in parallel lists of ints: plain ints are not tracked by Python's garbage
-    # collector, so that a save of thousands of tensors does not trigger full collections (a tuple
-    # per tensor tripled the walk's time through gen-2 collections of torch's ~170k objects).
-    by_start: dict[int, int] = {}
-    extents: dict[int, tuple[list, list, list]] = {}  # device -> (starts, ends, leaves)
 
     def walk(obj, key: str, depth: int) -> dict:
         if isinstance(obj, torch.Tensor):
-            return {"tensor": add_leaf(obj, key)}
+            return place(obj, key)
         if depth > MAX_DEPTH:
             raise UnsupportedStateError(
                 f"state is nested deeper than {MAX_DEPTH} levels (or cyclic) at {key or '<root>'!r}")
@@ -73,9 +71,9 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             np = sys.modules.get("numpy")  # not imported: no NumPy value can be in the state
             if np is not None and isinstance(obj, (np.ndarray, np.generic)):
                 kind, t = _numpy_tensor(obj, np, key or "<root>")
-                return {kind: add_leaf(t, key)}
+                return place(t, key, kind)
             if isinstance(obj, bytes):
-                return {"bytes": add_leaf(_bytes_tensor(obj), key)}
+                return place(_bytes_tensor(obj), key, "bytes")
         if isinstance(obj, dict):
             items = []
             for k, v in obj.items():
@@ -83,8 +81,7 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
                     _check_key(k, key)
                 path = f"{key}{sep}{k}"
                 # a tensor value (most of a state's nodes) without the recursive call
-                items.append([k, {"tensor": add_leaf(v, path)} if isinstance(v, torch.Tensor)
-                              else walk(v, path, depth + 1)])
+                items.append([k, place(v, path) if isinstance(v, torch.Tensor) else walk(v, path, depth + 1)])
             if isinstance(obj, OrderedDict):
                 body = {"items": items}
                 meta = getattr(obj, "_metadata", None)
@@ -109,48 +106,85 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             "gdsckpt saves tensors, NumPy arrays and scalars, int, float, bool, str, bytes and None in dicts, "
             "lists and tuples, and objects with state_dict() and load_state_dict()")
 
-    def add_leaf(t: torch.Tensor, key: str) -> int:
-        # Per tensor: a few attribute reads (~1 us); the full view is compared only when two
-        # tensors start at the same address, and overlaps are found by one sort at the end.
+    def place(t: torch.Tensor, key: str, kind: str = "tensor") -> dict:
         if key in seen_keys:
             raise UnsupportedStateError(f"two tensors share the key path {key or '<root>'!r}; rename one")
         seen_keys.add(key)
-        i = by_object.get(id(t))
-        if i is not None:
-            return i
-        _check_tensor(t, key)
-        n = t.numel()
-        if n:
-            dev, ptr = t.get_device(), t.data_ptr()
-            start = ptr << 10 | (dev + 1)
-            i = by_start.get(start)
-            if i is not None:
-                if not _same_view(leaves[i].tensor, t):
-                    raise _overlap(leaves[i].key, key)
-                by_object[id(t)] = i
-                return i
-        i = len(leaves)
-        if i >= MAX_TENSORS:
-            raise UnsupportedStateError(f"more than {MAX_TENSORS} tensors, more than a reader accepts")
-        if n:
-            by_start[start] = i
-            span = n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
-            e = extents.get(dev)
-            if e is None:
-                e = extents[dev] = ([], [], [])
-            e[0].append(ptr)
-            e[1].append(ptr + span * t.itemsize)
-            e[2].append(i)
-        leaves.append(_new_leaf(Leaf, (key, t.detach() if t.requires_grad else t)))
-        by_object[id(t)] = i
-        return i
+        node = {kind: len(found)}
+        found.append(t)
+        found_keys.append(key)
+        nodes.append(node)
+        return node
 
     with collector.paused():
         skeleton = walk(state, "", 0)
-        for starts, ends, owners in extents.values():
-            if len(starts) > 1:
-                _refuse_overlaps(starts, ends, owners, leaves)
+        leaves = _leaves(found, found_keys, nodes)
     return skeleton, leaves
+
+
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # no dispatch of their own: their memory is their data
+_new_leaf = tuple.__new__  # Leaf(key, t) without NamedTuple's Python-level __new__ (~0.3 us a tensor)
+_is_nested, _layout, _dtype = attrgetter("is_nested"), attrgetter("layout"), attrgetter("dtype")
+_is_cuda, _is_cpu, _requires_grad = attrgetter("is_cuda"), attrgetter("is_cpu"), attrgetter("requires_grad")
+_itemsize = attrgetter("itemsize")
+
+
+def _leaves(found: list[torch.Tensor], keys: list[str], nodes: list[dict]) -> list[Leaf]:
+    """The leaves of the tensors the walk placed (`found`, at `keys`), and `nodes` (each one's
+    {kind: index into found}) numbered by leaf. Every check of _check_tensor runs attribute by
+    attribute over all of them (map: a C loop, where a Python loop per tensor took ~3 us on the
+    H100's host); where one fails, the tensor-by-tensor checks name the first that fails. Tensors
+    that are the same memory seen the same way (one object placed twice, tied weights) become one
+    leaf; overlapping views are refused."""
+    n = len(found)
+    numels = _checked_numels(found)
+    if numels is None:
+        for t, key in zip(found, keys):
+            _check_tensor(t, key)  # raises for the first tensor that fails
+        numels = list(map(torch.Tensor.numel, found))
+    devs = list(map(torch.Tensor.get_device, found))
+    ptrs = list(map(torch.Tensor.data_ptr, found))
+    # The first placement of each memory: non-empty tensors by (first byte's address, device)
+    # packed into one int (plain ints are not tracked by Python's collector: a tuple per tensor
+    # tripled the walk's time through full collections), empty ones by object.
+    where = [p << 10 | (d + 1) if m else -id(t) for p, d, m, t in zip(ptrs, devs, numels, found)]
+    first = {w: i for w, i in zip(reversed(where), range(n - 1, -1, -1))}
+    own = range(n)  # the placement of each leaf
+    if len(first) < n:  # a memory placed twice: one leaf, if seen the same way
+        number, own = [0] * n, []  # the leaf of each placement
+        for i, j in enumerate(map(first.__getitem__, where)):
+            if j == i:
+                number[i] = len(own)
+                own.append(i)
+            elif _same_view(found[j], found[i]):
+                number[i] = number[j]
+            else:
+                raise _overlap(keys[j], keys[i])
+        for node, k in zip(nodes, number):
+            node[next(iter(node))] = k
+        found, keys, numels, devs, ptrs = ([x[i] for i in own] for x in (found, keys, numels, devs, ptrs))
+    if len(own) > MAX_TENSORS:
+        raise UnsupportedStateError(f"more than {MAX_TENSORS} tensors, more than a reader accepts")
+    if any(map(_requires_grad, found)):
+        found = [t.detach() if t.requires_grad else t for t in found]
+    leaves = list(map(_new_leaf, repeat(Leaf), zip(keys, found)))
+    _refuse_overlaps(leaves, numels, devs, ptrs)
+    return leaves
+
+
+def _checked_numels(found: list[torch.Tensor]) -> list[int] | None:
+    """Each tensor's numel() if every tensor passes _check_tensor, else None."""
+    if not set(map(type, found)) <= _PLAIN_TENSORS or any(map(_is_nested, found)):
+        return None
+    if set(map(_layout, found)) - {torch.strided} or not set(map(_dtype, found)) <= dtypes.NAME_OF.keys():
+        return None
+    if sum(map(_is_cuda, found)) + sum(map(_is_cpu, found)) != len(found):
+        return None
+    numels = list(map(torch.Tensor.numel, found))
+    if max(map(torch.Tensor.dim, found), default=0) > MAX_NDIM or not all(0 < m < 1 << 62 for m in numels):
+        if any(shape_problem(t.shape) for t, m in zip(found, numels) if t.dim() > MAX_NDIM or not 0 < m < 1 << 62):
+            return None
+    return numels
 
 
 def _state_of(obj, key: str):
@@ -210,10 +244,6 @@ def _check_key(k, where: str) -> None:
             f"int key at {where or '<root>'!r} has more than 4300 digits, more than a reader accepts")
 
 
-_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # no dispatch of their own: their memory is their data
-_new_leaf = tuple.__new__  # Leaf(key, t) without NamedTuple's Python-level __new__ (~0.3 us a tensor)
-
-
 def _check_tensor(t: torch.Tensor, key: str) -> None:
     """Everything save refuses about one tensor, as an UnsupportedStateError naming it (key path
     `key`); cheap attribute reads in the order that keeps each one safe to ask (a nested tensor
@@ -257,17 +287,33 @@ def _overlap(a: str, b: str) -> UnsupportedStateError:
         "when the views are identical. Save one of them, or .clone() the other to store it separately")
 
 
-def _refuse_overlaps(starts: list, ends: list, owners: list, leaves: list[Leaf]) -> None:
-    """Distinct leaves on one device whose byte ranges overlap: views that share memory without
-    being identical. (Interleaved views such as t[::2] and t[1::2] overlap by range too and are
-    refused with them: conservative, never silently untied.)"""
-    order = sorted(range(len(starts)), key=starts.__getitem__)
-    end, owner = ends[order[0]], owners[order[0]]
-    for j in order[1:]:
-        if starts[j] < end:
-            raise _overlap(leaves[owner].key, leaves[owners[j]].key)
-        if ends[j] > end:
-            end, owner = ends[j], owners[j]
+def _refuse_overlaps(leaves: list[Leaf], numels: list[int], devs: list[int], ptrs: list[int]) -> None:
+    """Distinct non-empty leaves on one device whose byte ranges overlap: views that share memory
+    without being identical. (Interleaved views such as t[::2] and t[1::2] overlap by range too and
+    are refused with them: conservative, never silently untied.) numels, devs, ptrs: per leaf."""
+    tensors = [l.tensor for l in leaves]
+    sizes = list(map(mul, numels, map(_itemsize, tensors)))
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        sizes = [b if t.is_contiguous() else _span(t) * t.itemsize for b, t in zip(sizes, tensors)]
+    ends = list(map(add, ptrs, sizes))
+    groups = [range(len(leaves))] if len(set(devs)) == 1 else [
+        [k for k in range(len(leaves)) if devs[k] == d] for d in set(devs)]
+    for group in groups:
+        ks = sorted(group if all(numels) else [k for k in group if numels[k]], key=ptrs.__getitem__)
+        starts, reach = [ptrs[k] for k in ks], list(accumulate((ends[k] for k in ks), max))
+        if not any(map(lt, starts[1:], reach)):  # each starts at or after every earlier one's end
+            continue
+        end, owner = ends[ks[0]], ks[0]
+        for k in ks[1:]:
+            if ptrs[k] < end:
+                raise _overlap(leaves[owner].key, leaves[k].key)
+            if ends[k] > end:
+                end, owner = ends[k], k
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from a strided tensor's first to its last, inclusive."""
+    return sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
 
 
 def placements(skeleton: dict, key: str = "", depth: int = 0, kinds=("tensor",)) -> list[tuple[str, int]]:
