@@ -5,9 +5,11 @@ skeleton's containers, a Leaf per tensor, the plan's records). Every 700 of them
 collection, every tenth of those a middle one, and whatever of the save is alive then goes to the
 oldest generation: ~2,900 objects a save of the bench's 1,172 tensors, so that a full collection
 of the whole process (0.16 s for torch's ~300k objects on a 2-core VM) came every 25 saves, 6.3 ms
-a save on the training thread. Paused, the save's objects meet one young collection when the save
-is done with them: ~430 promoted a save, one full collection in 150 saves (1.0 ms a save;
-`bench/probes/gc_cost.py`, `bench/results/2026-11-24-cpu-gc/`).
+a save on the training thread (8.2 ms on an H100's host). Paused, the save's objects meet one
+young collection when the save is done with them: ~410 promoted a save, one full collection in
+150 saves, 1.0 ms a save on both (`bench/probes/gc_cost.py`; `bench/results/2026-11-24-cpu-gc/`,
+`-h100-collector/`). The pause lasts while a save's call or its snapshot thread runs, their
+waits for an earlier save included.
 
 Only a collector the process has enabled is paused (a loop that runs gc.disable() and collects
 on its own schedule, as torchtitan does, is left alone), and it is enabled again when the last
