@@ -120,8 +120,9 @@ def file_declaring(spec: dict, tmp_path) -> tuple:
 
 
 def once_more_on_gloo_abort(run) -> None:
-    """run(attempt) with attempt 1, and once more with 2 if a rank died with SIGABRT ("terminate
-    called without an active exception"). Any other failure, an assertion's included, fails at once.
+    """run(attempt) with attempt 1, and again (up to attempt 3) while a rank died with SIGABRT
+    ("terminate called without an active exception"). Any other failure, an assertion's included,
+    fails at once. (Two aborts in a row under the full suite's load: once, 2026-11-24.)
 
     The abort is torch's, at interpreter exit, after the rank's assertions passed and
     destroy_process_group returned (1 run in 15-20 under load on the 2-core VM; a core dump's
@@ -131,9 +132,9 @@ def once_more_on_gloo_abort(run) -> None:
     the forced unwind through a noexcept destructor calls std::terminate. pytorch/pytorch#179291
     (destroy the groups at exit) was abandoned; nothing a rank does before exit closes the race."""
     import torch.multiprocessing as mp
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         try:
             return run(attempt)
         except mp.ProcessExitedException as e:
-            if attempt == 2 or "SIGABRT" not in str(e):
+            if attempt == 3 or "SIGABRT" not in str(e):
                 raise
