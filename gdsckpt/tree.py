@@ -246,23 +246,9 @@ def _check_key(k, where: str) -> None:
 
 def _check_tensor(t: torch.Tensor, key: str) -> None:
     """Everything save refuses about one tensor, as an UnsupportedStateError naming it (key path
-    `key`); cheap attribute reads in the order that keeps each one safe to ask (a nested tensor
-    has no sizes)."""
-    if type(t) not in _PLAIN_TENSORS or t.is_nested or t.layout is not torch.strided:
-        _check_unusual(t, key or "<root>")
-    if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
-        raise UnsupportedStateError(f"tensor {key or '<root>'!r} has dtype {t.dtype}, which gdsckpt does not store")
-    if not (t.is_cuda or t.is_cpu):
-        raise UnsupportedStateError(f"tensor {key or '<root>'!r} is on {t.device}; only cpu and cuda tensors can be saved")
-    if t.dim() > MAX_NDIM or not 0 < t.numel() < 1 << 62:  # else shape_problem has nothing to say
-        problem = shape_problem(t.shape)
-        if problem:
-            raise UnsupportedStateError(f"tensor {key or '<root>'!r}: {problem}, which a reader refuses")
-
-
-def _check_unusual(t: torch.Tensor, where: str) -> None:
-    """A tensor subclass or a layout other than strided: refused unless a subclass with torch's
-    own dispatch over dense memory."""
+    `key`); attribute reads in the order that keeps each one safe to ask (a nested tensor has no
+    sizes). _checked_numels asks the same of all tensors at once; this names the one that fails."""
+    where = key or "<root>"
     if t.is_nested:
         raise UnsupportedStateError(f"tensor {where!r} is a nested tensor; only dense tensors can be saved "
                                     "(save its components, t.unbind(), as a list)")
@@ -273,6 +259,14 @@ def _check_unusual(t: torch.Tensor, where: str) -> None:
             f"tensor {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass with its own "
             "dispatch (FakeTensor, DTensor, ...) whose memory is not its data; save plain tensors "
             "(DTensor: through gdsckpt.dcp)")
+    if t.dtype not in dtypes.NAME_OF:  # quantized dtypes included
+        raise UnsupportedStateError(f"tensor {where!r} has dtype {t.dtype}, which gdsckpt does not store")
+    if not (t.is_cuda or t.is_cpu):
+        raise UnsupportedStateError(f"tensor {where!r} is on {t.device}; only cpu and cuda tensors can be saved")
+    if t.dim() > MAX_NDIM or not 0 < t.numel() < 1 << 62:  # else shape_problem has nothing to say
+        problem = shape_problem(t.shape)
+        if problem:
+            raise UnsupportedStateError(f"tensor {where!r}: {problem}, which a reader refuses")
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
