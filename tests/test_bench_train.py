@@ -128,7 +128,8 @@ def test_train_under_torchrun(tmp_path):
 
 def test_local_overhead_ignores_drift_between_and_within_loops():
     """The local estimate: a checkpoint's call and the steps it slowed, whatever the loops' drift;
-    none where a write outlasted the steps it counts (its tail would be missed)."""
+    a write that outlasted the steps it counts: every step up to the next checkpoint; none where
+    a write outlasted that too (its tail would be missed)."""
     from gdsckpt.bench.targets import idle_estimate
     from gdsckpt.bench.train_loop import Loop
     from gdsckpt.bench.train_report import _local_per_ckpt, _local_summary, _median_overhead
@@ -150,9 +151,13 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     assert abs(summary["mean"] - 0.090) < 1e-9 and summary["n"] == 4 and summary["se"] < 1e-9
     # the loop's own estimate reads the drift as overhead
     assert (method.seconds - none.seconds) / len(ckpts) > 0.3
-    # a write that outlasted the 30 steps counted: no local estimate
-    assert _local_per_ckpt(loop(0.1, 0.0, slowed, call=0.02, done=3.5), none, interval) is None
-    assert _local_summary([loop(0.1, 0.0, slowed, call=0.02, done=3.5)], [none], interval)["mean"] is None
+    # a write that outlasted the 30 steps counted: the 40 to the next checkpoint, the 10 before
+    # it the base (a cost on the last 10 steps of the interval counts too)
+    slow_disk = loop(0.1, 0.0, {**slowed, 115: 0.004}, call=0.02, done=3.5)
+    assert [round(x, 9) for x in _local_per_ckpt(slow_disk, none, interval)] == [0.090, 0.094]
+    # one that outlasted the interval as well: no local estimate
+    assert _local_per_ckpt(loop(0.1, 0.0, slowed, call=0.02, done=4.5), none, interval) is None
+    assert _local_summary([loop(0.1, 0.0, slowed, call=0.02, done=4.5)], [none], interval)["mean"] is None
     # by medians: a slow step every 17 (the H100 host's come every ~16, in every loop) moves it
     # less than the means; 4 checkpoints, each meeting the slow steps at other positions
     cks4 = [40, 80, 120, 160]
@@ -163,7 +168,7 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     flat = Loop(0, steps=[0.1 + spikes[(i + 6) % 200] for i in range(200)])  # its own, elsewhere
     assert abs(_median_overhead([spiky], [flat], interval) - 0.090) < 1e-9
     assert abs(_local_summary([spiky], [flat], interval)["mean"] - 0.090) > 0.005
-    assert _median_overhead([loop(0.1, 0.0, slowed, call=0.02, done=3.5)], [none], interval) is None
+    assert _median_overhead([loop(0.1, 0.0, slowed, call=0.02, done=4.5)], [none], interval) is None
     row = {"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": 0.09}}
     assert idle_estimate(row) == (0.09, "local")
     assert idle_estimate({"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": None}}) == (0.4, "loop")

@@ -23,8 +23,9 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    steps_after_ckpt_extra_s: [k = 1..interval: the k-th step after a checkpoint minus the 'none' loop's step at its position],
    gpu_wait_after_ckpt_extra_s: [the same for the part of each step spent in loss.item() waiting for the GPU],
    overhead_local_per_ckpt_s: {mean, min, max, each per repeat, se, n} (the call + the steps after each checkpoint
-     beyond the quiet steps around it, less the same in the 'none' loop; mean null where a write outlasted the steps
-     counted; se: the standard error of the mean over its n checkpoints, all repeats),
+     beyond the quiet steps around it, less the same in the 'none' loop; where a write outlasted those steps, every
+     step up to the next checkpoint against the quiet steps before it; mean null where a write outlasted the
+     interval; se: the standard error of the mean over its n checkpoints, all repeats),
    overhead_median_per_ckpt_s: the same window by medians (the call's median + for each step k after a checkpoint
      the median over every checkpoint of its step k beyond its loop's quiet steps' median, summed, less the same in
      the 'none' loops): the few slow steps any loop of the H100 host shows (bench/probes/slow_steps.py) move it
@@ -138,15 +139,17 @@ def _local_per_ckpt(loop: Loop, none_loop: Loop, interval: int) -> list | None:
     at 8 checkpoints per 36 s loop; on the 2x H200 host by 12%): the checkpoint call, plus the
     `interval - quiet` steps after it, each less the mean of the `quiet` steps before it and the
     `quiet` steps that end its interval (the quiet ones: a linear drift cancels); less the same
-    sum for the 'none' loop of the repeat at the same steps (position effects cancel). None where
-    a checkpoint's write outlasted the steps counted (its tail would be missed) or the loop has
-    no full interval around it."""
+    sum for the 'none' loop of the repeat at the same steps (position effects cancel). A
+    checkpoint whose write outlasted those steps counts every step up to the next checkpoint,
+    against the quiet steps before it only (the disk was slow for it: its tail is not dropped).
+    None where a write outlasted the whole interval (the next checkpoint's steps carry its tail)
+    or the loop has no full interval around a checkpoint."""
     quiet = max(1, interval // 4)
     window = interval - quiet
 
-    def beyond_quiet(steps: list, c: int) -> float:
-        base = statistics.fmean(steps[c - quiet:c] + steps[c + window:c + interval])
-        return sum(steps[c:c + window]) - window * base
+    def beyond_quiet(steps: list, c: int, span: int) -> float:
+        base = statistics.fmean(steps[c - quiet:c] + steps[c + span:c + interval])
+        return sum(steps[c:c + span]) - span * base
 
     if len(loop.completion) != len(loop.ckpt_steps) or not loop.ckpt_steps:
         return None
@@ -154,9 +157,10 @@ def _local_per_ckpt(loop: Loop, none_loop: Loop, interval: int) -> list | None:
     for c, call, done in zip(loop.ckpt_steps, loop.calls, loop.completion):
         if c < quiet or c + interval > min(len(loop.steps), len(none_loop.steps)):
             return None
-        if done > call + sum(loop.steps[c:c + window]):  # the write's tail would be missed
+        span = window if done <= call + sum(loop.steps[c:c + window]) else interval
+        if done > call + sum(loop.steps[c:c + span]):  # the write's tail is in the next interval
             return None
-        per.append(call + beyond_quiet(loop.steps, c) - beyond_quiet(none_loop.steps, c))
+        per.append(call + beyond_quiet(loop.steps, c, span) - beyond_quiet(none_loop.steps, c, span))
     return per
 
 
