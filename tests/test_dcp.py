@@ -31,6 +31,7 @@ from gdsckpt.dcp import staging as dcp_staging  # noqa: E402
 from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, item_key  # noqa: E402
 from conftest import SlowSnapshot, assert_same, same  # noqa: E402
+from ckpt_tools import end_rank  # noqa: E402
 
 WORLD = 2
 
@@ -114,6 +115,7 @@ def _rank_main(rank: int, root: str) -> None:
         _scenarios(rank, root)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _scenarios(rank: int, root: Path) -> None:

@@ -38,6 +38,7 @@ from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 from gdsckpt.dcp.metadata import PreparedMetadata, metadata_pickle, read_metadata  # noqa: E402
 from gdsckpt.dcp.standins import StandInElements, StandIns  # noqa: E402
 from conftest import assert_same  # noqa: E402
+from ckpt_tools import end_rank  # noqa: E402
 
 
 @pytest.fixture
@@ -276,6 +277,7 @@ def _rank_main(rank: int, root: str) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def test_two_ranks_one_layout_changes(tmp_path):

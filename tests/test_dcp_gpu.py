@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_tools import end_rank
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -202,6 +204,7 @@ def _roundtrip(rank: int, world: int, root: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _one_gpu(rank: int, world: int, root: str) -> None:
@@ -229,6 +232,7 @@ def _one_gpu(rank: int, world: int, root: str) -> None:
                 assert got[k] == v, (k, got[k], v)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _async(rank: int, world: int, root: str) -> None:
@@ -278,6 +282,7 @@ def _async(rank: int, world: int, root: str) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _launch(fn, world: int, root: Path) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
+from ckpt_tools import end_rank  # noqa: E402
 
 WORLD = 2
 
@@ -52,6 +53,7 @@ def _rank_main(rank: int, root: str, url: str, env: dict) -> None:
         _scenarios(rank, root, url)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _scenarios(rank: int, root: Path, url: str) -> None:

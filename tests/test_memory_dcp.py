@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import once_more_on_gloo_abort  # noqa: E402
+from ckpt_tools import end_rank  # noqa: E402
 from test_manager_dcp import WORLD, full_state, same_local, sharded  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
@@ -36,6 +36,7 @@ def _rank_main(rank: int, root: str, env: dict, phase: str) -> None:
         (_save if phase == "save" else _restart)(rank, root / "ck", mesh)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _save(rank: int, d: Path, mesh) -> None:
@@ -89,16 +90,11 @@ def _restart(rank: int, d: Path, mesh) -> None:
 
 
 def test_two_ranks_memory_tier(tmp_path):
-    once_more_on_gloo_abort(lambda attempt: _two_ranks(tmp_path / f"try{attempt}"))
-
-
-def _two_ranks(run: Path) -> None:
     import torch.multiprocessing as mp
-    run.mkdir()
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
     try:
         env = {"GDSCKPT_MEMORY_ROOT": str(root)}
-        mp.start_processes(_rank_main, args=(str(run), env, "save"), nprocs=WORLD, join=True,
+        mp.start_processes(_rank_main, args=(str(tmp_path), env, "save"), nprocs=WORLD, join=True,
                            start_method="spawn")
         # the copies outlived the processes: a folder per rank, each with its two steps
         folders = sorted(os.listdir(root))
@@ -106,7 +102,7 @@ def _two_ranks(run: Path) -> None:
         for f in folders:
             assert sorted(n for n in os.listdir(root / f) if n.endswith(".commit")) == \
                 ["step_00000002.commit", "step_00000004.commit"]
-        mp.start_processes(_rank_main, args=(str(run), env, "restart"), nprocs=WORLD, join=True,
+        mp.start_processes(_rank_main, args=(str(tmp_path), env, "restart"), nprocs=WORLD, join=True,
                            start_method="spawn")
     finally:
         shutil.rmtree(root, ignore_errors=True)
