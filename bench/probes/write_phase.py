@@ -46,9 +46,11 @@ ap.add_argument("--cases", default="small,pool,pool-cold")
 ap.add_argument("--pin-main", type=int, default=None, help="pin the training thread to this CPU")
 args = ap.parse_args()
 CASES = args.cases.split(",")
+if "pool-apart" in CASES and args.pin_main is None:
+    ap.error("pool-apart keeps the writer off the training thread's CPU: pass --pin-main")
+ALL_CPUS = os.sched_getaffinity(0)
 if args.pin_main is not None:
     os.sched_setaffinity(0, {args.pin_main})  # this thread only (Linux: a thread's own mask)
-ALL_CPUS = os.sched_getaffinity(0) if args.pin_main is None else set(range(os.cpu_count()))
 model, opt, batches, info = warm_loop()
 PIECE, RECORD = 64 << 20, 256 << 20
 n = int(args.gb * 1e9) // RECORD * RECORD
