@@ -10,7 +10,7 @@ torchrun, per rank; snapshot="device" is the opt-in full copy and is not held to
                     local estimate (overhead_local_per_ckpt_s: the call and the steps after
                     each checkpoint beyond the quiet steps around it), which drift between
                     loops does not move; the loop's time beyond the 'none' loop's where there
-                    is no local estimate (a write outlasted the steps it counts). `estimate`
+                    is no local estimate (a write outlasted the interval). `estimate`
                     says which; `by_medians`: the same window by per-step medians
                     (overhead_median_per_ckpt_s), beside it;
   blocked_s         caller blocked <= 0.15 s, or <= 0.02 s in an overlap mode (where it includes
