@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import gdsckpt  # noqa: E402
-from gdsckpt.bench import train_report as tr  # noqa: E402
+from gdsckpt.bench import provenance, train_report as tr  # noqa: E402
 from gdsckpt.bench.train_loop import Batches, Loop, Retention  # noqa: E402
 from gdsckpt.bench.workload import token_windows  # noqa: E402
 
@@ -115,8 +115,9 @@ for m in methods:
     fut = save(m, 0)
     first_blocked = time.perf_counter() - t
     step()  # an overlapped snapshot runs during the next step
-    fut.result()
-    firsts[m] = {"blocked_s": round(first_blocked, 4), "durable_s": round(time.perf_counter() - t, 3)}
+    stats = fut.result()
+    firsts[m] = {"blocked_s": round(first_blocked, 4), "durable_s": round(time.perf_counter() - t, 3),
+                 "io_path": stats.io_path, "backend": stats.backend}
 loops: dict[str, list[Loop]] = {m: [] for m in ["none"] + methods}
 for r in range(args.repeats):
     for m in ["none"] + methods:
@@ -132,9 +133,7 @@ for m in methods:
                   "local_n": local["n"], "call_s_median": round(st.median(c for l in loops[m] for c in l.calls), 4),
                   "durable_s_max": round(max(c for l in loops[m] for c in l.completion), 3), "first_save": firsts[m]}
     print(m, summary[m], flush=True)
-res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-       "device": torch.cuda.get_device_name() if cuda else "cpu",
-       "io_path": "see gdsckpt.save_async's stats (compat where no nvidia-fs)",
+res = {**provenance.stamp(device),  # date, host, device, versions; each method's io_path: its first_save
        "model": {"class": "transformers.GPT2LMHeadModel", "transformers": __import__("transformers").__version__,
                  "params": sum(p.numel() for p in model.parameters()), **shape, "batch": args.batch, "seq": seq},
        "steps": args.steps, "interval": args.interval, "checkpoints_per_loop": ckpts, "repeats": args.repeats,
