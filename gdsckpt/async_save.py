@@ -138,6 +138,7 @@ def check_pool_bytes(pool_bytes) -> None:
         raise ValueError(f"pool_bytes must be a positive int or None, not {pool_bytes!r}")
 
 
+@collector.paused()  # the call's objects (the skeleton, a Leaf per tensor) meet one young collection
 def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, optimizer=None,
                pool_bytes: int | None = None, wait: bool = True, memory: SnapshotTarget | None = None,
                **save_options) -> SaveFuture:
@@ -172,34 +173,33 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     options = SaveOptions(**save_options)
     t0 = time.perf_counter()
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
-    with collector.paused():  # the call's objects (the skeleton, a Leaf per tensor) meet one young collection
-        skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
-        if not _calls.acquire(blocking=wait):
+    skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
+    if not _calls.acquire(blocking=wait):
+        raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
+                                "(call .result() on its future first, or pass wait=True)")
+    try:
+        wait_for_snapshot()
+        _surface_failures(path)
+        if not wait and any(not f.done() for f, _, _ in _tracked):
             raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                     "(call .result() on its future first, or pass wait=True)")
-        try:
-            wait_for_snapshot()
-            _surface_failures(path)
-            if not wait and any(not f.done() for f, _, _ in _tracked):
-                raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
-                                        "(call .result() on its future first, or pass wait=True)")
-            if mode is Snapshot.DEVICE:
-                _wait_for([f for f, _, _ in _tracked])
-                fut = _device_save(skeleton, leaves, path, options, t0)
+        if mode is Snapshot.DEVICE:
+            _wait_for([f for f, _, _ in _tracked])
+            fut = _device_save(skeleton, leaves, path, options, t0)
+        else:
+            _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
+            if memory is not None:
+                dest = memory.destination(target, options)
             else:
-                _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
-                if memory is not None:
-                    dest = memory.destination(target, options)
-                else:
-                    dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
-                if mode is Snapshot.OVERLAP:
-                    fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
-                else:
-                    fut = _host_save(skeleton, leaves, dest, options, t0)
-            _tracked.append((fut, mode, str(path)))
-            return fut
-        finally:
-            _calls.release()
+                dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
+            if mode is Snapshot.OVERLAP:
+                fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
+            else:
+                fut = _host_save(skeleton, leaves, dest, options, t0)
+        _tracked.append((fut, mode, str(path)))
+        return fut
+    finally:
+        _calls.release()
 
 
 # ---------------------------------------------------------------- host snapshot (host, overlap)

@@ -247,6 +247,7 @@ def tensor_specs(leaves: list[Leaf]) -> list[tuple]:
     return [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
 
 
+@collector.paused()  # the save's objects meet one young collection, at its end
 def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, options: SaveOptions, *,
               started: float | None = None) -> Stats:
     """Save a flattened state (tree.flatten's skeleton and leaves) into `destination`.
@@ -255,37 +256,36 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
     usable. Returns once destination.commit returned. started: when the caller's save began
     (perf_counter), for Stats.seconds; default now."""
     t_start = time.perf_counter() if started is None else started
-    with collector.paused():  # the save's objects meet one young collection, at its end
-        kind = backend_kind(leaves, options)
-        chunk_bytes = options.chunk_bytes_for(kind)
-        with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
-            def planned_codec(dtype: str) -> dict:
-                return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
-            plan = PLANS.get(tensor_specs(leaves), planned_codec, chunk_bytes)
-            tensors = [l.tensor for l in leaves]
-            timings = Timings()
-            file = destination.open(be)
-            try:
-                be.begin()
-                t = time.perf_counter()
-                if codec_choice.choose_codecs(plan, lambda dtype: codecs.candidates(
-                        options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version),
-                        codec_choice.Sampler(be, plan, tensors)):
-                    timings.add("codec_choice", t)  # only where a sample was compressed: steady saves reuse the choice
-                layout = destination.layout(file.fd, _writer_meta(be, chunk_bytes), skeleton,
-                                            ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
-                records = write_chunks(plan, tensors, be, file, layout, options.ring_depth, timings)
-                be.finish()
-                t = time.perf_counter()
-                destination.commit(file)
-                timings.add("commit", t)
-            except BaseException as e:
-                destination.abort(file, e)
-                raise
-            return Stats("save", destination.label, be.name, be.io_path, plan.logical_bytes,
-                         sum(r.stored for r in records), layout.file_bytes if layout.fd is not None else 0,
-                         len(plan.chunks), chunk_bytes, options.ring_depth, time.perf_counter() - t_start,
-                         dict(timings.stages), timings.latencies, stream_stats(plan, records), be.memory())
+    kind = backend_kind(leaves, options)
+    chunk_bytes = options.chunk_bytes_for(kind)
+    with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
+        def planned_codec(dtype: str) -> dict:
+            return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
+        plan = PLANS.get(tensor_specs(leaves), planned_codec, chunk_bytes)
+        tensors = [l.tensor for l in leaves]
+        timings = Timings()
+        file = destination.open(be)
+        try:
+            be.begin()
+            t = time.perf_counter()
+            if codec_choice.choose_codecs(plan, lambda dtype: codecs.candidates(
+                    options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version),
+                    codec_choice.Sampler(be, plan, tensors)):
+                timings.add("codec_choice", t)  # only where a sample was compressed: steady saves reuse the choice
+            layout = destination.layout(file.fd, _writer_meta(be, chunk_bytes), skeleton,
+                                        ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
+            records = write_chunks(plan, tensors, be, file, layout, options.ring_depth, timings)
+            be.finish()
+            t = time.perf_counter()
+            destination.commit(file)
+            timings.add("commit", t)
+        except BaseException as e:
+            destination.abort(file, e)
+            raise
+        return Stats("save", destination.label, be.name, be.io_path, plan.logical_bytes,
+                     sum(r.stored for r in records), layout.file_bytes if layout.fd is not None else 0,
+                     len(plan.chunks), chunk_bytes, options.ring_depth, time.perf_counter() - t_start,
+                     dict(timings.stages), timings.latencies, stream_stats(plan, records), be.memory())
 
 
 def _writer_meta(be: Backend, chunk_bytes: int) -> dict:

@@ -41,6 +41,7 @@ class Leaf(NamedTuple):
     tensor: torch.Tensor
 
 
+@collector.paused()  # the walk's objects meet one young collection, when the save is done with them
 def flatten(state) -> tuple[dict, list[Leaf]]:
     """Check the whole state, then split it. Raises before anything is written.
 
@@ -116,9 +117,8 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
         nodes.append(node)
         return node
 
-    with collector.paused():
-        skeleton = walk(state, "", 0)
-        leaves = _leaves(found, found_keys, nodes)
+    skeleton = walk(state, "", 0)
+    leaves = _leaves(found, found_keys, nodes)
     return skeleton, leaves
 
 
