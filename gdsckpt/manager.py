@@ -12,7 +12,8 @@ S3-compatible object store in the background, restored from the newest intact st
 The parts: the steps' layout in the directory (gdsckpt/steps.py: a file per step, or a DCP
 directory per step under torch.distributed), the object-store tier (gdsckpt/remote_tier.py), the
 policy (gdsckpt/policy.py), the directory lock (gdsckpt/dirlock.py), the record of a rollback in
-progress (gdsckpt/rollback.py). This module orchestrates.
+progress (gdsckpt/rollback.py), the removal of the steps let go, off the saving threads
+(gdsckpt/removal.py). This module orchestrates.
 
 The policy:
 * keep the newest `keep` steps locally;
@@ -46,7 +47,6 @@ uploads; every rank saves and restores.
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import threading
 import warnings
@@ -59,6 +59,7 @@ from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .memory_steps import MemorySteps
 from .policy import Policy, whole_number
+from .removal import Removals, remove
 from .remote_tier import RemoteTier, no_remote_status
 from .rollback import PendingRollback, RollbackJournal
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
@@ -135,6 +136,7 @@ class Checkpointer:
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
         self._deleting = threading.Lock()  # one deleter at a time: the uploader's retention and a save's
+        self._removals = Removals()  # what retention and rollback retire is freed off their threads
         self._closed = False
         self._pending: tuple[int, Future] | None = None
         self._saves = 0
@@ -160,8 +162,7 @@ class Checkpointer:
                 self.memory.close(flush=False)
             if self.remote is not None:
                 self.remote.close(wait=False, timeout=0)
-            if self._lock is not None:
-                self._lock.release()
+            self._release()
             raise
 
     def _open(self) -> None:
@@ -178,11 +179,8 @@ class Checkpointer:
 
     def _remove_leftovers(self) -> None:
         for p in self.layout.leftovers():
-            log.info("gdsckpt: removing %s, left by a restore that was killed", p)
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            log.info("gdsckpt: removing %s, left by a save, restore or removal that was killed", p)
+            remove(p)
 
     # ------------------------------------------------------------ rollback
     def rollback(self, step: int) -> list[int]:
@@ -204,6 +202,7 @@ class Checkpointer:
             store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
             # (a pending store part stays: nothing newer than `prev` has been uploaded since)
             gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
+            self._removals.wait()
         self.layout.barrier()
         return gone
 
@@ -223,7 +222,7 @@ class Checkpointer:
                 for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
                     log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
                              self.layout.path(s))
-                    self.layout.delete(s)
+                    self._retire(s)
                     gone.add(s)
                 self._rollback_done(local=True)
         store_to = self._rollback.store_to if self._rollback is not None else None
@@ -359,9 +358,12 @@ class Checkpointer:
 
     def wait(self, *, uploads: bool = False, timeout: float | None = None) -> None:
         """Wait for the pending save_async (raising its error, unless the caller has seen it through
-        the future's result() or exception()). uploads=True: then also until the
-        upload queue is empty and nothing is in flight, or an upload attempt fails (it stays
-        queued and is retried; the error is in status()), or `timeout` seconds pass."""
+        the future's result() or exception()), then for the removal of the steps retention let go
+        (they stop counting at once; their space is freed on a thread of its own). uploads=True:
+        then also until the upload queue is empty and nothing is in flight, or an upload attempt
+        fails (it stays queued and is retried; the error is in status()), or `timeout` seconds pass.
+        Every save waits here first, so a step still being removed never shares the disk with
+        more than the next one."""
         if self._pending is not None:
             step, fut = self._pending
             try:
@@ -370,6 +372,7 @@ class Checkpointer:
                 self._pending = None
             if err is not None and not getattr(fut, "observed", False):
                 fut.result()  # raises it, once: a failure the caller has seen is not raised again
+        self._removals.wait()
         if uploads and self.remote is not None:
             self.remote.wait(timeout)
 
@@ -385,7 +388,12 @@ class Checkpointer:
         with self._deleting:
             for s in self._doomed_local():
                 log.info("gdsckpt: removing step %d (%s)", s, self.layout.path(s))
-                self.layout.delete(s)
+                self._retire(s)
+
+    def _retire(self, step: int) -> None:
+        retired = self.layout.retire(step)
+        if retired is not None:
+            self._removals.submit(retired)
 
     def _doomed_local(self) -> list[int]:
         """Local steps the policy lets go now. A damaged step does not count toward `keep`
@@ -434,6 +442,7 @@ class Checkpointer:
         remote = [s for s, _ in self.remote.doomed()] if self.remote is not None else []
         if not dry_run:
             self._retain()
+            self._removals.wait()
             if self.remote is not None:
                 self.remote.retain()
         return {"local": local, "remote": remote, "damaged": self.layout.known_damage()}
@@ -536,13 +545,17 @@ class Checkpointer:
                     self.memory.close(flush=saved)
                 except Exception as e:  # the lock and the uploader still go
                     log.warning("gdsckpt: closing the memory tier of %s: %s: %s", self.directory, type(e).__name__, e)
-            release = self._lock.release if self._lock is not None else None
             if self.remote is not None:  # the lock goes only once the uploader has ended
-                never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=release)
-            elif release is not None:
-                release()
+                never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=self._release)
+            else:
+                self._release()
         if wait_uploads and never_uploaded:
             raise self.remote.incomplete_error(never_uploaded)
+
+    def _release(self) -> None:
+        self._removals.close()  # what retention let go is gone before another manager may open the directory
+        if self._lock is not None:
+            self._lock.release()
 
     def __enter__(self):
         return self
