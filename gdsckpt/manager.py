@@ -304,7 +304,7 @@ class Checkpointer:
         """Save `state` as `step`; durable and committed on return. Returns gdsckpt's Stats
         (None under torch.distributed, where DCP returns its metadata). With the memory tier:
         committed in memory on return, and durable too if this step is written to the directory."""
-        self.wait()
+        self._wait_save()
         step = self._check(step)
         if self.memory is not None:
             stats = self.memory.save_async(step, state, None).result()
@@ -321,7 +321,7 @@ class Checkpointer:
         overlap contract of gdsckpt.save_async; GdsckptWriter(optimizer=) under
         torch.distributed). The step counts once the returned future completes; wait() waits
         for it and raises its error."""
-        self.wait()
+        self._wait_save()
         step = self._check(step)
         if self.memory is not None:  # committed in memory; the tier writes it to the directory if due
             self._pending = (step, self.memory.save_async(step, state, optimizer))
@@ -362,8 +362,14 @@ class Checkpointer:
         (they stop counting at once; their space is freed on a thread of its own). uploads=True:
         then also until the upload queue is empty and nothing is in flight, or an upload attempt
         fails (it stays queued and is retried; the error is in status()), or `timeout` seconds pass.
-        Every save waits here first, so a step still being removed never shares the disk with
-        more than the next one."""
+        A save waits for the pending one only: a step still being removed shares the disk with
+        the next save's file only where saves come faster than removals."""
+        self._wait_save()
+        self._removals.wait()
+        if uploads and self.remote is not None:
+            self.remote.wait(timeout)
+
+    def _wait_save(self) -> None:
         if self._pending is not None:
             step, fut = self._pending
             try:
@@ -372,9 +378,6 @@ class Checkpointer:
                 self._pending = None
             if err is not None and not getattr(fut, "observed", False):
                 fut.result()  # raises it, once: a failure the caller has seen is not raised again
-        self._removals.wait()
-        if uploads and self.remote is not None:
-            self.remote.wait(timeout)
 
     def _on_commit(self, step: int) -> None:
         self._saves += 1

@@ -81,8 +81,8 @@ def test_keep_one_verifies_the_newest_before_the_last_older_step_goes(tmp_path):
 
 def test_a_retired_step_is_removed_off_the_saving_thread(tmp_path, monkeypatch):
     """The step retention lets go stops counting at once; its bytes go on a thread of its own (an
-    unlink on a `discard`-mounted disk takes ~1 s for 4 GB, which must not delay the next write),
-    and wait() returns once they are gone."""
+    unlink on a `discard`-mounted disk takes ~1 s for 4 GB, which must not delay the next write):
+    the next saves do not wait for it, wait() returns once they are gone."""
     from gdsckpt import removal
     held = threading.Event()
     removed_on = []
@@ -97,11 +97,15 @@ def test_a_retired_step_is_removed_off_the_saving_thread(tmp_path, monkeypatch):
     ck.save(1, state_for(1))
     ck.save(2, state_for(2))  # returns while step 1's removal is held
     assert ck.steps() == [2]
-    retired = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{step_name(1, False)}.gdsckpt-tmp.")]
-    assert len(retired) == 1, sorted(p.name for p in tmp_path.iterdir())
+    ck.save_async(3, state_for(3)).result()  # neither waits for it
+    ck.save(4, state_for(4))
+    assert ck.steps() == [4]
+    for s in (1, 2, 3):
+        retired = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{step_name(s, False)}.gdsckpt-tmp.")]
+        assert len(retired) == 1, sorted(p.name for p in tmp_path.iterdir())
     held.set()
     ck.wait()
-    assert [p.name for p in tmp_path.iterdir() if p.name != ".gdsckpt-manager.lock"] == [step_name(2, False)]
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".gdsckpt-manager.lock"] == [step_name(4, False)]
     assert removed_on and removed_on[0].startswith("gdsckpt-remove")
     ck.close()
 
