@@ -12,8 +12,8 @@ S3-compatible object store in the background, restored from the newest intact st
 The parts: the steps' layout in the directory (gdsckpt/steps.py: a file per step, or a DCP
 directory per step under torch.distributed), the object-store tier (gdsckpt/remote_tier.py), the
 policy (gdsckpt/policy.py), the directory lock (gdsckpt/dirlock.py), the record of a rollback in
-progress (gdsckpt/rollback.py), the removal of the steps let go, off the saving threads
-(gdsckpt/removal.py). This module orchestrates.
+progress (gdsckpt/rollback.py), the thread that runs retention after commits and uploads
+(gdsckpt/retention_thread.py). This module orchestrates.
 
 The policy:
 * keep the newest `keep` steps locally;
@@ -47,6 +47,7 @@ uploads; every rank saves and restores.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import threading
 import warnings
@@ -59,7 +60,7 @@ from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .memory_steps import MemorySteps
 from .policy import Policy, whole_number
-from .removal import Removals, remove
+from .retention_thread import RetentionThread
 from .remote_tier import RemoteTier, no_remote_status
 from .rollback import PendingRollback, RollbackJournal
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
@@ -136,9 +137,9 @@ class Checkpointer:
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
         self._deleting = threading.Lock()  # one deleter at a time: the uploader's retention and a save's
-        self._removals = Removals()  # what retention and rollback retire is freed off their threads
+        self._retention = RetentionThread(self._retain)  # after commits and uploads, off their threads
         self._closed = False
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, threading.Event | None] | None = None  # step, future, its commit handled
         self._saves = 0
         self._reported: set[int] = set()  # damaged local steps already logged
         self._journal = RollbackJournal(self.directory)
@@ -148,7 +149,8 @@ class Checkpointer:
         self.memory: MemorySteps | None = None
         if store is not None:
             self.remote = RemoteTier(store, self.layout, self.policy,
-                                     upload=self._owner and upload and not self.read_only, after_upload=self._retain)
+                                     upload=self._owner and upload and not self.read_only,
+                                     after_upload=self._retention.request)
         try:
             if memory and self.read_only:
                 log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
@@ -179,8 +181,11 @@ class Checkpointer:
 
     def _remove_leftovers(self) -> None:
         for p in self.layout.leftovers():
-            log.info("gdsckpt: removing %s, left by a save, restore or removal that was killed", p)
-            remove(p)
+            log.info("gdsckpt: removing %s, left by a restore that was killed", p)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ rollback
     def rollback(self, step: int) -> list[int]:
@@ -202,7 +207,6 @@ class Checkpointer:
             store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
             # (a pending store part stays: nothing newer than `prev` has been uploaded since)
             gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
-            self._removals.wait()
         self.layout.barrier()
         return gone
 
@@ -219,11 +223,12 @@ class Checkpointer:
             if self.memory is not None and pending.local_to is not None:
                 gone.update(self.memory.drop_newer_than(pending.local_to))
             if acts and pending.local_to is not None:
-                for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
-                    log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
-                             self.layout.path(s))
-                    self._retire(s)
-                    gone.add(s)
+                with self._deleting:
+                    for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
+                        log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
+                                 self.layout.path(s))
+                        self.layout.delete(s)
+                        gone.add(s)
                 self._rollback_done(local=True)
         store_to = self._rollback.store_to if self._rollback is not None else None
         if store_to is not None and self.remote is not None:
@@ -301,7 +306,8 @@ class Checkpointer:
         return step
 
     def save(self, step: int, state) -> object:
-        """Save `state` as `step`; durable and committed on return. Returns gdsckpt's Stats
+        """Save `state` as `step`; durable and committed on return, and the steps retention lets go
+        deleted (save_async leaves them to a thread of their own). Returns gdsckpt's Stats
         (None under torch.distributed, where DCP returns its metadata). With the memory tier:
         committed in memory on return, and durable too if this step is written to the directory."""
         self._wait_save()
@@ -309,9 +315,10 @@ class Checkpointer:
         if self.memory is not None:
             stats = self.memory.save_async(step, state, None).result()
             self.memory.wait_local()
-            return stats
-        stats = self.layout.save(step, state)
-        self._on_commit(step)
+        else:
+            stats = self.layout.save(step, state)
+            self._on_commit(step)
+        self._retention.wait()  # as it returns, the directory holds what the policy keeps
         return stats
 
     def save_async(self, step: int, state, *, optimizer=None) -> Future:
@@ -324,17 +331,20 @@ class Checkpointer:
         self._wait_save()
         step = self._check(step)
         if self.memory is not None:  # committed in memory; the tier writes it to the directory if due
-            self._pending = (step, self.memory.save_async(step, state, optimizer))
+            self._pending = (step, self.memory.save_async(step, state, optimizer), None)
             return self._pending[1]
         fut = self.layout.save_async(step, state, optimizer)
-        self._pending = (step, fut)
+        handled = threading.Event()  # wait() returns once the commit is handled, not only made
+        self._pending = (step, fut, handled)
 
         def done(f):
-            if Future.exception(f) is None:  # SaveFuture.exception() would count as the caller's look
-                try:
+            try:
+                if Future.exception(f) is None:  # SaveFuture.exception() would count as the caller's look
                     self._on_commit(step)
-                except Exception as e:  # retention must not turn a good save into a failed future
-                    log.warning("gdsckpt: after committing step %d: %s", step, e)
+            except Exception as e:  # the upload queue must not turn a good save into a failed future
+                log.warning("gdsckpt: after committing step %d: %s", step, e)
+            finally:
+                handled.set()
         fut.add_done_callback(done)
         return fut
 
@@ -358,22 +368,22 @@ class Checkpointer:
 
     def wait(self, *, uploads: bool = False, timeout: float | None = None) -> None:
         """Wait for the pending save_async (raising its error, unless the caller has seen it through
-        the future's result() or exception()), then for the removal of the steps retention let go
-        (they stop counting at once; their space is freed on a thread of its own). uploads=True:
-        then also until the upload queue is empty and nothing is in flight, or an upload attempt
-        fails (it stays queued and is retried; the error is in status()), or `timeout` seconds pass.
-        A save waits for the pending one only: a step still being removed shares the disk with
-        the next save's file only where saves come faster than removals."""
+        the future's result() or exception()), then for the retention it started (on a thread of
+        its own: a save waits for the pending save only). uploads=True: then also until the
+        upload queue is empty and nothing is in flight, or an upload attempt fails (it stays
+        queued and is retried; the error is in status()), or `timeout` seconds pass."""
         self._wait_save()
-        self._removals.wait()
         if uploads and self.remote is not None:
-            self.remote.wait(timeout)
+            self.remote.wait(timeout)  # the last upload's retention requested before it returns
+        self._retention.wait()
 
     def _wait_save(self) -> None:
         if self._pending is not None:
-            step, fut = self._pending
+            step, fut, handled = self._pending
             try:
                 err = Future.exception(fut)  # waits; not a look at the outcome: SaveFuture.observed stays
+                if handled is not None:
+                    handled.wait()
             finally:
                 self._pending = None
             if err is not None and not getattr(fut, "observed", False):
@@ -384,19 +394,14 @@ class Checkpointer:
         if self.remote is not None and self.remote.uploading and self.policy.uploads(self._saves):
             self.remote.enqueue(step)
         if self._owner:
-            self._retain()
+            self._retention.request()
 
     # ------------------------------------------------------------ retention
     def _retain(self) -> None:
         with self._deleting:
             for s in self._doomed_local():
                 log.info("gdsckpt: removing step %d (%s)", s, self.layout.path(s))
-                self._retire(s)
-
-    def _retire(self, step: int) -> None:
-        retired = self.layout.retire(step)
-        if retired is not None:
-            self._removals.submit(retired)
+                self.layout.delete(s)
 
     def _doomed_local(self) -> list[int]:
         """Local steps the policy lets go now. A damaged step does not count toward `keep`
@@ -445,7 +450,6 @@ class Checkpointer:
         remote = [s for s, _ in self.remote.doomed()] if self.remote is not None else []
         if not dry_run:
             self._retain()
-            self._removals.wait()
             if self.remote is not None:
                 self.remote.retain()
         return {"local": local, "remote": remote, "damaged": self.layout.known_damage()}
@@ -556,7 +560,7 @@ class Checkpointer:
             raise self.remote.incomplete_error(never_uploaded)
 
     def _release(self) -> None:
-        self._removals.close()  # what retention let go is gone before another manager may open the directory
+        self._retention.close()  # its deletions end before another manager may open the directory
         if self._lock is not None:
             self._lock.release()
 

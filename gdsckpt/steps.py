@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import shutil
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
@@ -27,10 +26,9 @@ from .storage import fsync_dir, stale_temporaries, temp_path_for
 SUFFIX = ".gdsckpt"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"^step_(\d{8,})(\.gdsckpt)?$")
-# A DCP step's directory downloaded from the store, renamed into place once complete
-# (DcpSteps.fetched), or retired, until it is removed (DcpSteps.retire). A file step's are named as
-# temporaries (storage.temp_path_for).
-_DCP_LEFTOVER = re.compile(r"\.step_\d{8,}\.(?:download|retired\.[0-9a-f]{8})")
+# Where a restore puts a step from the store: a file step, named with the restoring pid
+# (FileSteps.fetched), and a DCP step's directory, renamed into place once complete (DcpSteps.fetched).
+_DCP_DOWNLOAD = re.compile(r"\.step_\d{8,}\.download")
 # What restore falls back from: a step that is damaged, incomplete or unreadable. A state that
 # does not match the checkpoint, or a codec this machine lacks, is the caller's to fix: raised.
 DAMAGE = (CheckpointFormatError, OSError)
@@ -138,9 +136,8 @@ class StepLayout(Protocol):
         """(the restored state, gdsckpt's Stats or None) of the step at `path`; DAMAGE if it is
         damaged or incomplete."""
 
-    def retire(self, step: int) -> Path | None:
-        """Uncommit the step at once (renamed to a leftover's name, the directory synced) and
-        return what is left to remove (gdsckpt.removal); None if it is gone already."""
+    def delete(self, step: int) -> None:
+        """Uncommit, then remove the step (a kill mid-way leaves nothing that counts)."""
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         """(local file, name relative to the store's prefix) of the step, its commit point last."""
@@ -150,8 +147,7 @@ class StepLayout(Protocol):
         call it) while the context lasts."""
 
     def leftovers(self) -> list[Path]:
-        """What killed saves, restores and removals left in the directory, for the lock holder to
-        remove."""
+        """What killed restores left in the directory, for the lock holder to remove."""
 
     def barrier(self) -> None:
         """Every rank reaches this point before any goes on (one process: nothing to wait for)."""
@@ -198,15 +194,6 @@ class _Steps:
     def path(self, step: int) -> Path:
         return self.directory / self.name(step)
 
-    def _renamed(self, step: int, retired: Path) -> Path | None:
-        self._checked.pop(step, None)
-        try:
-            os.rename(self.path(step), retired)
-        except FileNotFoundError:
-            return None
-        fsync_dir(self.directory)
-        return retired
-
     def local_steps(self) -> list[int]:
         out = []
         try:
@@ -249,14 +236,16 @@ class FileSteps(_Steps):
             out = ck.load(device)
             return out, ck.last_stats
 
-    def retire(self, step: int) -> Path | None:
-        return self._renamed(step, temp_path_for(self.path(step)))  # a temporary's name: a leftover once we are gone
+    def delete(self, step: int) -> None:
+        self._checked.pop(step, None)
+        self.path(step).unlink(missing_ok=True)
+        fsync_dir(self.directory)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         return [(self.path(step), self.name(step))]
 
     def leftovers(self) -> list[Path]:
-        return stale_temporaries(self.directory)  # killed saves', restores' (downloads) and removals' alike
+        return stale_temporaries(self.directory)  # killed saves' and restores' (downloads) alike
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
@@ -344,8 +333,15 @@ class DcpSteps(_Steps):
             raise VersionError(what, path=path / DCP_METADATA)
         raise CheckpointFormatError(what, path=path / DCP_METADATA)
 
-    def retire(self, step: int) -> Path | None:
-        return self._renamed(step, self.directory / f".{self.name(step)}.retired.{secrets.token_hex(4)}")
+    def delete(self, step: int) -> None:
+        self._checked.pop(step, None)
+        p = self.path(step)
+        meta = p / DCP_METADATA
+        if meta.exists():  # uncommit first: a kill mid-removal leaves an uncommitted directory
+            meta.unlink(missing_ok=True)
+            fsync_dir(p)
+        shutil.rmtree(p, ignore_errors=True)
+        fsync_dir(self.directory)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         p, name = self.path(step), self.name(step)
@@ -354,9 +350,9 @@ class DcpSteps(_Steps):
         return [(p / part, f"{name}/{part}") for part in parts]
 
     def leftovers(self) -> list[Path]:
-        # only rank 0 downloads and removes, holding the lock: such a directory not its own is a dead one's
+        # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's
         return sorted(Path(e.path) for e in os.scandir(self.directory)
-                      if _DCP_LEFTOVER.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+                      if _DCP_DOWNLOAD.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:

@@ -1,15 +1,16 @@
 """Does the Checkpointer's retention delay the next checkpoint's write? (issue 22; session 15 found
 an unlink of a 4 GB step taking 1.0 s on the H100 VM's `discard`-mounted ext4, run on the save's
-writer thread.) Checkpointer(keep=1).save_async of a --gb GB state every --interval seconds, the
-retired step removed either on the writer's thread as before ("inline") or on the Checkpointer's
-removal thread ("thread", gdsckpt/removal.py), the two alternated --rounds times.
+writer thread.) Checkpointer(keep=--keep).save_async of a --gb GB state every --interval seconds, its retention
+(with keep=1, a full read of the newest step before the older one goes; then the deletion) run
+either on the save's writer thread as before ("inline") or on the Checkpointer's retention thread
+("thread", gdsckpt/retention_thread.py), the two alternated --rounds times.
 
-    OUT=dir python bench/probes/retention_wait.py [--gb 4] [--saves 6] [--interval 2.5] [--rounds 2]
+    OUT=dir python bench/probes/retention_wait.py [--gb 4] [--saves 6] [--interval 4] [--rounds 2] [--keep 2]
 
-Per save: the call's time (blocked_s), the time its write waited for the writer (queued_s, which
-an inline removal of the step before lands in) and from the call to the future's callbacks'
-end (done_s: with an inline removal, its own removal too). The state: random fp32 on the GPU
-(on the CPU without one). Writes retention_wait.json.
+Per save: the call's time (blocked_s: it waits for the save before), from the call to the commit
+(durable_s), and the save's own stats (its write waited queued_s for the writer, where an inline
+retention after the save before lands). The state: random fp32 on the GPU (on the CPU without one).
+Writes retention_wait-keepK.json.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import os
 import statistics as st
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,55 +31,79 @@ sys.path.insert(0, str(ROOT))
 import gdsckpt  # noqa: E402
 import gdsckpt.manager as manager  # noqa: E402
 from gdsckpt.bench import provenance  # noqa: E402
-from gdsckpt.removal import Removals  # noqa: E402
+from gdsckpt.retention_thread import RetentionThread  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gb", type=float, default=4)
 ap.add_argument("--saves", type=int, default=6)
-ap.add_argument("--interval", type=float, default=2.5)
+ap.add_argument("--interval", type=float, default=4.0)
 ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--keep", type=int, default=2)
 args = ap.parse_args()
 
 
-class InlineRemovals(Removals):
-    """The retention before gdsckpt/removal.py: the retired step removed on the retiring thread."""
+commits: list[float] = []  # when each save's commit asked for retention
+retentions: list[float] = []  # each retention run's seconds
 
-    def submit(self, path):
-        self._remove(path)
+
+class ThreadRetention(RetentionThread):
+    def _run(self):
+        t = time.perf_counter()
+        super()._run()
+        retentions.append(time.perf_counter() - t)
+
+    def request(self):
+        commits.append(time.perf_counter())
+        super().request()
+
+
+class InlineRetention(ThreadRetention):
+    """Retention as before gdsckpt/retention_thread.py: run where the commit is handled, the
+    save's writer thread."""
+
+    def request(self):
+        commits.append(time.perf_counter())
+        self._run()
 
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 state = {f"t{i}": torch.randn(int(args.gb * 1e9) // 4 // 8, device=device) for i in range(8)}
 root = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR", "/tmp")))
+FIELDS = ("snapshot_s", "pool_alloc_s", "pool_wait_s", "queued_s", "background_s", "write_s", "fsync_s")
 runs = []
 for r in range(args.rounds):
     for mode in ("inline", "thread"):
-        manager.Removals = InlineRemovals if mode == "inline" else Removals
+        manager.RetentionThread = InlineRetention if mode == "inline" else ThreadRetention
         d = root / f"{mode}-{r}"
-        saves = []
-        with gdsckpt.Checkpointer(d, keep=1) as ck:
+        calls, futs = [], []
+        with gdsckpt.Checkpointer(d, keep=args.keep) as ck:
             ck.save_async(0, state).result()  # the first save: pool pinned, codecs chosen
+            time.sleep(args.interval)  # its retention is not measured
+            commits.clear()
+            retentions.clear()
             for i in range(1, args.saves + 1):
                 t0 = time.perf_counter()
-                fut = ck.save_async(i, state)
-                blocked = time.perf_counter() - t0
-                ended = threading.Event()
-                fut.add_done_callback(lambda f, e=ended, s=saves, t0=t0: (s.append({"done_s": time.perf_counter() - t0}), e.set()))
+                futs.append(ck.save_async(i, state))
+                calls.append((t0, time.perf_counter() - t0))
                 time.sleep(max(0.0, args.interval - (time.perf_counter() - t0)))
-                ended.wait()
-                stats = fut.result()
-                saves[-1].update(blocked_s=blocked, queued_s=stats.queued_s, background_s=stats.background_s,
-                                 write_s=stats.write_s, fsync_s=stats.fsync_s, io_path=stats.io_path)
-        runs.append({"mode": mode, "round": r, "saves": saves})
-        print(mode, r, " ".join(f"q{s['queued_s']:.2f}/d{s['done_s']:.2f}" for s in saves), flush=True)
-        manager.Removals = Removals
+            ck.wait()
+        saves = []
+        for (t0, blocked), fut, commit in zip(calls, futs, commits):
+            stats = fut.result()
+            saves.append({"blocked_s": blocked, "durable_s": commit - t0, "io_path": stats.io_path,
+                          **{k: getattr(stats, k) for k in FIELDS}})
+        runs.append({"mode": mode, "round": r, "saves": saves, "retention_s": list(retentions)})
+        print(mode, r, " ".join(f"b{s['blocked_s']:.2f}/q{s['queued_s']:.2f}/d{s['durable_s']:.2f}" for s in saves),
+              flush=True)
+        manager.RetentionThread = RetentionThread
 
 summary = {}
 for mode in ("inline", "thread"):
-    later = [s for run in runs if run["mode"] == mode for s in run["saves"][1:]]  # each has one removal before it
-    summary[mode] = {k: round(st.median(s[k] for s in later), 3) for k in ("blocked_s", "queued_s", "done_s")}
+    later = [s for run in runs if run["mode"] == mode for s in run["saves"]]
+    summary[mode] = {k: round(st.median(s[k] for s in later), 3) for k in ("blocked_s", "durable_s", *FIELDS)}
+    summary[mode]["retention_s"] = round(st.median(x for run in runs if run["mode"] == mode for x in run["retention_s"]), 3)
 print(json.dumps(summary))
 out = {"probe": "retention_wait", "args": vars(args), "device": device, "state_bytes": sum(t.nbytes for t in state.values()),
        "provenance": provenance.stamp(device), "summary_medians": summary, "runs": runs}
-Path(os.environ.get("OUT", "."), "retention_wait.json").write_text(json.dumps(out, indent=1))
+Path(os.environ.get("OUT", "."), f"retention_wait-keep{args.keep}.json").write_text(json.dumps(out, indent=1))
