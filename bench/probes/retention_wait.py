@@ -2,15 +2,16 @@
 an unlink of a 4 GB step taking 1.0 s on the H100 VM's `discard`-mounted ext4, run on the save's
 writer thread.) Checkpointer(keep=--keep).save_async of a --gb GB state every --interval seconds, its retention
 (with keep=1, a full read of the newest step before the older one goes; then the deletion) run
-either on the save's writer thread as before ("inline") or on the Checkpointer's retention thread
-("thread", gdsckpt/retention_thread.py), the two alternated --rounds times.
+either in the commit's callback on the save's writer thread, as before ("before", 85d03c9's
+save_async), or on the Checkpointer's retention thread ("thread", gdsckpt/retention_thread.py),
+the two alternated --rounds times.
 
     OUT=dir python bench/probes/retention_wait.py [--gb 4] [--saves 6] [--interval 4] [--rounds 2] [--keep 2]
 
 Per save: the call's time (blocked_s: it waits for the save before), from the call to the commit
-(durable_s), and the save's own stats (its write waited queued_s for the writer, where an inline
-retention after the save before lands). The state: random fp32 on the GPU (on the CPU without one).
-Writes retention_wait-keepK.json.
+(durable_s), and the save's own stats (its write waited queued_s for the writer, where the
+"before" mode's retention after the previous save lands); each retention run's time. The state:
+random fp32 on the GPU (on the CPU without one). Writes retention_wait-keepK.json.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import statistics as st
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -57,13 +59,26 @@ class ThreadRetention(RetentionThread):
         super().request()
 
 
-class InlineRetention(ThreadRetention):
-    """Retention as before gdsckpt/retention_thread.py: run where the commit is handled, the
-    save's writer thread."""
+class BeforeCheckpointer(gdsckpt.Checkpointer):
+    """save_async as it was before gdsckpt/retention_thread.py (85d03c9): retention ran in the
+    commit's callback, on the save's writer thread, and the next save waited for the future only."""
 
-    def request(self):
-        commits.append(time.perf_counter())
-        self._run()
+    def save_async(self, step, state, *, optimizer=None):
+        if self._pending is not None:
+            Future.exception(self._pending[1])
+            self._pending = None
+        step = self._check(step)
+        fut = self.layout.save_async(step, state, optimizer)
+        self._pending = (step, fut, None)
+
+        def done(f):
+            if Future.exception(f) is None:
+                commits.append(time.perf_counter())
+                t = time.perf_counter()
+                self._retain()
+                retentions.append(time.perf_counter() - t)
+        fut.add_done_callback(done)
+        return fut
 
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,11 +88,12 @@ root = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR", "/tmp")))
 FIELDS = ("snapshot_s", "pool_alloc_s", "pool_wait_s", "queued_s", "background_s", "write_s", "fsync_s")
 runs = []
 for r in range(args.rounds):
-    for mode in ("inline", "thread"):
-        manager.RetentionThread = InlineRetention if mode == "inline" else ThreadRetention
+    for mode in ("before", "thread"):
+        manager.RetentionThread = ThreadRetention
+        make = BeforeCheckpointer if mode == "before" else gdsckpt.Checkpointer
         d = root / f"{mode}-{r}"
         calls, futs = [], []
-        with gdsckpt.Checkpointer(d, keep=args.keep) as ck:
+        with make(d, keep=args.keep) as ck:
             ck.save_async(0, state).result()  # the first save: pool pinned, codecs chosen
             time.sleep(args.interval)  # its retention is not measured
             commits.clear()
@@ -99,7 +115,7 @@ for r in range(args.rounds):
         manager.RetentionThread = RetentionThread
 
 summary = {}
-for mode in ("inline", "thread"):
+for mode in ("before", "thread"):
     later = [s for run in runs if run["mode"] == mode for s in run["saves"]]
     summary[mode] = {k: round(st.median(s[k] for s in later), 3) for k in ("blocked_s", "durable_s", *FIELDS)}
     summary[mode]["retention_s"] = round(st.median(x for run in runs if run["mode"] == mode for x in run["retention_s"]), 3)
