@@ -24,6 +24,8 @@ def test_train_and_cost(tmp_path, capsys):
         assert len(m["loops_s"]) == 2 and len(m["drain_s"]) == 2 and len(m["overhead_per_ckpt_s"]["each"]) == 2
         assert len(m["blocked_s"]["each"]) == 4 and len(m["completion_s"]["each"]) == 4
         assert m["first_save"]["completion_s"] > 0 and m["stored_bytes"] > 0
+        # the hypervisor's steal during each loop, where /proc/stat has it (the drift between loops follows it)
+        assert all(raw["steal_cpu_s"] is None or raw["steal_cpu_s"] >= 0 for raw in m["raw"]), m["raw"]
         # per-step figures: the k-th step after a checkpoint, and its wait for the device, k = 1..interval
         assert len(m["steps_after_ckpt_extra_s"]) == len(m["gpu_wait_after_ckpt_extra_s"]) == 2
         # a checkpoint completes after (or when) the caller is released (each rounded to 0.1 ms)

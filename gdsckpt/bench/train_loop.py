@@ -13,6 +13,7 @@ host memory and the process's peak RSS over its start.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import threading
 import time
@@ -145,6 +146,17 @@ def _rss() -> int:
     return _status_bytes("VmRSS")
 
 
+def _steal_s() -> float | None:
+    """CPU seconds the hypervisor has so far run something else on this VM's CPUs while they
+    wanted to run (/proc/stat's steal, all CPUs); None where there is no such figure. The H100
+    VMs' step times drift with it (bench/results/2026-11-24-h100-steal/)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
+
+
 def _pinned_torch() -> int:
     try:
         s = torch.cuda.host_memory_stats()
@@ -167,6 +179,7 @@ class Loop:
     steps: list = field(default_factory=list)  # each training step's seconds (the saves apart)
     ckpt_steps: list = field(default_factory=list)  # the steps a checkpoint followed
     gpu_waits: list = field(default_factory=list)  # of each step, the seconds loss.item() waited for the GPU
+    steal_s: float | None = None  # CPU seconds the hypervisor took from this VM's CPUs during the loop (_steal_s)
 
 
 def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str) -> Loop:
@@ -197,6 +210,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     blocked, calls, done_at, started = [], [], {}, []
     pending = []
     retention = Retention()
+    steal0 = _steal_s()
     t0 = time.perf_counter()
     step_s, ckpt_steps, gpu_waits = [], [], []
     for step in range(1, steps + 1):
@@ -248,6 +262,9 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
         last.remove()
     loop = Loop(seconds, blocked, calls, [done_at[i] - started[i] for i in range(len(started)) if i in done_at], drain=drain,
                 steps=step_s, ckpt_steps=ckpt_steps, gpu_waits=gpu_waits)
+    steal1 = _steal_s()
+    if steal0 is not None and steal1 is not None:
+        loop.steal_s = round(steal1 - steal0, 2)
     if cuda:
         loop.peak_torch = torch.cuda.max_memory_allocated() - base_alloc
         loop.peak_device = free0 - min_free

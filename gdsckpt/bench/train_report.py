@@ -130,7 +130,8 @@ def _median_overhead(loops: list, none_loops: list, interval: int) -> float | No
 
 def _raw(loop: Loop) -> dict:
     return {"steps_ms": [round(s * 1e3, 2) for s in loop.steps], "ckpt_steps": list(loop.ckpt_steps),
-            "calls_ms": [round(c * 1e3, 2) for c in loop.calls], "completion_s": [round(c, 3) for c in loop.completion]}
+            "calls_ms": [round(c * 1e3, 2) for c in loop.calls], "completion_s": [round(c, 3) for c in loop.completion],
+            "steal_cpu_s": loop.steal_s}
 
 
 def _local_per_ckpt(loop: Loop, none_loop: Loop, interval: int) -> list | None:
