@@ -180,6 +180,7 @@ class Loop:
     ckpt_steps: list = field(default_factory=list)  # the steps a checkpoint followed
     gpu_waits: list = field(default_factory=list)  # of each step, the seconds loss.item() waited for the GPU
     steal_s: float | None = None  # CPU seconds the hypervisor took from this VM's CPUs during the loop (_steal_s)
+    steal_windows: list = field(default_factory=list)  # the same over each `interval` steps, every loop alike
 
 
 def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str) -> Loop:
@@ -211,6 +212,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     pending = []
     retention = Retention()
     steal0 = _steal_s()
+    steal_marks = [steal0]
     t0 = time.perf_counter()
     step_s, ckpt_steps, gpu_waits = [], [], []
     for step in range(1, steps + 1):
@@ -222,6 +224,8 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             blocked[-1] += waited  # the wait the last checkpoint imposed on this optimizer step
         if cuda:
             min_free = min(min_free, torch.cuda.mem_get_info()[0])
+        if step % interval == 0 and steal0 is not None:
+            steal_marks.append(_steal_s())
         if method.name != "none" and step % interval == 0 and step <= steps - interval:
             path = ctx.directory / f"{tag}-step{step}"
             tc = time.perf_counter()
@@ -265,6 +269,7 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     steal1 = _steal_s()
     if steal0 is not None and steal1 is not None:
         loop.steal_s = round(steal1 - steal0, 2)
+        loop.steal_windows = [round(b - a, 2) for a, b in zip(steal_marks, steal_marks[1:])]
     if cuda:
         loop.peak_torch = torch.cuda.max_memory_allocated() - base_alloc
         loop.peak_device = free0 - min_free

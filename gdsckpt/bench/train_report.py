@@ -131,7 +131,7 @@ def _median_overhead(loops: list, none_loops: list, interval: int) -> float | No
 def _raw(loop: Loop) -> dict:
     return {"steps_ms": [round(s * 1e3, 2) for s in loop.steps], "ckpt_steps": list(loop.ckpt_steps),
             "calls_ms": [round(c * 1e3, 2) for c in loop.calls], "completion_s": [round(c, 3) for c in loop.completion],
-            "steal_cpu_s": loop.steal_s}
+            "steal_cpu_s": loop.steal_s, "steal_cpu_s_per_interval": list(loop.steal_windows)}
 
 
 def _local_per_ckpt(loop: Loop, none_loop: Loop, interval: int) -> list | None:
