@@ -24,6 +24,7 @@ class RetentionThread:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gdsckpt-retention")
         self._lock = threading.Lock()
         self._last: Future | None = None  # runs go in order: the last one done, all are
+        self._closed = False
 
     def request(self) -> None:
         """Run retention soon: after this call, a run starts that sees everything committed before it."""
@@ -31,6 +32,8 @@ class RetentionThread:
             last = self._last
             if last is not None and not last.running() and not last.done():
                 return  # not started yet: it will see this request's commit
+            if self._closed:  # a commit after the manager closed: the next manager's retention sees it
+                return
             self._last = self._pool.submit(self._run)
 
     def _run(self) -> None:
@@ -46,5 +49,7 @@ class RetentionThread:
             last.result()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self.wait()
         self._pool.shutdown(wait=True)
