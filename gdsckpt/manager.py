@@ -60,8 +60,8 @@ from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .memory_steps import MemorySteps
 from .policy import Policy, whole_number
-from .retention_thread import RetentionThread
 from .remote_tier import RemoteTier, no_remote_status
+from .retention_thread import RetentionThread
 from .rollback import PendingRollback, RollbackJournal
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
 
@@ -136,7 +136,7 @@ class Checkpointer:
         else:  # read-only: a step from the store is downloaded elsewhere
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
-        self._deleting = threading.Lock()  # one deleter at a time: the uploader's retention and a save's
+        self._deleting = threading.Lock()  # one deleter at a time: the retention thread, prune() and rollback()
         self._retention = RetentionThread(self._retain)  # after commits and uploads, off their threads
         self._closed = False
         self._pending: tuple[int, Future, threading.Event | None] | None = None  # step, future, its commit handled
