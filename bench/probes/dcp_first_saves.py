@@ -5,9 +5,10 @@ first save outside the loop as the bench takes it, then --saves saves every --in
 Per save: the call, the optimizer step's time after it, and the staging's own stats
 (GdsckptWriter.last_stats: its seconds, stages and memory figures).
 
-    OUT=dir python bench/probes/dcp_first_saves.py [--saves 5] [--interval 20] [--size gpt2-medium]
+    OUT=dir python bench/probes/dcp_first_saves.py [--saves 5] [--interval 20] [--size gpt2-medium] [--reserve]
 
-Writes dcp_first_saves.json.
+--reserve: gdsckpt.reserve(state) first (the pool the staging compresses into). Writes
+dcp_first_saves.json (dcp_first_saves-reserve.json).
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--saves", type=int, default=5)
 ap.add_argument("--interval", type=int, default=20)
 ap.add_argument("--size", default="gpt2-medium")
+ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself")
+ap.add_argument("--reserve", action="store_true", help="gdsckpt.reserve(state) before the first save")
 args = ap.parse_args()
 
-device = "cuda"
+device = args.device
 model, opt, windows, info = build(args.size, device)
 batches = Batches(windows, info["batch"], device)
 root = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR", "/tmp")))
@@ -55,7 +58,7 @@ def stats_of(w) -> dict:
 def step() -> float:
     """One training step; the seconds opt.step() took (a staging's hook wait lands here)."""
     idx = batches.next()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         logits = model(idx[:, :-1])
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
@@ -78,6 +81,11 @@ def save(name: str):
 for _ in range(10):
     step()
 records = []
+if args.reserve:
+    import gdsckpt
+    t = time.perf_counter()
+    r = gdsckpt.reserve(checkpoint_state(model, opt), wait=True).result()
+    records.append({"save": "reserve", "seconds": time.perf_counter() - t, "reservation": str(r)})
 w, fut, call = save("first")  # as the bench's first save: outside the loop, no step beside it
 fut.result()
 records.append({"save": "first", "call_s": call, **stats_of(w)})
@@ -92,4 +100,4 @@ for i in range(args.saves):
     print(records[-1], flush=True)
 out = {"probe": "dcp_first_saves", "args": vars(args), "provenance": provenance.stamp(device),
        "opt_step_s_steady_median": sorted(steady)[len(steady) // 2], "saves": records}
-Path(os.environ.get("OUT", "."), "dcp_first_saves.json").write_text(json.dumps(out, indent=1, default=str))
+Path(os.environ.get("OUT", "."), f"dcp_first_saves{'-reserve' if args.reserve else ''}.json").write_text(json.dumps(out, indent=1, default=str))
