@@ -354,17 +354,13 @@ class Checkpointer:
         (gdsckpt.reserve), or with the memory tier the tier's slots for the next steps, made and
         page-locked within its cap, dropping nothing (a slot no step has used holds nothing that
         counts: it is removed as any uncommitted one). A Future of a gdsckpt.Reservation;
-        wait=True: returned once done. Under torch.distributed without the memory tier nothing is
-        reserved (DCP's staging allocates its own): the future's result is None."""
+        wait=True: returned once done. Under torch.distributed without the memory tier: the pool
+        GdsckptWriter's compressed staging takes for this rank's shards (gdsckpt.dcp.reserve;
+        save_options={"snapshot": "cpu" or "device"}: nothing, the future's result is None)."""
         self._writable("reserve memory for saves")
         if self.memory is not None:
             return self.memory.reserve(state, wait)
-        if self.distributed:
-            nothing: Future = Future()
-            nothing.set_result(None)
-            return nothing
-        from .reserve import reserve
-        return reserve(state, wait=wait, **self.save_options)
+        return self.layout.reserve(state, wait)
 
     def wait(self, *, uploads: bool = False, timeout: float | None = None) -> None:
         """Wait for the pending save_async (raising its error, unless the caller has seen it through

@@ -132,6 +132,10 @@ class StepLayout(Protocol):
     def save_async(self, step: int, state, optimizer) -> Future:
         """`state` may be mutated on return; the step is committed once the future completes."""
 
+    def reserve(self, state, wait: bool) -> Future:
+        """The host memory save_async of `state` takes, made ahead of need on a background thread:
+        a Future of a gdsckpt.Reservation (None where the save takes none of gdsckpt's)."""
+
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         """(the restored state, gdsckpt's Stats or None) of the step at `path`; DAMAGE if it is
         damaged or incomplete."""
@@ -229,6 +233,10 @@ class FileSteps(_Steps):
         return save_async(state, self.path(step), overlap=optimizer is not None, optimizer=optimizer,
                           **self.save_options)
 
+    def reserve(self, state, wait: bool) -> Future:
+        from .reserve import reserve
+        return reserve(state, wait=wait, **self.save_options)
+
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         if state is not None:  # atomic: a damaged step leaves `state` as it was, for the fall-back
             return state, api.load_into(path, state, strict=strict, atomic=True)
@@ -291,6 +299,10 @@ class DcpSteps(_Steps):
         fut = dcp.async_save(dcp_view(state), storage_writer=writer, planner=CachedSavePlanner())
         fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
         return relayed(fut)
+
+    def reserve(self, state, wait: bool) -> Future:
+        from .dcp import reserve  # the pool GdsckptWriter's compressed staging takes
+        return reserve(dcp_view(state), wait=wait, **self.save_options)
 
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         import torch.distributed.checkpoint as dcp

@@ -114,6 +114,8 @@ def test_train_under_torchrun(tmp_path):
             assert per[name]["status"] == "ok", per[name]
             assert len(per[name]["blocked_s"]["each"]) == 1 and len(per[name]["completion_s"]["each"]) == 1
             assert per[name]["stored_bytes"] > 0
+        # each rank reserved the pool its GdsckptWriter staging takes, as save_async's methods do (gdsckpt.dcp.reserve)
+        assert per["dcp.async_save GdsckptWriter overlap"]["reserve"]["where"] == "pool cpu"
     # targets per rank; the DCP rows' background write against this run's synchronous dcp.save
     t = {(e["method"], e["rank"]): e["checks"] for e in r["targets"]}
     assert set(t) == {(m, k) for m in ("dcp.async_save GdsckptWriter", "dcp.async_save GdsckptWriter overlap")

@@ -95,7 +95,7 @@ class Method:
 
 
 def reservation(start) -> dict | None:
-    """Run a reservation (start(): gdsckpt.reserve or Checkpointer.reserve, a Future of a
+    """Run a reservation (start(): gdsckpt.reserve, gdsckpt.dcp.reserve or Checkpointer.reserve, a Future of a
     Reservation) and wait for it, in a method's setup: before its first save and the loops.
     What it took, for the result; None where the installed gdsckpt has no reserve."""
     t = time.perf_counter()
@@ -307,6 +307,9 @@ class DcpGdsckpt(Method):
 
     def setup(self, ctx):
         _process_group()
+        import gdsckpt.dcp
+        if hasattr(gdsckpt.dcp, "reserve"):  # the staging's pool, as save_async's methods reserve theirs
+            self.reserved = reservation(lambda: gdsckpt.dcp.reserve(ctx.state()))
 
     def save(self, ctx, state, path):
         import torch.distributed.checkpoint as dcp

@@ -7,13 +7,14 @@
     dcp.load(state_dict, storage_reader=GdsckptReader("/ckpt/step100"))
     fut = dcp.async_save(state_dict, storage_writer=GdsckptWriter("/ckpt/step200"),
                          planner=CachedSavePlanner())  # every save after the first skips DCP's plan exchange
+    gdsckpt.dcp.reserve(state_dict)  # before the loop: the staging's host pool, made ahead of the first save
 
 The parts, one job each:
 
 | module | its job |
 | --- | --- |
 | `writer.py` | `GdsckptWriter`: a rank file per rank through save.save_flat; `.metadata` as the commit point |
-| `staging.py` | what dcp.async_save's staging makes of the state dict, per snapshot mode |
+| `staging.py` | what dcp.async_save's staging makes of the state dict, per snapshot mode; `reserve`, its pool ahead of need |
 | `standins.py` | the staging's stand-in tensors, kept per process and reused while a key keeps its layout |
 | `results.py` | write results after a staging, prepared once per layout; their compact pickling to the coordinator |
 | `reader.py` | `GdsckptReader`: only the chunks each rank needs, decoded into its shards |
@@ -25,7 +26,8 @@ The parts, one job each:
 from .layout import DCP_VERSION, METADATA_FILE, SUFFIX, item_key
 from .planner import CachedSavePlanner
 from .reader import GdsckptReader
+from .staging import reserve
 from .writer import GdsckptWriter
 
-__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "DCP_VERSION", "METADATA_FILE", "SUFFIX",
+__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "reserve", "DCP_VERSION", "METADATA_FILE", "SUFFIX",
            "item_key"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ from ..stats import Stats
 from ..tree import flatten
 from .standins import STAND_INS, StandInElements, data_address
 
-__all__ = ["Staged", "StandInElements", "stage_compressed", "snapshot_state_dict", "state_tensors", "data_address"]
+__all__ = ["Staged", "StandInElements", "stage_compressed", "snapshot_state_dict", "state_tensors", "data_address",
+           "reserve"]
 
 
 @dataclass
@@ -96,6 +98,23 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
     with on_device(cuda_device_of(tensors.values())):
         snap = save_flat(skeleton, leaves, dest, options)
     return state, Staged(dest, round_.keys, round_.shapes, snap, round_.entries, round_.layout)
+
+
+def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **writer_options) -> Future:
+    """gdsckpt.reserve for GdsckptWriter's compressed staging (snapshot "host" or "overlap", the
+    defaults): the host pool it compresses this rank's tensors (a DTensor's local shard) into,
+    made and page-locked on a background thread ahead of the first dcp.async_save, which would
+    otherwise grow it in its staging (beside the training, in the overlap mode). writer_options:
+    GdsckptWriter's (those a save takes are used). snapshot "cpu" or "device" stage without the
+    pool: nothing is reserved, the future's result is None."""
+    if snapshot in ("cpu", "device"):
+        nothing: Future = Future()
+        nothing.set_result(None)
+        return nothing
+    from ..reserve import reserve as reserve_pool
+    names = {f.name for f in fields(SaveOptions)}
+    tensors = {str(i): t.detach() for i, t in enumerate(state_tensors(state_dict))}
+    return reserve_pool(tensors, wait=wait, **{k: v for k, v in writer_options.items() if k in names})
 
 
 def snapshot_state_dict(obj, keep=lambda t: False):
