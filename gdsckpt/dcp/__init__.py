@@ -1,13 +1,13 @@
 """torch.distributed.checkpoint storage plugin: each rank saves through gdsckpt, PyTorch plans.
 
     import torch.distributed.checkpoint as dcp
-    from gdsckpt.dcp import GdsckptWriter, GdsckptReader
+    from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, reserve
 
     dcp.save(state_dict, storage_writer=GdsckptWriter("/ckpt/step100"))
     dcp.load(state_dict, storage_reader=GdsckptReader("/ckpt/step100"))
+    reserve(state_dict)  # before the loop: the async staging's host pool, made ahead of its first save
     fut = dcp.async_save(state_dict, storage_writer=GdsckptWriter("/ckpt/step200"),
                          planner=CachedSavePlanner())  # every save after the first skips DCP's plan exchange
-    gdsckpt.dcp.reserve(state_dict)  # before the loop: the staging's host pool, made ahead of the first save
 
 The parts, one job each:
 
