@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -85,8 +86,13 @@ class Planned:
 
 def plan_for(state, save_options: dict) -> Planned:
     """Check `state` and the options as save_async does (the same typed errors, before anything
-    runs) and plan it."""
+    runs) and plan it. An optimizer in it that has taken no step yet is warned of: it holds no
+    moments, so the plan (and a reservation) is sized without them."""
     options = SaveOptions(**save_options)
+    for key in _optimizers_without_state(state):
+        warnings.warn(f"gdsckpt.reserve: the optimizer at {key!r} has taken no step yet and holds no state: the "
+                      "reservation is sized without its moments (AdamW's: two thirds of the state); reserve after "
+                      "its first step", stacklevel=3)
     _, leaves = flatten(state)
     kind = backend_kind(leaves, options)
     plan = make_plan(tensor_specs(leaves), lambda dtype: None, options.chunk_bytes_for(kind))  # bounds: no codec
@@ -98,6 +104,21 @@ def plan_for(state, save_options: dict) -> Planned:
     for l in leaves:
         samples.setdefault(l.tensor.dtype, l.tensor.device)
     return Planned(plan, options, kind, device, samples)
+
+
+def _optimizers_without_state(obj, path: str = "", depth: int = 0) -> list[str]:
+    """Where in `state` an optimizer (the object, or its state_dict()) has parameters but no
+    state: the top-level values and the containers under them."""
+    if isinstance(obj, torch.optim.Optimizer):
+        has_params = any(g["params"] for g in obj.param_groups)
+        return [path] if has_params and not obj.state else []
+    if not isinstance(obj, (dict, list, tuple)) or depth > 8:
+        return []
+    if isinstance(obj, dict) and obj.keys() == {"state", "param_groups"}:  # an optimizer's state_dict()
+        if not obj["state"] and any(g.get("params") for g in obj["param_groups"] if isinstance(g, dict)):
+            return [path]
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    return [found for k, v in items for found in _optimizers_without_state(v, f"{path}/{k}" if path else str(k), depth + 1)]
 
 
 def reserve(state, *, pool_bytes: int | None = None, wait: bool = False, **save_options) -> Future:

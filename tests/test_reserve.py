@@ -401,3 +401,21 @@ def test_gpu_checkpointer_reserve_page_locks_the_slots_before_the_first_save(tmp
         restored = ck.restore(step=2)
         assert (restored.source, restored.step) == ("memory", 2)
         assert torch.equal(restored.state["model"]["w"].cpu(), state["model"]["w"].cpu())
+
+
+def test_reserve_warns_of_an_optimizer_that_has_taken_no_step():
+    """Before its first step an optimizer holds no moments: a reservation then is sized without
+    them (AdamW's: two thirds of the state), so it says so, naming where the optimizer is."""
+    import warnings
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    for state in ({"model": model, "optim": opt}, {"model": model.state_dict(), "optim": opt.state_dict()}):
+        with pytest.warns(UserWarning, match=r"the optimizer at 'optim' has taken no step yet"):
+            gdsckpt.reserve(state, wait=True, **SMALL)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = gdsckpt.reserve({"model": model, "optim": opt}, wait=True, **SMALL).result()
+    assert r.limit_bytes >= 3 * sum(p.nbytes for p in model.parameters())  # the moments counted
+    pp.release_pools()
