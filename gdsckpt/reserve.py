@@ -86,13 +86,13 @@ class Planned:
 
 def plan_for(state, save_options: dict) -> Planned:
     """Check `state` and the options as save_async does (the same typed errors, before anything
-    runs) and plan it. An optimizer in it that has taken no step yet is warned of: it holds no
-    moments, so the plan (and a reservation) is sized without them."""
+    runs) and plan it. An optimizer in it that holds no state yet is warned of: before its first
+    step it holds no moments, so the plan (and a reservation) would be sized without them."""
     options = SaveOptions(**save_options)
     for key in _optimizers_without_state(state):
-        warnings.warn(f"gdsckpt.reserve: the optimizer at {key!r} has taken no step yet and holds no state: the "
-                      "reservation is sized without its moments (AdamW's: two thirds of the state); reserve after "
-                      "its first step", stacklevel=3)
+        warnings.warn(f"gdsckpt.reserve: the optimizer at {key or 'the top'!r} holds no state yet: if it keeps "
+                      "some once it steps (AdamW's moments: two thirds of the state), the reservation is sized "
+                      "without it; reserve after its first step", stacklevel=3)
     _, leaves = flatten(state)
     kind = backend_kind(leaves, options)
     plan = make_plan(tensor_specs(leaves), lambda dtype: None, options.chunk_bytes_for(kind))  # bounds: no codec

@@ -410,7 +410,7 @@ def test_reserve_warns_of_an_optimizer_that_has_taken_no_step():
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters())
     for state in ({"model": model, "optim": opt}, {"model": model.state_dict(), "optim": opt.state_dict()}):
-        with pytest.warns(UserWarning, match=r"the optimizer at 'optim' has taken no step yet"):
+        with pytest.warns(UserWarning, match=r"the optimizer at 'optim' holds no state yet"):
             gdsckpt.reserve(state, wait=True, **SMALL)
     model(torch.randn(2, 64)).sum().backward()
     opt.step()
