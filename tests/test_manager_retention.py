@@ -82,21 +82,22 @@ def test_retention_runs_off_the_saving_threads(tmp_path, monkeypatch):
     4 GB, which must not delay the next write or upload): save_async does not wait for a deletion
     in progress, and wait() returns once the retention the last save started is done."""
     from gdsckpt.steps import FileSteps
-    held = threading.Event()
+    held, entered = threading.Event(), threading.Event()
     deleted_on = []
     real_delete = FileSteps.delete
 
     def held_delete(self, step):
         deleted_on.append(threading.current_thread().name)
+        entered.set()
         assert held.wait(30)
         real_delete(self, step)
     monkeypatch.setattr(FileSteps, "delete", held_delete)
     ck = Checkpointer(tmp_path, keep=1, save_options=OPTS)
     ck.save(1, state_for(1))
-    ck.save_async(2, state_for(2)).result()  # its retention holds in step 1's deletion
-    ck.save_async(3, state_for(3)).result()
+    ck.save_async(2, state_for(2)).result()
+    assert entered.wait(30)  # its retention is held in step 1's deletion, on the retention thread
+    ck.save_async(3, state_for(3)).result()  # the saves go on meanwhile
     fut = ck.save_async(4, state_for(4))
-    assert not held.is_set() and deleted_on
     held.set()
     ck.wait()
     assert fut.done()
