@@ -375,7 +375,7 @@ class Checkpointer:
 
     def _wait_save(self) -> None:
         if self._pending is not None:
-            step, fut, handled = self._pending
+            _, fut, handled = self._pending
             try:
                 err = Future.exception(fut)  # waits; not a look at the outcome: SaveFuture.observed stays
                 if handled is not None:

@@ -103,11 +103,11 @@ class MemorySteps:
         and page-locked on a background thread (reserve.reserve_memory); where the tier has no
         room for the state (its steps go to the directory as without the tier), save_async's pool."""
         from .memory_snapshot import slot_bytes
-        from .reserve import in_background, plan_for, reserve, reserve_memory
+        from .reserve import in_background, plan_for, reserve_memory, reserve_planned
         what = memory_dcp().snapshot(state) if self.distributed else state
         planned = plan_for(what, self.save_options)
         if not self.distributed and self.tier.room_for(slot_bytes(planned.plan)) is not None:
-            return reserve(state, wait=wait, **self.save_options)
+            return reserve_planned(planned, None, wait)  # planned once: `what` is `state` here
         return in_background(lambda stop: reserve_memory(self.tier, planned, stop), planned.device, wait)
 
     def next_is_local(self) -> bool:

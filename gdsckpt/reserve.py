@@ -45,7 +45,7 @@ from .ring import Completion
 from .save import SaveOptions, Sink, backend_kind, save_flat, tensor_specs
 from .tree import flatten
 
-__all__ = ["reserve", "Reservation", "Planned", "plan_for", "reserve_memory", "in_background"]
+__all__ = ["reserve", "reserve_planned", "Reservation", "Planned", "plan_for", "reserve_memory", "in_background"]
 
 # The warm-up snapshot's bytes per dtype: one codec-choice sample piece, so that codec="auto"
 # samples it with every candidate codec (on the GPU: byte-plane ANS's nvCOMP codec and shuffle
@@ -127,7 +127,11 @@ def reserve(state, *, pool_bytes: int | None = None, wait: bool = False, **save_
     wait=True: return once it is done (raising its error). Bad input raises here, before
     anything runs, as save_async raises it."""
     check_pool_bytes(pool_bytes)
-    planned = plan_for(state, save_options)
+    return reserve_planned(plan_for(state, save_options), pool_bytes, wait)
+
+
+def reserve_planned(planned: Planned, pool_bytes: int | None, wait: bool) -> Future:
+    """reserve() of a state already planned (plan_for)."""
     bound = max(pool_bytes or default_pool_limit(planned.plan), align_up(planned.options.chunk_bytes_for(planned.kind)))
     return in_background(lambda stop: reserve_pool(planned, bound, stop), planned.device, wait)
 

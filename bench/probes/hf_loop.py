@@ -21,6 +21,7 @@ A loop drains its last save inside its time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -75,7 +76,7 @@ def step() -> float:
 
 
 checkpointer = None  # the "checkpointer" method's, made on first use
-checkpointer_steps = iter(range(10**9))  # its steps only grow, across loops
+checkpointer_steps = itertools.count()  # its steps only grow, across loops
 
 
 def save(method: str, i: int):
