@@ -11,8 +11,13 @@ fsync'd rename (the file's stored bytes over that time is its rate):
   pool-1GiB       save_async(pool_bytes=1 GiB).result(): D2H into a pinned pool, our O_DIRECT writer
   pool-state      save_async().result() with the default pool (the stored size)
 Per file: the raw O_DIRECT write of its stored byte count (sequential 64 MiB blocks, fsync'd, as
-gdsckpt-bench's disk probe), and cold reads of the file: gdsckpt.load_into (atomic=False and
-True) against O_DIRECT reads of the whole file by 1, 4 and 8 threads. Writes durable_paths.json.
+gdsckpt-bench's disk probe), and cold reads of the first path's file, each loop in turn:
+O_DIRECT reads of the whole file by 1, 4 and 8 threads, KvikIO reading it whole into one device
+buffer with gdsckpt's settings (`--kvikio-read`), and gdsckpt.load_into (atomic=False, its
+stages; atomic=True unless `--no-atomic`). Each path's file is deleted once timed (but the one
+read), so that a 20 GB state fits the disk. Writes durable_paths.json.
+
+    --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
 """
 
 from __future__ import annotations
@@ -59,11 +64,37 @@ def direct_read(path: Path, threads: int) -> float:
         os.close(fd)
 
 
+def kvikio_read(path: Path) -> float:
+    """GB/s of KvikIO reading the whole file into one device buffer, with the settings gdsckpt's
+    reads use (its thread count, O_DIRECT, compat or GDS): the I/O under load_into, alone."""
+    import cupy
+    import kvikio
+
+    from gdsckpt.gpu.io import io_settings
+    size = path.stat().st_size
+    buf = cupy.empty(size, dtype=cupy.uint8)
+    drop_page_cache(path)
+    _, settings = io_settings("auto", None)
+    with settings, kvikio.CuFile(path, "r") as f:
+        t = time.perf_counter()
+        f.pread(buf, size).get()
+        s = time.perf_counter() - t
+    del buf
+    cupy.get_default_memory_pool().free_all_blocks()  # the state's restore needs the room back
+    return size / s / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="6GB")
     ap.add_argument("--loops", type=int, default=2)
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"))
+    ap.add_argument("--paths", default="save,save-16t,pool-1GiB,pool-state")
+    ap.add_argument("--kvikio-read", action="store_true")
+    ap.add_argument("--no-atomic", action="store_true")
+    ap.add_argument("--load-options", default="",
+                    help="more atomic=False restores, each with these Checkpoint options: "
+                         "'ring_depth=4;io_threads=8;ring_depth=4,io_threads=8'")
     args = ap.parse_args()
     d = Path(args.dir) / "gdsckpt-durable-paths"
     d.mkdir(parents=True, exist_ok=True)
@@ -77,7 +108,9 @@ def main() -> None:
         "pool-1GiB": lambda p: gdsckpt.save_async(state, p, pool_bytes=1 << 30).result(),
         "pool-state": lambda p: gdsckpt.save_async(state, p).result(),
     }
-    for name, fn in paths.items():
+    names = args.paths.split(",")
+    for name in names:
+        fn = paths[name]
         p = d / f"{name}.gdsckpt"
         fn(p)  # untimed: first use (pool pinned, codecs made)
         rows = []
@@ -94,23 +127,38 @@ def main() -> None:
                          "io_path": getattr(stats, "io_path", None)})
         out["paths"][name] = rows
         print(name, json.dumps(rows), flush=True)
-    p = d / "save.gdsckpt"
+        if name != names[0]:
+            p.unlink()
+    p = d / f"{names[0]}.gdsckpt"
     size = p.stat().st_size
-    reads = {}
-    for t in (1, 4, 8):
-        reads[f"direct_read_{t}t_gbps"] = round(direct_read(p, t), 3)
-    for atomic in (False, True):
-        vals = []
-        for _ in range(args.loops):
+    reads = {"file": p.name, "file_bytes": size, "loops": []}
+    atomics = (False,) if args.no_atomic else (False, True)
+    for _ in range(args.loops):
+        row = {f"direct_read_{t}t_gbps": round(direct_read(p, t), 3) for t in (1, 4, 8)}
+        if args.kvikio_read:
+            row["kvikio_read_gbps"] = round(kvikio_read(p), 3)
+        for atomic in atomics:
             drop_page_cache(p)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            gdsckpt.load_into(p, state, atomic=atomic)
+            stats = gdsckpt.load_into(p, state, atomic=atomic)
             torch.cuda.synchronize()
-            vals.append(round(size / (time.perf_counter() - t0) / 1e9, 3))
-        reads[f"load_into_atomic_{atomic}_stored_gbps"] = vals
-    best = max(v for k, v in reads.items() if k.startswith("direct_read"))
-    reads["x_best_direct_read"] = {k: [round(x / best, 3) for x in v] for k, v in reads.items() if k.startswith("load_into")}
+            row[f"load_into_atomic_{atomic}_stored_gbps"] = round(size / (time.perf_counter() - t0) / 1e9, 3)
+            row[f"load_into_atomic_{atomic}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()}
+            row["io_path"] = stats.io_path
+        for opts in filter(None, args.load_options.split(";")):
+            kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(","))}
+            drop_page_cache(p)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stats = gdsckpt.load_into(p, state, **kw)
+            torch.cuda.synchronize()
+            row[f"load_into_{opts}_stored_gbps"] = round(size / (time.perf_counter() - t0) / 1e9, 3)
+            row[f"load_into_{opts}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()}
+        best = max(v for k, v in row.items() if k.startswith("direct_read"))
+        row["x_best_direct_read"] = {k: round(v / best, 3) for k, v in row.items() if k.startswith("load_into") and k.endswith("gbps")}
+        reads["loops"].append(row)
+        print(json.dumps(row), flush=True)
     out["reads"] = reads
     print(json.dumps(reads), flush=True)
     for f in d.iterdir():
