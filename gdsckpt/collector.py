@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector, paused while a save builds its objects.
+"""Python's cyclic garbage collector, paused while a save builds its objects, and while a load
+parses an index and plans.
 
 A save of a thousand tensors keeps a few thousand tracked objects alive while it runs (the
 skeleton's containers, a Leaf per tensor, the plan's records). Every 700 of them set off a young
@@ -10,6 +11,11 @@ young collection when the save is done with them: ~410 promoted a save, one full
 150 saves, 1.0 ms a save on both (`bench/probes/gc_cost.py`; `bench/results/2026-11-24-cpu-gc/`,
 `-h100-collector/`). The pause lasts while a save's call or its snapshot thread runs, their
 waits for an earlier save included.
+
+A load makes the same kind of objects in bulk: an index's JSON document (~10 objects a tensor) and
+the plan of its targets. Collections set off while they are alive cost a restore of 16,000
+tensors 0.38-0.52 s where it takes 0.26-0.36 s with the collector paused (2-core VM, 2026-11-24);
+in a 20 GB restore on an H100 that Python runs before the first read, with the disk idle.
 
 Only a collector the process has enabled is paused (a loop that runs gc.disable() and collects
 on its own schedule, as torchtitan does, is left alone), and it is enabled again when the last

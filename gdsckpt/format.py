@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass, field
 
 from . import checksum as _ck
+from . import collector
 from . import dtypes
 from . import codecs
 from .errors import CheckpointFormatError, UnsupportedStateError, VersionError
@@ -218,6 +219,7 @@ def _read_footer(pread, file_size: int, path) -> tuple[int, int, int, tuple[int,
     return off, length, index_ck, (major, minor)
 
 
+@collector.paused()  # its JSON document is ~10 objects a tensor, all alive until it returns
 def parse_index(raw: bytes, expected_checksum: int, index_offset: int, path, checksum: str = CHECKSUM) -> Index:
     """The index, validated; `checksum` is the algorithm of the file's version (checksum_algorithm)."""
     def bad(msg, **kw):

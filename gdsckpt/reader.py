@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import codecs
+from . import codecs, collector
 from . import format as fmt
 from . import isolated as _isolated  # as a module: tests swap its run and needs_child
 from . import sources
@@ -116,6 +116,7 @@ class Checkpoint:
     def get_tensor(self, key: str, device=None) -> torch.Tensor:
         return self.read([key], device)[key]
 
+    @collector.paused()
     def read(self, keys, device=None) -> dict[str, torch.Tensor]:
         """New tensors for `keys`, on `device` (None: where each was saved from), reading only
         the chunks that hold them. Keys of one stored tensor (aliases) get the same tensor."""
@@ -126,6 +127,7 @@ class Checkpoint:
         self._read(out)
         return {k: out[i] for k, i in zip(keys, wanted)}
 
+    @collector.paused()
     def read_into(self, targets: dict, *, atomic: bool = False) -> Stats:
         """Decode `targets[key]` in place for each key (shape and dtype as in the checkpoint).
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import collector
 from .dtypes import BY_NAME
 from .errors import StateMismatchError
 from .stateful import is_stateful, load_state
@@ -30,6 +31,7 @@ _CPU = torch.device("cpu")
 _ALL_PLACEMENTS = ("tensor",) + TYPED
 
 
+@collector.paused()  # the plan's objects (a target per tensor, their actions) meet one young collection
 def restore_into(ck, state, *, strict: bool = True, atomic: bool = False):
     """Restore the checkpoint `ck` (an open Checkpoint) into `state`; returns read_into's Stats.
 

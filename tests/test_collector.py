@@ -61,3 +61,23 @@ def test_an_error_inside_gives_the_collector_back():
     except KeyError:
         pass
     assert gc.isenabled()
+
+
+def test_a_load_pauses_the_collector_and_enables_it_again(tmp_path):
+    seen = []
+
+    class Probe:
+        def state_dict(self):
+            return {"t": torch.zeros(4, dtype=torch.int64)}
+
+        def load_state_dict(self, state):
+            seen.append(gc.isenabled())
+
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"probe": {"t": torch.arange(4)}}, path)
+    probe = Probe()
+    gdsckpt.load_into(path, {"probe": probe})
+    assert seen == [False]  # phase 3 of restore_into, inside the pause
+    assert gc.isenabled()
+    assert torch.equal(gdsckpt.load(path)["probe"]["t"], torch.arange(4))
+    assert gc.isenabled()
