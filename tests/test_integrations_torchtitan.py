@@ -11,7 +11,8 @@ steps until step 10. A second child process builds everything afresh, `load()`s 
 picks step-8, the newest folder with a `.metadata`) and trains to step 12, saving the last step:
 final weights and AdamW moments equal the reference's bit for bit. Also: a run begun with
 torchtitan's own CheckpointManager (DCP's FileSystemWriter) resumes from its folder and goes on
-with gdsckpt's. Run as a script, this file is the child."""
+with gdsckpt's. The async modes reserve their staging's pool at the first step's save call, and
+their saves grow it no further. Run as a script, this file is the child."""
 
 from __future__ import annotations
 
@@ -100,14 +101,20 @@ def _group(root: Path):
 
 
 def child_first(root: Path) -> dict:
+    from gdsckpt import pinned_pool
     _group(root)
     parts = build(root, None)
     train(*parts)
-    out = {"reference": final(parts[0], parts[1]), "folders": {}}
+    out = {"reference": final(parts[0], parts[1]), "folders": {}, "reserved": {}}
     for mode in MODES:
+        pinned_pool.release_pools()
         parts = build(root, mode)
         train(*parts, stop=STOP_AT)
         out["folders"][mode] = sorted(p.name for p in (root / mode / "checkpoint").iterdir())
+        reservation = parts[5].reservation
+        out["reserved"][mode] = reservation and {
+            "held": reservation.result().held_bytes,
+            "pool": pinned_pool.pools().get("cpu", {}).get("capacity_bytes")}
     return out
 
 
@@ -145,6 +152,10 @@ def test_train_save_resume_in_a_new_process_is_bit_identical(tmp_path):
     first = run_child(Path(__file__), "first", str(tmp_path))
     for mode in MODES:
         assert first["folders"][mode] == ["step-4", "step-8"], mode
+    # the async modes reserved the staging's pool at step 1, and their saves grew it no further
+    assert first["reserved"]["disabled"] is None
+    for mode in MODES[1:]:
+        assert 0 < first["reserved"][mode]["held"] == first["reserved"][mode]["pool"], mode
     resumed = run_child(Path(__file__), "resume", str(tmp_path))
     ref = first["reference"]
     for mode in MODES:
