@@ -14,7 +14,7 @@ Per file: the raw O_DIRECT write of its stored byte count (sequential 64 MiB blo
 gdsckpt-bench's disk probe), and cold reads of the first path's file, each loop in turn:
 O_DIRECT reads of the whole file by 1, 4 and 8 threads, KvikIO reading it whole into one device
 buffer with gdsckpt's settings (`--kvikio-read`), and gdsckpt.load_into (atomic=False, its
-stages; atomic=True unless `--no-atomic`). Each path's file is deleted once timed (but the one
+stages and where the rest of its time went: `Phases`; atomic=True unless `--no-atomic`). Each path's file is deleted once timed (but the one
 read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
@@ -62,6 +62,43 @@ def direct_read(path: Path, threads: int) -> float:
         return size / (time.perf_counter() - t) / 1e9
     finally:
         os.close(fd)
+
+
+class Phases:
+    """Where a load_into's time goes outside its read loop: marks at the Checkpoint's open (the
+    footer and index read and parsed), at read_chunks' start and end (the ring's reads, checks
+    and decodes: the stats' stages) and at the return; the probe's own wrappers, not the library's."""
+
+    def __init__(self):
+        import gdsckpt.reader as reader
+        self.marks: dict[str, float] = {}
+        opened, chunks = reader.Checkpoint.__init__, reader.read_chunks
+
+        def init(*a, **k):
+            opened(*a, **k)
+            self.marks["opened"] = time.perf_counter()
+
+        def read(*a, **k):
+            self.marks["reads_start"] = time.perf_counter()
+            try:
+                return chunks(*a, **k)
+            finally:
+                self.marks["reads_end"] = time.perf_counter()
+        reader.Checkpoint.__init__, reader.read_chunks = init, read
+
+    def load(self, path: Path, state, **kw):
+        self.marks.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = gdsckpt.load_into(path, state, **kw)
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        m = self.marks
+        if "reads_start" not in m:  # a read that went another way (atomic=True's read once into the GPU)
+            return end - t0, stats, {"open_s": round(m["opened"] - t0, 3)}
+        phases = {"open_s": m["opened"] - t0, "before_reads_s": m["reads_start"] - m["opened"],
+                  "reads_s": m["reads_end"] - m["reads_start"], "after_reads_s": end - m["reads_end"]}
+        return end - t0, stats, {k: round(v, 3) for k, v in phases.items()}
 
 
 def kvikio_read(path: Path) -> float:
@@ -133,28 +170,23 @@ def main() -> None:
     size = p.stat().st_size
     reads = {"file": p.name, "file_bytes": size, "loops": []}
     atomics = (False,) if args.no_atomic else (False, True)
+    phases = Phases()
     for _ in range(args.loops):
         row = {f"direct_read_{t}t_gbps": round(direct_read(p, t), 3) for t in (1, 4, 8)}
         if args.kvikio_read:
             row["kvikio_read_gbps"] = round(kvikio_read(p), 3)
         for atomic in atomics:
             drop_page_cache(p)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            stats = gdsckpt.load_into(p, state, atomic=atomic)
-            torch.cuda.synchronize()
-            row[f"load_into_atomic_{atomic}_stored_gbps"] = round(size / (time.perf_counter() - t0) / 1e9, 3)
-            row[f"load_into_atomic_{atomic}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()}
+            seconds, stats, marks = phases.load(p, state, atomic=atomic)
+            row[f"load_into_atomic_{atomic}_stored_gbps"] = round(size / seconds / 1e9, 3)
+            row[f"load_into_atomic_{atomic}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
             row["io_path"] = stats.io_path
         for opts in filter(None, args.load_options.split(";")):
             kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(","))}
             drop_page_cache(p)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            stats = gdsckpt.load_into(p, state, **kw)
-            torch.cuda.synchronize()
-            row[f"load_into_{opts}_stored_gbps"] = round(size / (time.perf_counter() - t0) / 1e9, 3)
-            row[f"load_into_{opts}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()}
+            seconds, stats, marks = phases.load(p, state, **kw)
+            row[f"load_into_{opts}_stored_gbps"] = round(size / seconds / 1e9, 3)
+            row[f"load_into_{opts}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
         best = max(v for k, v in row.items() if k.startswith("direct_read"))
         row["x_best_direct_read"] = {k: round(v / best, 3) for k, v in row.items() if k.startswith("load_into") and k.endswith("gbps")}
         reads["loops"].append(row)
