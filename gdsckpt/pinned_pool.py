@@ -1,9 +1,10 @@
 """save_async's host pool: stored chunk bytes wait here between the GPU and the disk.
 
 One pool per device per process (`pool_for`), allocated as saves need it and reused by every
-later save. Memory comes in arenas: pinned (page-locked) where the bytes come from a GPU, so
-the device-to-host copies run asynchronously at full PCIe speed; plain host memory on the CPU
-backend, where the "copy" is a memcpy. The pool holds stored bytes (what the codec emitted),
+later save. Memory comes in arenas: page-locked where the bytes come from a GPU, so the
+device-to-host copies run asynchronously at full PCIe speed (plain pages faulted in and then
+registered with CUDA: ~4x faster than CUDA's own pinned allocation); plain host memory on the
+CPU backend, where the "copy" is a memcpy. The pool holds stored bytes (what the codec emitted),
 not logical bytes, and grows only as they arrive, so what it pins is about the stored size.
 
 An extent (one chunk record, rounded up to 4 KiB) is one or more pieces of arenas, each
@@ -23,6 +24,7 @@ is neither allocated nor being allocated: the two together stay within the bound
 from __future__ import annotations
 
 import bisect
+import mmap
 import threading
 import time
 
@@ -40,24 +42,54 @@ def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _registered(size: int) -> torch.Tensor | None:
+    """`size` bytes of anonymous memory (page-aligned, as cudaHostRegister and O_DIRECT want), every
+    page faulted in by torch's fill threads, then page-locked with cudaHostRegister: 4 GB in
+    0.5-0.6 s on the H100's host, where cudaHostAlloc (torch's pin_memory=True) took 2.4-3.2 s,
+    and as fast a target for device-to-host copies (bench/results/2026-11-24-h100-first-pool/).
+    None where the runtime refuses to register it. The tensor holds the mapping: it is unmapped
+    with the last view of it. Not inherited by a forked child (a DataLoader worker), as
+    cudaHostAlloc's memory is not: a child writing a page-locked page the parent shares
+    copy-on-write would leave the parent's copies landing in the child's page."""
+    from .gpu.host_register import register
+    m = mmap.mmap(-1, size)
+    m.madvise(mmap.MADV_DONTFORK)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t.fill_(0)
+    try:
+        register(t.data_ptr(), size)
+    except RuntimeError:
+        return None
+    return t
+
+
 class _Arena:
     """One allocation; `free` is a sorted list of [start, end) byte ranges."""
 
-    __slots__ = ("tensor", "mv", "size", "free")
+    __slots__ = ("tensor", "mv", "size", "free", "registered")
 
     def __init__(self, size: int, pinned: bool):
-        if pinned:
-            # torch's pinned allocator rounds to a power of two: arenas are sized to one.
+        t = _registered(size) if pinned else None
+        self.registered = t is not None
+        if t is None and pinned:  # cudaHostRegister refused: torch's pinned allocator, which rounds to a power of two
             t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        else:
+        elif t is None:
             t = torch.empty(size + ALIGN, dtype=torch.uint8)
-        skew = -t.data_ptr() % ALIGN  # cudaHostAlloc returns whole pages; plain memory may not
+        skew = -t.data_ptr() % ALIGN  # mappings and cudaHostAlloc return whole pages; plain memory may not
         if skew or not pinned:
             t = t[skew:skew + (size if not pinned else size - ALIGN)]
         self.tensor = t
         self.size = t.numel()
         self.mv = memoryview(t.numpy()).cast("B")
         self.free = [[0, self.size]]
+
+    def unlock(self) -> None:
+        """Undo the page-locking of a registered arena leaving the pool (its memory goes back to the
+        system with the last view of it); torch's pinned memory goes back in _hand_back."""
+        if self.registered:
+            from .gpu.host_register import unregister
+            self.registered = False
+            unregister(self.tensor.data_ptr())
 
 
 class Extent:
@@ -117,7 +149,7 @@ class PinnedPool:
         could be reused. A snapshot passes what it has reserved so far, so that the first save
         leaves a pool that holds a whole save at once, and later saves allocate nothing; reusing
         what the writer freed meanwhile would size the pool to a race and make every later save
-        allocate a little more (pinned allocation costs ~0.5 s per GB: H100, 2026-11-23)."""
+        allocate a little more (page-locking costs ~0.14 s per GB: H100, 2026-11-24)."""
         need = align_up(nbytes)
         if need > limit:
             raise ValueError(f"a {need}-byte extent can never fit a pool limited to {limit} bytes")
@@ -191,6 +223,8 @@ class PinnedPool:
                         allocated += arena.size
                     self._cond.notify_all()
             if not kept:
+                if arena is not None:
+                    arena.unlock()
                 del arena
                 self._hand_back()
                 break
@@ -207,6 +241,7 @@ class PinnedPool:
                     break
                 if arena.free == [[0, arena.size]]:
                     self._arenas.remove(arena)
+                    arena.unlock()
                     self.capacity -= arena.size
                     freed += arena.size
         if freed:
@@ -214,7 +249,7 @@ class PinnedPool:
         return freed
 
     def _hand_back(self) -> None:
-        """Freed pinned arenas: hand the pages back, not just to torch's pinned cache."""
+        """Freed arenas from torch's pinned allocator: hand the pages back, not just to its cache."""
         if self.pinned and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()
 
