@@ -10,6 +10,8 @@ Ways (each into N GB, the device source random bytes, the copy in 256 MiB pieces
   pageable         torch.empty (untouched), the copy into it (first touch inside the copy), then again (warm)
   pageable-huge    an anonymous mmap with MADV_HUGEPAGE, the copy into it, then again
   register         pageable memory touched first (memset), then cudaHostRegister, then the copy
+  pool-arenas(-huge) the pool's own arenas (pinned_pool._registered, 4 KiB or transparent huge
+                   pages), made one after another on a second thread, then the copy
 Writes first_pool.json with the host's transparent hugepage setting.
 """
 
@@ -32,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from gdsckpt.defaults import POOL_ARENA_BYTES  # noqa: E402
 from gdsckpt.gpu.host_register import register, unregister  # noqa: E402
+from gdsckpt.pinned_pool import _registered  # noqa: E402
 
 PIECE = 256 << 20
 
@@ -79,6 +82,20 @@ def main() -> None:
             record(name, {"alloc_s": alloc, "copy_s": time.perf_counter() - t})
             del got
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch keeps freed pinned blocks for reuse: the next way starts afresh
+        for huge in (True, False):  # the pool's own arenas (pinned_pool._registered), made on another thread
+            t = time.perf_counter()
+            with ThreadPoolExecutor(1) as ex:
+                got = ex.submit(lambda: [_registered(POOL_ARENA_BYTES, huge) for _ in range(n // POOL_ARENA_BYTES)]).result()
+            alloc = time.perf_counter() - t
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for i, a in enumerate(got):
+                a.copy_(src[i * POOL_ARENA_BYTES:(i + 1) * POOL_ARENA_BYTES], non_blocking=True)
+            torch.cuda.synchronize()
+            record("pool-arenas" + ("-huge" if huge else ""), {"alloc_s": alloc, "copy_s": time.perf_counter() - t})
+            for a in got:
+                unregister(a.data_ptr())
+            del got
         dst = torch.empty(n, dtype=torch.uint8)
         first = copy_into(dst, src)
         record("pageable", {"first_copy_s": first, "warm_copy_s": copy_into(dst, src)})
