@@ -42,7 +42,7 @@ def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _registered(size: int, huge: bool = True) -> torch.Tensor | None:
+def _registered(size: int) -> torch.Tensor | None:
     """`size` bytes of anonymous memory (page-aligned, as cudaHostRegister and O_DIRECT want), every
     page faulted in by torch's fill threads, then page-locked with cudaHostRegister: 4 GB in
     0.5-0.6 s on the H100's host, where cudaHostAlloc (torch's pin_memory=True) took 2.4-3.2 s,
@@ -54,8 +54,6 @@ def _registered(size: int, huge: bool = True) -> torch.Tensor | None:
     from .gpu.host_register import register
     m = mmap.mmap(-1, size)
     m.madvise(mmap.MADV_DONTFORK)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):  # transparent huge pages: 2 MiB faults and pins, not 4 KiB
-        m.madvise(mmap.MADV_HUGEPAGE)
     t = torch.frombuffer(m, dtype=torch.uint8)
     t.fill_(0)
     try:

@@ -10,8 +10,8 @@ Ways (each into N GB, the device source random bytes, the copy in 256 MiB pieces
   pageable         torch.empty (untouched), the copy into it (first touch inside the copy), then again (warm)
   pageable-huge    an anonymous mmap with MADV_HUGEPAGE, the copy into it, then again
   register         pageable memory touched first (memset), then cudaHostRegister, then the copy
-  pool-arenas(-huge) the pool's own arenas (pinned_pool._registered, 4 KiB or transparent huge
-                   pages), made one after another on a second thread, then the copy
+  pool-arenas(-huge) the pool's own kind of arenas (pinned_pool._registered; 4 KiB or transparent
+                   huge pages), made one after another on a second thread, then the copy
 Writes first_pool.json with the host's transparent hugepage setting.
 """
 
@@ -34,7 +34,6 @@ if str(ROOT) not in sys.path:
 
 from gdsckpt.defaults import POOL_ARENA_BYTES  # noqa: E402
 from gdsckpt.gpu.host_register import register, unregister  # noqa: E402
-from gdsckpt.pinned_pool import _registered  # noqa: E402
 
 PIECE = 256 << 20
 
@@ -54,6 +53,19 @@ def arenas(n: int, threads: int) -> tuple[list, float]:
     with ThreadPoolExecutor(threads) as ex:
         out = list(ex.map(lambda s: torch.empty(s, dtype=torch.uint8, pin_memory=True), sizes))
     return out, time.perf_counter() - t
+
+
+def pool_arena(size: int, huge: bool) -> torch.Tensor:
+    """pinned_pool._registered's arena (an anonymous mapping, filled, registered), optionally on
+    transparent huge pages (MADV_HUGEPAGE), which the library tried and dropped: no faster here."""
+    m = mmap.mmap(-1, size)
+    m.madvise(mmap.MADV_DONTFORK)
+    if huge:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t.fill_(0)
+    register(t.data_ptr(), size)
+    return t
 
 
 def main() -> None:
@@ -82,10 +94,10 @@ def main() -> None:
             record(name, {"alloc_s": alloc, "copy_s": time.perf_counter() - t})
             del got
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch keeps freed pinned blocks for reuse: the next way starts afresh
-        for huge in (True, False):  # the pool's own arenas (pinned_pool._registered), made on another thread
+        for huge in (True, False):  # the pool's own kind of arenas, made on another thread
             t = time.perf_counter()
             with ThreadPoolExecutor(1) as ex:
-                got = ex.submit(lambda: [_registered(POOL_ARENA_BYTES, huge) for _ in range(n // POOL_ARENA_BYTES)]).result()
+                got = ex.submit(lambda: [pool_arena(POOL_ARENA_BYTES, huge) for _ in range(n // POOL_ARENA_BYTES)]).result()
             alloc = time.perf_counter() - t
             torch.cuda.synchronize()
             t = time.perf_counter()

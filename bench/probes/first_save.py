@@ -1,10 +1,9 @@
 """Issue 22, target 3, for a user who never calls reserve: a new process's first save_async, how
 long it blocks and how much of that is the host pool's allocation, then a steady save, then
 reserve() and the save after it; with the pool's arenas page-locked by cudaHostRegister (the
-library's way, on transparent huge pages; `register-small`: on 4 KiB pages) or by CUDA's own
-pinned allocator (`cuda-alloc`, the earlier way).
+library's way) or by CUDA's own pinned allocator (`cuda-alloc`, the earlier way).
 
-    OUT=dir python bench/probes/first_save.py [--size 6GB] [--ways register,register-small,cuda-alloc] [--repeats 2]
+    OUT=dir python bench/probes/first_save.py [--size 6GB] [--ways register,cuda-alloc] [--repeats 2]
 
 Each (way, repeat) runs in a fresh process, alternating ways. State: the bench's realistic one
 (gdsckpt.bench.workload.make_state, on the GPU). Writes first_save.json.
@@ -33,9 +32,6 @@ def child(size: str, way: str, directory: str) -> dict:
     from gdsckpt.bench.workload import make_state
     if way == "cuda-alloc":
         pinned_pool._registered = lambda size: None  # the fallback: torch.empty(pin_memory=True)
-    elif way == "register-small":  # 4 KiB pages
-        registered = pinned_pool._registered
-        pinned_pool._registered = lambda size: registered(size, huge=False)
     state = make_state(size, device="cuda")
     torch.cuda.synchronize()
     out = {"way": way}
@@ -62,7 +58,7 @@ def child(size: str, way: str, directory: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="6GB")
-    ap.add_argument("--ways", default="register,register-small,cuda-alloc")
+    ap.add_argument("--ways", default="register,cuda-alloc")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--child", nargs=3, metavar=("SIZE", "WAY", "DIR"))
     args = ap.parse_args()
