@@ -10,8 +10,9 @@ Ways (each into N GB, the device source random bytes, the copy in 256 MiB pieces
   pageable         torch.empty (untouched), the copy into it (first touch inside the copy), then again (warm)
   pageable-huge    an anonymous mmap with MADV_HUGEPAGE, the copy into it, then again
   register         pageable memory touched first (memset), then cudaHostRegister, then the copy
-  pool-arenas(-huge) the pool's own kind of arenas (pinned_pool._registered; 4 KiB or transparent
-                   huge pages), made one after another on a second thread, then the copy
+  pool-arenas(-huge, -256MiB, -1024MiB) the pool's own kind of arenas (pinned_pool._registered;
+                   64 MiB on 4 KiB or transparent huge pages, or larger), made one after another
+                   on a second thread, then the copy
 Writes first_pool.json with the host's transparent hugepage setting.
 """
 
@@ -63,15 +64,23 @@ def pool_arena(size: int, huge: bool) -> torch.Tensor:
     if huge:
         m.madvise(mmap.MADV_HUGEPAGE)
     t = torch.frombuffer(m, dtype=torch.uint8)
+    t0 = time.perf_counter()
     t.fill_(0)
+    t1 = time.perf_counter()
     register(t.data_ptr(), size)
+    SPLIT["fill_s"] += t1 - t0
+    SPLIT["register_s"] += time.perf_counter() - t1
     return t
+
+
+SPLIT = {"fill_s": 0.0, "register_s": 0.0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only-arenas", action="store_true")
     args = ap.parse_args()
     n = int(args.gb * (1 << 30)) // POOL_ARENA_BYTES * POOL_ARENA_BYTES
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
@@ -84,7 +93,7 @@ def main() -> None:
         print(name, out["ways"][name][-1], flush=True)
 
     for _ in range(args.repeats):
-        for threads, name in ((1, "pinned-arenas"), (4, "pinned-4threads")):
+        for threads, name in () if args.only_arenas else ((1, "pinned-arenas"), (4, "pinned-4threads")):
             got, alloc = arenas(n, threads)
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -94,20 +103,24 @@ def main() -> None:
             record(name, {"alloc_s": alloc, "copy_s": time.perf_counter() - t})
             del got
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch keeps freed pinned blocks for reuse: the next way starts afresh
-        for huge in (True, False):  # the pool's own kind of arenas, made on another thread
-            t = time.perf_counter()
+        for size, huge in ((POOL_ARENA_BYTES, True), (POOL_ARENA_BYTES, False), (256 << 20, False), (1 << 30, False)):
+            SPLIT.update(fill_s=0.0, register_s=0.0)
+            t = time.perf_counter()  # the pool's own kind of arenas, made one after another on another thread
             with ThreadPoolExecutor(1) as ex:
-                got = ex.submit(lambda: [pool_arena(POOL_ARENA_BYTES, huge) for _ in range(n // POOL_ARENA_BYTES)]).result()
+                got = ex.submit(lambda: [pool_arena(size, huge) for _ in range(n // size)]).result()
             alloc = time.perf_counter() - t
             torch.cuda.synchronize()
             t = time.perf_counter()
             for i, a in enumerate(got):
-                a.copy_(src[i * POOL_ARENA_BYTES:(i + 1) * POOL_ARENA_BYTES], non_blocking=True)
+                a.copy_(src[i * size:(i + 1) * size], non_blocking=True)
             torch.cuda.synchronize()
-            record("pool-arenas" + ("-huge" if huge else ""), {"alloc_s": alloc, "copy_s": time.perf_counter() - t})
+            name = "pool-arenas" + ("-huge" if huge else "") + ("" if size == POOL_ARENA_BYTES else f"-{size >> 20}MiB")
+            record(name, {"alloc_s": alloc, "copy_s": time.perf_counter() - t} | SPLIT)
             for a in got:
                 unregister(a.data_ptr())
             del got
+        if args.only_arenas:
+            continue
         dst = torch.empty(n, dtype=torch.uint8)
         first = copy_into(dst, src)
         record("pageable", {"first_copy_s": first, "warm_copy_s": copy_into(dst, src)})
