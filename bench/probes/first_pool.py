@@ -56,16 +56,18 @@ def arenas(n: int, threads: int) -> tuple[list, float]:
     return out, time.perf_counter() - t
 
 
-def pool_arena(size: int, huge: bool) -> torch.Tensor:
+def pool_arena(size: int, huge: bool, touch: str = "fill") -> torch.Tensor:
     """pinned_pool._registered's arena (an anonymous mapping, filled, registered), optionally on
     transparent huge pages (MADV_HUGEPAGE), which the library tried and dropped: no faster here."""
-    m = mmap.mmap(-1, size)
+    populate = touch == "populate"  # the kernel faults every page in at mmap, not torch's fill
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0))
     m.madvise(mmap.MADV_DONTFORK)
     if huge:
         m.madvise(mmap.MADV_HUGEPAGE)
     t = torch.frombuffer(m, dtype=torch.uint8)
     t0 = time.perf_counter()
-    t.fill_(0)
+    if not populate:
+        t.fill_(0)
     t1 = time.perf_counter()
     register(t.data_ptr(), size)
     SPLIT["fill_s"] += t1 - t0
@@ -103,18 +105,27 @@ def main() -> None:
             record(name, {"alloc_s": alloc, "copy_s": time.perf_counter() - t})
             del got
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch keeps freed pinned blocks for reuse: the next way starts afresh
-        for size, huge in ((POOL_ARENA_BYTES, True), (POOL_ARENA_BYTES, False), (256 << 20, False), (1 << 30, False)):
+        for size, huge, where, touch in ((POOL_ARENA_BYTES, True, "thread", "fill"), (POOL_ARENA_BYTES, False, "thread", "fill"),
+                                         (256 << 20, False, "thread", "fill"), (1 << 30, False, "thread", "fill"),
+                                         (POOL_ARENA_BYTES, False, "main", "fill"), (POOL_ARENA_BYTES, False, "thread", "populate")):
             SPLIT.update(fill_s=0.0, register_s=0.0)
-            t = time.perf_counter()  # the pool's own kind of arenas, made one after another on another thread
-            with ThreadPoolExecutor(1) as ex:
-                got = ex.submit(lambda: [pool_arena(size, huge) for _ in range(n // size)]).result()
+            t = time.perf_counter()  # the pool's own kind of arenas, made one after another
+
+            def make():
+                return [pool_arena(size, huge, touch) for _ in range(n // size)]
+            if where == "main":
+                got = make()
+            else:
+                with ThreadPoolExecutor(1) as ex:
+                    got = ex.submit(make).result()
             alloc = time.perf_counter() - t
             torch.cuda.synchronize()
             t = time.perf_counter()
             for i, a in enumerate(got):
                 a.copy_(src[i * size:(i + 1) * size], non_blocking=True)
             torch.cuda.synchronize()
-            name = "pool-arenas" + ("-huge" if huge else "") + ("" if size == POOL_ARENA_BYTES else f"-{size >> 20}MiB")
+            name = "pool-arenas" + ("-huge" if huge else "") + ("" if size == POOL_ARENA_BYTES else f"-{size >> 20}MiB") \
+                + ("-main-thread" if where == "main" else "") + ("-populate" if touch == "populate" else "")
             record(name, {"alloc_s": alloc, "copy_s": time.perf_counter() - t} | SPLIT)
             for a in got:
                 unregister(a.data_ptr())
