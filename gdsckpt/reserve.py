@@ -5,8 +5,9 @@ a background thread, so that the first save blocks no longer than a steady one.
     ...                                         # training goes on meanwhile
     fut = gdsckpt.save_async(state, path)       # takes what is reserved so far, allocates no more than it may
 
-A first save_async allocates its host pool (pinned_pool.py) inside the call: pinned allocation
-costs ~0.5 s per GB (H100, 2026-11-23), so the first save blocked as long as a synchronous one.
+A first save_async allocates its host pool (pinned_pool.py) inside the call: page-locked memory
+costs ~0.25-0.5 s per GB (H100, 2026-11-24), so the first save blocks about as long as a
+synchronous one.
 A reservation, on its own thread:
 
 1. warms the backend a save of `state` runs on: one tiny snapshot (one codec-choice sample of
