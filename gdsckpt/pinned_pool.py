@@ -2,9 +2,9 @@
 
 One pool per device per process (`pool_for`), allocated as saves need it and reused by every
 later save. Memory comes in arenas: page-locked where the bytes come from a GPU, so the
-device-to-host copies run asynchronously at full PCIe speed (plain pages faulted in and then
-registered with CUDA: ~4x faster than CUDA's own pinned allocation); plain host memory on the
-CPU backend, where the "copy" is a memcpy. The pool holds stored bytes (what the codec emitted),
+device-to-host copies run asynchronously at full PCIe speed (plain pages faulted in, then
+registered with CUDA: a 5 GB first pool in 1.3-2.6 s where CUDA's own pinned allocator took
+2.4-3.5 s); plain host memory on the CPU backend, where the "copy" is a memcpy. The pool holds stored bytes (what the codec emitted),
 not logical bytes, and grows only as they arrive, so what it pins is about the stored size.
 
 An extent (one chunk record, rounded up to 4 KiB) is one or more pieces of arenas, each
@@ -24,6 +24,7 @@ is neither allocated nor being allocated: the two together stay within the bound
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import threading
 import time
@@ -31,6 +32,8 @@ import time
 import torch
 
 from .defaults import POOL_ARENA_BYTES
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT's alignment for offsets, lengths and buffers; also the file format's record alignment
 
@@ -44,9 +47,10 @@ def align_up(n: int) -> int:
 
 def _registered(size: int) -> torch.Tensor | None:
     """`size` bytes of anonymous memory (page-aligned, as cudaHostRegister and O_DIRECT want), every
-    page faulted in by torch's fill threads, then page-locked with cudaHostRegister: 4 GB in
-    0.5-0.6 s on the H100's host, where cudaHostAlloc (torch's pin_memory=True) took 2.4-3.2 s,
-    and as fast a target for device-to-host copies (bench/results/2026-11-24-h100-first-pool/).
+    page faulted in by torch's fill threads, then page-locked with cudaHostRegister: 4 GB of
+    arenas in 0.5-1.2 s on the H100's VMs (fresh memory the slower), where cudaHostAlloc (torch's
+    pin_memory=True) took 1.9-3.2 s, and as fast a target for device-to-host copies
+    (bench/results/2026-11-24-h100-first-pool/).
     None where the runtime refuses to register it. The tensor holds the mapping: it is unmapped
     with the last view of it. Not inherited by a forked child (a DataLoader worker), as
     cudaHostAlloc's memory is not: a child writing a page-locked page the parent shares
@@ -89,7 +93,10 @@ class _Arena:
         if self.registered:
             from .gpu.host_register import unregister
             self.registered = False
-            unregister(self.tensor.data_ptr())
+            try:
+                unregister(self.tensor.data_ptr())
+            except RuntimeError as e:  # the memory still goes: a trim must not fail over it
+                log.warning("gdsckpt: unlocking a pool arena: %s", e)
 
 
 class Extent:
@@ -149,7 +156,7 @@ class PinnedPool:
         could be reused. A snapshot passes what it has reserved so far, so that the first save
         leaves a pool that holds a whole save at once, and later saves allocate nothing; reusing
         what the writer freed meanwhile would size the pool to a race and make every later save
-        allocate a little more (page-locking costs ~0.14 s per GB: H100, 2026-11-24)."""
+        allocate a little more (page-locking costs ~0.25-0.5 s per GB: H100, 2026-11-24)."""
         need = align_up(nbytes)
         if need > limit:
             raise ValueError(f"a {need}-byte extent can never fit a pool limited to {limit} bytes")

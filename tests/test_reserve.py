@@ -356,11 +356,10 @@ def test_gpu_reserve_pins_the_pool_and_the_first_save_allocates_nothing(tmp_path
     assert gdsckpt.reserve(state, wait=True).result().allocated_bytes == 0
 
 
-
 @pytest.mark.gpu
 def test_gpu_pool_arenas_are_registered_pages_unlocked_on_release_and_kept_from_a_forked_child(tmp_path):
-    """The GPU pool's arenas are plain pages page-locked with cudaHostRegister (4x faster to make
-    than cudaHostAlloc's), which torch sees as pinned; release_pools unlocks them. A forked child
+    """The GPU pool's arenas are plain pages page-locked with cudaHostRegister (faster to make than
+    cudaHostAlloc's), which torch sees as pinned; release_pools unlocks them. A forked child
     (a DataLoader worker) does not inherit them: saves after it has run and written its own memory
     stay bit-exact."""
     g = torch.Generator(device="cuda").manual_seed(10)
@@ -386,6 +385,7 @@ def test_gpu_pool_arenas_are_registered_pages_unlocked_on_release_and_kept_from_
     pp.release_pools()
     assert not any(a.registered for a in arenas)
     assert pp.pools()[f"cuda:{torch.cuda.current_device()}"]["capacity_bytes"] == 0
+
 
 _FIRST_SAVE_MAKES_NO_CODEC = """
 import json, sys, torch, gdsckpt
