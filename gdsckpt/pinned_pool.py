@@ -73,11 +73,13 @@ class _Arena:
     __slots__ = ("tensor", "mv", "size", "free", "registered")
 
     def __init__(self, size: int, pinned: bool):
-        t = _registered(size) if pinned else None
-        self.registered = t is not None
-        if t is None and pinned:  # cudaHostRegister refused: torch's pinned allocator, which rounds to a power of two
-            t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        elif t is None:
+        if pinned:
+            t = _registered(size)
+            self.registered = t is not None
+            if t is None:  # cudaHostRegister refused: torch's pinned allocator, which rounds to a power of two
+                t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.registered = False
             t = torch.empty(size + ALIGN, dtype=torch.uint8)
         skew = -t.data_ptr() % ALIGN  # mappings and cudaHostAlloc return whole pages; plain memory may not
         if skew or not pinned:
