@@ -74,14 +74,16 @@ from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
 from dataclasses import fields
 
-from . import collector
+import torch
+
+from . import collector, defaults
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
-from .device_copy import cuda_device_of, on_device, snapshot_tensors
+from .device_copy import block_bytes, cuda_device_of, on_device, snapshot_tensors
 from .errors import BackgroundSaveError, SaveInFlightError
 from .host_snapshot import PoolDestination, SnapshotDestination, SnapshotTarget
 from .overlap import HookTimer, freeze_for_overlap, run_overlapped, wait_for_snapshot
 from .overlap import memory_of, optimizer_memory  # importable from here, as before
-from .pinned_pool import align_up, pools, release_pools
+from .pinned_pool import align_up, pool_for, pools, release_pools
 from .save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
 from .stats import AsyncStats, Stats
 from .storage import save_target, user_path
@@ -192,9 +194,12 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
                 dest = memory.destination(target, options)
             else:
                 dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
-            if mode is Snapshot.OVERLAP:
+            fut = None
+            if memory is None and (gpu := _copy_first(leaves)) is not None:
+                fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
+            if fut is None and mode is Snapshot.OVERLAP:
                 fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
-            else:
+            elif fut is None:
                 fut = _host_save(skeleton, leaves, dest, options, t0)
         _tracked.append((fut, mode, str(path)))
         return fut
@@ -232,8 +237,59 @@ def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optim
     return fut
 
 
+def _copy_first(leaves: list[Leaf]) -> int | None:
+    """The GPU of a state whose save finds that GPU's pool empty, nothing reserving it, and a copy of
+    the state fitting in defaults.FIRST_SAVE_COPY_FREE_FRACTION of the GPU's free memory: that
+    save copies the state first (_copied_save). None otherwise, and for a state on several GPUs."""
+    fraction = defaults.FIRST_SAVE_COPY_FREE_FRACTION
+    on_gpu = [l.tensor for l in leaves if l.tensor.is_cuda]
+    if fraction <= 0 or not on_gpu or len({t.device for t in on_gpu}) > 1:
+        return None
+    gpu = cuda_device_of(on_gpu)
+    pool = pool_for(torch.device("cuda", gpu))
+    if pool.capacity or pool.growing:
+        return None
+    free, _ = torch.cuda.mem_get_info(gpu)
+    return gpu if block_bytes(on_gpu) <= free * fraction else None
+
+
+def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int,
+                 options: SaveOptions, t0: float) -> SaveFuture | None:
+    """A save whose host pool is not there yet: the state copied on its GPU (one block from CUDA's
+    stream-ordered allocator), then the host snapshot taken from the copy on a background thread,
+    as an overlapped one is, growing the pool there; the copy goes back to the device once that
+    snapshot has ended. The call blocks for the copy alone, and no optimizer step waits. None
+    where CUDA refused the block (the caller then takes the snapshot as usual)."""
+    from .gpu.device_block import stream_ordered
+    try:
+        copies = snapshot_tensors([l.tensor for l in leaves], block=stream_ordered)
+    except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+        return None
+    held = [[Leaf(l.key, c) for l, c in zip(leaves, copies)]]
+    copied = block_bytes(c for c in copies if c.is_cuda)
+    del copies
+    fut = _new_future()
+    blocked = time.perf_counter() - t0
+
+    def snapshot():
+        copy = held.pop()
+        try:
+            return save_flat(skeleton, copy, dest, options)
+        finally:
+            del copy  # the block goes back here, not with the thread's frames
+
+    def finish(snap, error):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            _link(fut, dest, snap, mode, t0, blocked, copied=copied)
+
+    run_overlapped(snapshot, gpu, None, finish)
+    return fut
+
+
 def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: Snapshot, t0: float, blocked: float,
-          hook: HookTimer | None = None) -> None:
+          hook: HookTimer | None = None, copied: int = 0) -> None:
     """Complete `fut` when the bytes are where they go: the file committed by the writer, or the
     memory copy committed (or failed)."""
 
@@ -258,7 +314,8 @@ def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: Snapsho
                            queued_s=report.queued_s, background_s=report.background_s, write_s=report.write_s,
                            fsync_s=report.fsync_s, commit_s=report.commit_s, direct_io=report.direct_io,
                            pool_bytes=fig.host_bytes, pool_peak_bytes=fig.peak_bytes, pool_limit_bytes=fig.limit_bytes,
-                           pool_waits=fig.waits, pool_wait_s=fig.wait_s, pool_alloc_s=fig.alloc_s)
+                           pool_waits=fig.waits, pool_wait_s=fig.wait_s, pool_alloc_s=fig.alloc_s,
+                           device_copy_bytes=copied)
         if hook is not None:
             with hook.lock:
                 stats.hook_wait_s = hook.waited

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["side_stream", "snapshot_tensors", "cuda_device_of", "on_device", "settle"]
+__all__ = ["side_stream", "snapshot_tensors", "block_bytes", "cuda_device_of", "on_device", "settle"]
 
 _streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -27,11 +27,13 @@ def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
         return s
 
 
-def snapshot_tensors(tensors: list) -> list:
+def snapshot_tensors(tensors: list, block=None) -> list:
     """Contiguous private copies of `tensors`, each on the tensor's own device; complete on return.
 
     CUDA tensors are copied on a per-GPU side stream that waits for the GPU's current stream;
-    the side streams are synchronized before returning."""
+    the side streams are synchronized before returning. block(nbytes, device, stream): one
+    uint8 tensor per GPU that holds all its copies (views of it, each 256-byte aligned), where
+    None allocates each copy from torch's cache."""
     out: list = [None] * len(tensors)
     by_gpu: dict[torch.device, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
@@ -46,14 +48,32 @@ def snapshot_tensors(tensors: list) -> list:
         with torch.cuda.device(dev):
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
+                total = block_bytes(tensors[i] for i in idx) if block is not None else 0
+                flat, offset = block(total, dev, side) if total else None, 0
                 for i in idx:
                     src = tensors[i].detach()
-                    out[i] = torch.empty(src.shape, dtype=src.dtype, device=dev)
+                    if flat is None or src.nbytes == 0:
+                        out[i] = torch.empty(src.shape, dtype=src.dtype, device=dev)
+                    else:
+                        out[i] = flat[offset:offset + src.nbytes].view(src.dtype).view(src.shape)
+                        offset += _aligned(src.nbytes)
                     out[i].copy_(src, non_blocking=True)
         used.append(side)
     for side in used:
         side.synchronize()
     return out
+
+
+_BLOCK_ALIGN = 256  # what CUDA aligns its allocations to: a view of any dtype may start there
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _BLOCK_ALIGN) * _BLOCK_ALIGN
+
+
+def block_bytes(tensors) -> int:
+    """The bytes of one block that holds copies of `tensors` (snapshot_tensors' `block`)."""
+    return sum(_aligned(t.nbytes) for t in tensors)
 
 
 def cuda_device_of(tensors) -> int | None:

@@ -52,8 +52,9 @@ def run_overlapped(snapshot: Callable[[], Any], gpu: int | None, optimizer, fini
                    hook: HookTimer | None = None) -> None:
     """Run snapshot() on a background thread, on the GPU's "snapshot" side stream started after
     the work queued so far (not after later work), and make `optimizer`'s next step wait for it
-    (the wait goes to `hook`). finish(result, None) or finish(None, error) runs on that thread
-    before the step may go on."""
+    (the wait goes to `hook`; optimizer=None: a snapshot of private copies, which no step
+    waits for). finish(result, None) or finish(None, error) runs on that thread before the step
+    may go on."""
     fence = None
     if gpu is not None:
         fence = side_stream("snapshot", torch.device("cuda", gpu))
@@ -80,7 +81,8 @@ def run_overlapped(snapshot: Callable[[], Any], gpu: int | None, optimizer, fini
     except BaseException:
         _snapshot_done.set()
         raise
-    _install_hook(optimizer, done, hook)
+    if optimizer is not None:
+        _install_hook(optimizer, done, hook)
 
 
 class HookTimer:

@@ -23,6 +23,7 @@ import torch
 
 import gdsckpt
 from gdsckpt import async_save as am
+from gdsckpt import defaults
 from gdsckpt import background_writer as bw
 from gdsckpt import host_snapshot as hs
 from gdsckpt import overlap
@@ -419,6 +420,7 @@ def test_an_interrupted_host_copy_gives_its_room_back(tmp_path, monkeypatch, dev
     needed it waited forever. Now the room goes back with the error, KeyboardInterrupt included,
     and a save bounded to a single chunk's room runs at once."""
     opts = SMALL if device == "cpu" else dict(chunk_bytes=64 << 10)
+    monkeypatch.setattr(defaults, "FIRST_SAVE_COPY_FREE_FRACTION", 0)  # the copy into the pool in the call
     pool = "cpu" if device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     p = tmp_path / "ck.gdsckpt"
     gdsckpt.save(_state(50), p)
@@ -531,6 +533,7 @@ def test_device_mode_waits_for_host_saves_and_host_for_device(tmp_path, monkeypa
 
 @pytest.mark.gpu
 def test_gpu_snapshot_bit_exact_after_mutation_and_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(defaults, "FIRST_SAVE_COPY_FREE_FRACTION", 0)  # the snapshot in the call, into the pool
     held = HeldWriter(monkeypatch)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -554,7 +557,12 @@ def test_gpu_snapshot_bit_exact_after_mutation_and_memory(tmp_path, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_gpu_overlap_with_adamw(tmp_path):
+@pytest.mark.parametrize("first_copy", [False, True], ids=["pool-there", "pool-empty"])
+def test_gpu_overlap_with_adamw(tmp_path, monkeypatch, first_copy):
+    """The overlapped snapshot runs beside the next forward/backward and the step waits for it;
+    a save that finds the pool empty copies the state instead, and no step waits."""
+    if not first_copy:
+        monkeypatch.setattr(defaults, "FIRST_SAVE_COPY_FREE_FRACTION", 0)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.ReLU(),
@@ -568,12 +576,58 @@ def test_gpu_overlap_with_adamw(tmp_path):
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     want = _clone(state)
     fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", overlap=True, optimizer=opt, chunk_bytes=1 << 20)
+    assert len(opt._optimizer_step_pre_hooks) == (0 if first_copy else 1)
     model(x).square().mean().backward()  # runs with the snapshot; BatchNorm's buffers were copied
     opt.step()  # waits for the snapshot
     opt.zero_grad()
-    fut.result(60)
+    stats = fut.result(60)
     assert len(opt._optimizer_step_pre_hooks) == 0
+    assert (stats.device_copy_bytes > 0) == first_copy and stats.mode == "overlap"
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), want)
+
+
+@pytest.mark.gpu
+def test_gpu_first_save_copies_the_state_on_the_gpu_and_grows_the_pool_off_the_call(tmp_path):
+    """A save_async that finds its GPU's pool empty copies the state on the GPU (a block outside
+    torch's cache), returns, and takes the compressed snapshot from the copy on a background
+    thread, growing the pool there: the file is the state at the call although the state changes
+    right after it, the copy's memory goes back to the device, and the next save finds the pool."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    state = {"w": torch.randn(64 << 20, device=dev, generator=g),  # 256 MiB fp32
+             "h": torch.randn(4 << 20, device=dev, generator=g).to(torch.bfloat16),
+             "small": {k: v.to(dev) for k, v in all_dtype_tensors(n=1000).items()},
+             "empty": torch.empty(0, 3, device=dev), "step": torch.tensor(7.0)}
+    want = {k: _clone(v) for k, v in state.items()}
+    gpu_bytes = sum(t.nbytes for t in tensors_of(state) if t.is_cuda)
+    pp.release_pools()
+    torch.cuda.synchronize()
+    free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", chunk_bytes=32 << 20)
+    for t in tensors_of(state):  # queued on the current stream right after the call
+        if t.numel():
+            t.reshape(-1).view(torch.uint8).bitwise_not_()
+    first = fut.result(60)
+    assert first.mode == "host" and gpu_bytes <= first.device_copy_bytes < gpu_bytes + 64 * 256
+    assert first.pool_alloc_s > 0 and first.pool_bytes >= first.stored_bytes
+    assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), want)
+    torch.cuda.synchronize()
+    kept = free0 - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - reserved0)
+    assert kept < gpu_bytes // 2, f"{kept} bytes of device memory not given back after the first save"
+    second = gdsckpt.save_async(state, tmp_path / "b.gdsckpt", chunk_bytes=32 << 20).result(60)
+    assert second.device_copy_bytes == 0 and second.pool_alloc_s == 0.0
+    assert_same(gdsckpt.load(tmp_path / "b.gdsckpt"), state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fraction", [0, 1e-9], ids=["off", "no-room"])
+def test_gpu_first_save_takes_no_copy_when_turned_off_or_without_room(tmp_path, monkeypatch, fraction):
+    monkeypatch.setattr(defaults, "FIRST_SAVE_COPY_FREE_FRACTION", fraction)
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    pp.release_pools()
+    stats = gdsckpt.save_async(state, tmp_path / "a.gdsckpt").result(60)
+    assert stats.device_copy_bytes == 0 and stats.pool_alloc_s > 0
+    assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), state)
 
 
 def test_save_async_writes_through_a_symlink_and_keeps_the_mode(tmp_path):

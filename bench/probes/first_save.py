@@ -1,9 +1,11 @@
 """Issue 22, target 3, for a user who never calls reserve: a new process's first save_async, how
 long it blocks and how much of that is the host pool's allocation, then a steady save, then
-reserve() and the save after it; with the pool's arenas page-locked by cudaHostRegister (the
-library's way) or by CUDA's own pinned allocator (`cuda-alloc`, the earlier way).
+reserve() and the save after it. Ways: `copy` (the library's: a first save that finds the pool
+empty copies the state on the GPU and grows the pool on a background thread), `register` (no
+copy: the pool's arenas grown in the call, page-locked by cudaHostRegister), `cuda-alloc` (no
+copy, arenas from CUDA's own pinned allocator: the earlier way).
 
-    OUT=dir python bench/probes/first_save.py [--size 6GB] [--ways register,cuda-alloc] [--repeats 2]
+    OUT=dir python bench/probes/first_save.py [--size 6GB] [--ways copy,register] [--repeats 2]
 
 Each (way, repeat) runs in a fresh process, alternating ways. State: the bench's realistic one
 (gdsckpt.bench.workload.make_state, on the GPU). Writes first_save.json.
@@ -28,8 +30,10 @@ def child(size: str, way: str, directory: str) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import gdsckpt
-    from gdsckpt import pinned_pool
+    from gdsckpt import defaults, pinned_pool
     from gdsckpt.bench.workload import make_state
+    if way != "copy":
+        defaults.FIRST_SAVE_COPY_FREE_FRACTION = 0
     if way == "cuda-alloc":
         pinned_pool._registered = lambda size: None  # the fallback: torch.empty(pin_memory=True)
     state = make_state(size, device="cuda")
@@ -42,6 +46,7 @@ def child(size: str, way: str, directory: str) -> dict:
         call = time.perf_counter() - t
         s = fut.result()
         return {f"{name}_call_s": call, f"{name}_blocked_s": s.blocked_s, f"{name}_pool_alloc_s": s.pool_alloc_s,
+                f"{name}_device_copy_bytes": s.device_copy_bytes, f"{name}_snapshot_s": s.snapshot_s,
                 f"{name}_durable_s": time.perf_counter() - t, f"{name}_pool_bytes": s.pool_bytes,
                 "stored_bytes": s.file_bytes, "io_path": s.io_path}
 
@@ -58,7 +63,7 @@ def child(size: str, way: str, directory: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="6GB")
-    ap.add_argument("--ways", default="register,cuda-alloc")
+    ap.add_argument("--ways", default="copy,register")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--child", nargs=3, metavar=("SIZE", "WAY", "DIR"))
     args = ap.parse_args()
