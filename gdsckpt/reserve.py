@@ -5,10 +5,11 @@ a background thread, so that the first save blocks no longer than a steady one.
     ...                                         # training goes on meanwhile
     fut = gdsckpt.save_async(state, path)       # takes what is reserved so far, allocates no more than it may
 
-A first save_async allocates its host pool (pinned_pool.py) inside the call: page-locked memory
-costs ~0.25-0.5 s per GB (H100, 2026-11-24), so the first save blocks about as long as a
-synchronous one.
-A reservation, on its own thread:
+A first save_async allocates its host pool (pinned_pool.py), and page-locked memory costs
+~0.25-0.5 s per GB (H100, 2026-11-24). Unreserved, that save either copies the state on the GPU
+and grows the pool from the copy off the call (async_save._copied_save, where the GPU has room),
+or grows it inside the call, blocking about as long as a synchronous save. A reservation, on its
+own thread:
 
 1. warms the backend a save of `state` runs on: one tiny snapshot (one codec-choice sample of
    zeros per dtype of `state`, on its device, discarded), which makes the per-device codecs
