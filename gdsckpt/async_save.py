@@ -42,8 +42,9 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   (the process's first, or the first after release_pools): the state is copied on the GPU where
   defaults.FIRST_SAVE_COPY_FREE_FRACTION of its free memory holds the copy, save_async returns,
   and the host snapshot is taken from the copy on a background thread, growing the pool there
-  (_copied_save); no optimizer step waits for it. Page-locking a pool of ~5 GB in the call
-  blocked a first save 2 s on the H100's VMs; the copy, 0.07-0.13 s beyond a steady save.
+  (_copied_save, device_copy.copy_first); no optimizer step waits for it. Page-locking a pool
+  of ~5 GB in the call blocked a first save 2 s on the H100's VMs; the copy, 0.07-0.13 s beyond
+  a steady save.
 
 * snapshot="device": the previous behaviour, for hosts with spare GPU memory: every tensor
   is copied on its own device (a full copy of the state, held until the write ends), then
@@ -81,16 +82,14 @@ from concurrent.futures import Future
 from concurrent.futures import wait as _wait_for
 from dataclasses import fields
 
-import torch
-
-from . import collector, defaults
+from . import collector
 from .defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
-from .device_copy import block_bytes, cuda_device_of, on_device, snapshot_tensors
+from .device_copy import block_bytes, copy_first, cuda_device_of, on_device, outside_cache, snapshot_tensors
 from .errors import BackgroundSaveError, SaveInFlightError
 from .host_snapshot import PoolDestination, SnapshotDestination, SnapshotTarget
 from .overlap import HookTimer, freeze_for_overlap, run_overlapped, wait_for_snapshot
 from .overlap import memory_of, optimizer_memory  # importable from here, as before
-from .pinned_pool import align_up, pool_for, pools, release_pools
+from .pinned_pool import align_up, pools, release_pools
 from .save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
 from .stats import AsyncStats, Stats
 from .storage import save_target, user_path
@@ -202,7 +201,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             else:
                 dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
             fut = None
-            if memory is None and (gpu := _copy_first(leaves)) is not None:
+            if memory is None and (gpu := copy_first([l.tensor for l in leaves])) is not None:
                 fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
             if fut is None and mode is Snapshot.OVERLAP:
                 fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
@@ -244,22 +243,6 @@ def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optim
     return fut
 
 
-def _copy_first(leaves: list[Leaf]) -> int | None:
-    """The GPU of a state whose save finds that GPU's pool empty, nothing reserving it, and a copy of
-    the state fitting in defaults.FIRST_SAVE_COPY_FREE_FRACTION of the GPU's free memory: that
-    save copies the state first (_copied_save). None otherwise, and for a state on several GPUs."""
-    fraction = defaults.FIRST_SAVE_COPY_FREE_FRACTION
-    on_gpu = [l.tensor for l in leaves if l.tensor.is_cuda]
-    if fraction <= 0 or not on_gpu or len({t.device for t in on_gpu}) > 1:
-        return None
-    gpu = cuda_device_of(on_gpu)
-    pool = pool_for(torch.device("cuda", gpu))
-    if pool.capacity or pool.growing:
-        return None
-    free, _ = torch.cuda.mem_get_info(gpu)
-    return gpu if block_bytes(on_gpu) <= free * fraction else None
-
-
 def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int,
                  options: SaveOptions, t0: float) -> SaveFuture | None:
     """A save whose host pool is not there yet: the state copied on its GPU (one block from CUDA's
@@ -267,9 +250,8 @@ def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: 
     as an overlapped one is, growing the pool there; the copy goes back to the device once that
     snapshot has ended. The call blocks for the copy alone, and no optimizer step waits. None
     where CUDA refused the block (the caller then takes the snapshot as usual)."""
-    from .gpu.device_block import stream_ordered
     try:
-        copies = snapshot_tensors([l.tensor for l in leaves], block=stream_ordered)
+        copies = snapshot_tensors([l.tensor for l in leaves], block=outside_cache)
     except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
         return None
     held = [[Leaf(l.key, c) for l, c in zip(leaves, copies)]]

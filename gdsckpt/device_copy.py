@@ -11,7 +11,10 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["side_stream", "snapshot_tensors", "block_bytes", "cuda_device_of", "on_device", "settle"]
+from . import defaults
+from .pinned_pool import pool_for
+
+__all__ = ["side_stream", "snapshot_tensors", "block_bytes", "copy_first", "outside_cache", "cuda_device_of", "on_device", "settle"]
 
 _streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -74,6 +77,31 @@ def _aligned(n: int) -> int:
 def block_bytes(tensors) -> int:
     """The bytes of one block that holds copies of `tensors` (snapshot_tensors' `block`)."""
     return sum(_aligned(t.nbytes) for t in tensors)
+
+
+def outside_cache(nbytes: int, device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
+    """snapshot_tensors' `block` from CUDA's stream-ordered allocator, not torch's cache: it goes
+    back to the device with the last copy in it (gpu/device_block.py)."""
+    from .gpu.device_block import stream_ordered
+    return stream_ordered(nbytes, device, stream)
+
+
+def copy_first(tensors: list) -> int | None:
+    """The GPU of a save's tensors where that save should copy them there first and take its
+    compressed snapshot from the copy off the call (save_async, GdsckptWriter's staging): its
+    host pool is empty with nothing reserving it (the process's first save, or the first after
+    release_pools), and one block of copies fits in defaults.FIRST_SAVE_COPY_FREE_FRACTION of the
+    GPU's free memory. None otherwise, and for tensors on several GPUs."""
+    fraction = defaults.FIRST_SAVE_COPY_FREE_FRACTION
+    on_gpu = [t for t in tensors if t.is_cuda]
+    if fraction <= 0 or not on_gpu or len({t.device for t in on_gpu}) > 1:
+        return None
+    gpu = cuda_device_of(on_gpu)
+    pool = pool_for(torch.device("cuda", gpu))
+    if pool.capacity or pool.growing:
+        return None
+    free, _ = torch.cuda.mem_get_info(gpu)
+    return gpu if block_bytes(on_gpu) <= free * fraction else None
 
 
 def cuda_device_of(tensors) -> int | None:

@@ -319,3 +319,55 @@ def test_checkpointer_reserve_under_torch_distributed(tmp_path, one_rank_group):
         assert pp.pools()["cpu"]["capacity_bytes"] == r.held_bytes
         assert ck.steps() == [1]
     pp.release_pools()
+
+
+def _to_cuda(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cuda()
+    if isinstance(obj, dict):
+        return {k: _to_cuda(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cuda(v) for v in obj]
+    return obj
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("snapshot", ["host", "overlap"])
+def test_gpu_first_staging_copies_the_state_on_the_gpu(tmp_path, one_rank_group, monkeypatch, snapshot):
+    """A staging that finds the GPU's pool empty (no gdsckpt.dcp.reserve) copies the state on the
+    GPU, outside torch's cache, and compresses it into the pool on a background thread, as
+    save_async's first save does (no optimizer step waits): the checkpoint is the state at the
+    call although the state changes right after it; the next staging finds the pool and copies
+    nothing."""
+    from gdsckpt import pinned_pool as pp
+    copies = []
+
+    def outside_cache(nbytes, device, stream):  # the real block; the test counts the copies
+        copies.append(nbytes)
+        return real(nbytes, device, stream)
+
+    real = dcp_writer.outside_cache
+    monkeypatch.setattr(dcp_writer, "outside_cache", outside_cache)
+    pp.release_pools()
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    kw = {"snapshot": snapshot, "chunk_bytes": 64 << 10} | ({"optimizer": opt} if snapshot == "overlap" else {})
+    for i in range(2):
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i}
+        want = _to_cuda({"model": {k: v.clone() for k, v in state["model"].items()},
+                         "optim": {"state": {p: {k: v.clone() for k, v in s.items()}
+                                             for p, s in state["optim"]["state"].items()}}})
+        resp = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / f"a{i}", **kw))
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        opt.step()  # training goes on (overlap: the step waits for a snapshot that reads in place)
+        getattr(resp, "upload_completion", resp).result()
+        assert len(copies) == 1 and copies[0] > 0  # the first staging only
+        assert pp.pools()[f"cuda:{torch.cuda.current_device()}"]["capacity_bytes"] > 0
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                  "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
+                                      for p, s in state["optim"]["state"].items()}}}
+        dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"a{i}"))
+        assert_same(target, want)
+    pp.release_pools()

@@ -117,16 +117,17 @@ def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **wr
     return reserve_pool(tensors, wait=wait, **{k: v for k, v in writer_options.items() if k in names})
 
 
-def snapshot_state_dict(obj, keep=lambda t: False):
+def snapshot_state_dict(obj, keep=lambda t: False, block=None):
     """A private copy of a DCP state dict: tensors (plain or DTensor, whose local shards are
-    copied on their own device) through `snapshot_tensors`, except those for which keep(local
-    tensor) holds (kept as they are); containers rebuilt, any other object deep-copied. The
-    "device" staging of GdsckptWriter, and the call-time part of its overlapped one."""
+    copied on their own device) through `snapshot_tensors` (and its `block`), except those for
+    which keep(local tensor) holds (kept as they are); containers rebuilt, any other object
+    deep-copied. The "device" staging of GdsckptWriter, and the call-time part of its overlapped
+    one and of a first save's."""
     from torch.distributed.tensor import DTensor
 
     found = state_tensors(obj)
     kept = [keep(t) for t in found]  # decided once per tensor, in the order rebuild meets them
-    copied = iter(snapshot_tensors([t for t, k in zip(found, kept) if not k]))
+    copied = iter(snapshot_tensors([t for t, k in zip(found, kept) if not k], block=block))
     decisions = iter(kept)
 
     def rebuild(o):

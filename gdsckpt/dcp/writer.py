@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..defaults import RING_DEPTH
-from ..device_copy import cuda_device_of, on_device, settle
+from ..device_copy import copy_first, cuda_device_of, on_device, outside_cache, settle
 from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
 from ..overlap import StepOwned, run_overlapped, wait_for_snapshot
 from ..save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
@@ -45,7 +45,7 @@ from ..tree import flatten
 from .layout import DCP_VERSION, RANK_FILE, SUFFIX, item_key, local_dir_id, metadata_path
 from .metadata import write_metadata
 from .results import PreparedWrite, RankResults, byte_tensor, prepare_write, reuse_write, storage_data_of
-from .staging import Staged, data_address, snapshot_state_dict, stage_compressed
+from .staging import Staged, data_address, snapshot_state_dict, stage_compressed, state_tensors
 
 __all__ = ["GdsckptWriter", "WRITER_MODES"]
 
@@ -313,8 +313,12 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         if self.snapshot in (Snapshot.HOST, Snapshot.OVERLAP):
             wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
             _drop_staged(self._staged)  # an earlier staging that no write_data took
-            if self.snapshot is Snapshot.OVERLAP:
-                return self._stage_overlapped(state_dict)
+            gpu = copy_first(state_tensors(state_dict))
+            staging = self._stage_overlapped(state_dict, gpu) if gpu is not None else None
+            if staging is None and self.snapshot is Snapshot.OVERLAP:
+                staging = self._stage_overlapped(state_dict, None)
+            if staging is not None:
+                return staging
             state, self._staged[0] = stage_compressed(state_dict, self.options)
             return state
         if self.snapshot is Snapshot.CPU:
@@ -326,9 +330,21 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 stager.close()
         return snapshot_state_dict(state_dict)
 
-    def _stage_overlapped(self, state_dict) -> ConcurrentFuture:
-        owned = StepOwned(self.optimizer)
-        frozen = snapshot_state_dict(state_dict, keep=owned.__contains__)
+    def _stage_overlapped(self, state_dict, first_copy: int | None) -> ConcurrentFuture | None:
+        """The compressed staging on a background thread, from a copy taken now: overlapped (the
+        optimizer's memory read in place, its next step waiting), or, first_copy (a GPU: the pool
+        is empty, save_async's _copied_save), every tensor copied there and no step waiting.
+        None where CUDA refused the first copy's block."""
+        if first_copy is None:
+            owned = StepOwned(self.optimizer)
+            frozen = snapshot_state_dict(state_dict, keep=owned.__contains__)
+            gpu, optimizer = owned.gpu(), self.optimizer  # the snapshot reads the optimizer's memory: fence its GPU
+        else:
+            try:
+                frozen = snapshot_state_dict(state_dict, block=outside_cache)
+            except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+                return None
+            gpu, optimizer = first_copy, None
         staging: ConcurrentFuture = ConcurrentFuture()
         staging.set_running_or_notify_cancel()
 
@@ -339,9 +355,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 state, self._staged[0] = result
                 staging.set_result(state)
 
-        # the snapshot reads in place only the optimizer's memory: its GPU is the one to fence
-        gpu = owned.gpu()
-        run_overlapped(lambda: stage_compressed(frozen, self.options), gpu, self.optimizer, finish)
+        run_overlapped(lambda: stage_compressed(frozen, self.options), gpu, optimizer, finish)
         return staging
 
     def synchronize_staging(self) -> None:
