@@ -14,8 +14,9 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   copy throughput, not for the disk. A background thread then only writes the pool's bytes to
   a temporary file (O_DIRECT where the file system allows it), fsyncs it and renames it over
   `path` exactly as `save` does. Extra GPU memory: the ring (about 835 MiB at the defaults),
-  and a copy of the state only in a save that finds its pool empty (below). Host memory: the pool (gdsckpt/pinned_pool.py), allocated by the
-  first saves and reused, holding stored (compressed) bytes; bounded by `pool_bytes` (default:
+  and a copy of the state only in a save that finds its pool empty (below). Host memory: the
+  pool (gdsckpt/pinned_pool.py), allocated by the first saves and reused, holding stored
+  (compressed) bytes; bounded by `pool_bytes` (default:
   the most the save can store: its logical size, chunk by chunk rounded up to 4 KiB; at most
   half the host's memory; defaults.POOL_*). A save that finds the pool full waits for the
   writer to free room (back-pressure): that wait is part of the call, reported as

@@ -98,14 +98,15 @@ POOL_HOST_FRACTION = 0.5
 # every request up to, so nothing is lost to rounding; small enough that the pool ends at most
 # one arena (1.5% of a 4.3 GB state) above what a save needed.
 POOL_ARENA_BYTES = 64 << 20
-# A save_async that finds its GPU's pool empty (the process's first, or the first after
-# release_pools) and has no reservation growing it copies the state on the GPU first, when the
-# copy fits in this share of the device's free memory (cudaMemGetInfo: memory no allocator of
-# the process holds), and takes the host snapshot from the copy on a background thread, growing
-# the pool there. Page-locking ~5 GB inside the call blocked a first save 1.9-2.9 s beyond a
-# steady one (H100, 2026-11-24-h100-first-pool/). The copy comes from CUDA's stream-ordered
-# allocator, not torch's cache, and goes back to the device once the snapshot has ended; 0
-# turns the copy off (the first save then grows the pool in its call).
+# A save_async (or GdsckptWriter's compressed staging) that finds its GPU's pool empty (the
+# process's first, or the first after release_pools) and has no reservation growing it copies
+# the state on the GPU first (device_copy.copy_first), when the copy fits in this share of the
+# device's free memory (cudaMemGetInfo: memory no allocator of the process holds), and takes the
+# host snapshot from the copy on a background thread, growing the pool there. Page-locking ~5 GB
+# inside the call blocked a first save 2.1-2.2 s beyond a steady one; the copy, 0.07-0.13 s
+# (H100, 2026-11-24-h100-first-copy/). The copy comes from CUDA's stream-ordered allocator, not
+# torch's cache, and goes back to the device once the snapshot has ended. 0 turns the copy off
+# (the first save then grows the pool in its call).
 FIRST_SAVE_COPY_FREE_FRACTION = 0.5
 # The background writer opens the file with O_DIRECT (falls back to buffered writes where the
 # file system refuses it): pinned bytes go to the disk without a page-cache copy, so the

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..defaults import RING_DEPTH
-from ..device_copy import copy_first, cuda_device_of, on_device, outside_cache, settle
+from ..device_copy import copy_first, cuda_device_of, may_copy_first, on_device, outside_cache, settle
 from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
 from ..overlap import StepOwned, run_overlapped, wait_for_snapshot
 from ..save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
@@ -313,7 +313,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         if self.snapshot in (Snapshot.HOST, Snapshot.OVERLAP):
             wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
             _drop_staged(self._staged)  # an earlier staging that no write_data took
-            gpu = copy_first(state_tensors(state_dict))
+            gpu = copy_first(state_tensors(state_dict)) if may_copy_first() else None
             staging = self._stage_overlapped(state_dict, gpu) if gpu is not None else None
             if staging is None and self.snapshot is Snapshot.OVERLAP:
                 staging = self._stage_overlapped(state_dict, None)
