@@ -229,19 +229,7 @@ def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optim
                   t0: float) -> SaveFuture:
     tensors = freeze_for_overlap([l.tensor for l in leaves], optimizer)
     frozen = [l if l.tensor is t else Leaf(l.key, t) for l, t in zip(leaves, tensors)]
-    fut = _new_future()
-    hook = HookTimer()
-    blocked = time.perf_counter() - t0
-
-    def finish(snap, error):
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            _link(fut, dest, snap, Snapshot.OVERLAP, t0, blocked, hook)
-
-    run_overlapped(lambda: save_flat(skeleton, frozen, dest, options), cuda_device_of(tensors), optimizer,
-                   finish, hook)
-    return fut
+    return _in_background(skeleton, frozen, dest, Snapshot.OVERLAP, cuda_device_of(tensors), optimizer, options, t0)
 
 
 def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int,
@@ -249,32 +237,32 @@ def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: 
     """A save whose host pool is not there yet: the state copied on its GPU (one block from CUDA's
     stream-ordered allocator), then the host snapshot taken from the copy on a background thread,
     as an overlapped one is, growing the pool there; the copy goes back to the device once that
-    snapshot has ended. The call blocks for the copy alone, and no optimizer step waits. None
+    thread has ended. The call blocks for the copy alone, and no optimizer step waits. None
     where CUDA refused the block (the caller then takes the snapshot as usual)."""
     try:
         copies = snapshot_tensors([l.tensor for l in leaves], block=outside_cache)
     except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
         return None
-    held = [[Leaf(l.key, c) for l, c in zip(leaves, copies)]]
-    copied = block_bytes(c for c in copies if c.is_cuda)
-    del copies
-    fut = _new_future()
-    blocked = time.perf_counter() - t0
+    frozen = [Leaf(l.key, c) for l, c in zip(leaves, copies)]
+    return _in_background(skeleton, frozen, dest, mode, gpu, None, options, t0,
+                          copied=block_bytes(c for c in copies if c.is_cuda))
 
-    def snapshot():
-        copy = held.pop()
-        try:
-            return save_flat(skeleton, copy, dest, options)
-        finally:
-            del copy  # the block goes back here, not with the thread's frames
+
+def _in_background(skeleton, frozen: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int | None,
+                   optimizer, options: SaveOptions, t0: float, copied: int = 0) -> SaveFuture:
+    """The host snapshot of `frozen` on a background thread (overlap.run_overlapped; with an
+    optimizer, its next step waits for it); the call's time so far is what it blocked."""
+    fut = _new_future()
+    hook = HookTimer() if optimizer is not None else None
+    blocked = time.perf_counter() - t0
 
     def finish(snap, error):
         if error is not None:
             fut.set_exception(error)
         else:
-            _link(fut, dest, snap, mode, t0, blocked, copied=copied)
+            _link(fut, dest, snap, mode, t0, blocked, hook, copied)
 
-    run_overlapped(snapshot, gpu, None, finish)
+    run_overlapped(lambda: save_flat(skeleton, frozen, dest, options), gpu, optimizer, finish, hook)
     return fut
 
 

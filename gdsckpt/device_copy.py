@@ -98,8 +98,7 @@ def copy_first(tensors: list) -> int | None:
     gpu = cuda_device_of(tensors) if defaults.FIRST_SAVE_COPY_FREE_FRACTION > 0 else None
     if gpu is None:
         return None
-    pool = pool_for(torch.device("cuda", gpu))
-    if pool.capacity or pool.growing:
+    if not _pool_empty(gpu):
         return None
     on_gpu = [t for t in tensors if t.is_cuda]
     if any(t.device.index != gpu for t in on_gpu):
@@ -114,7 +113,12 @@ def may_copy_first() -> bool:
     copy_first's list of tensors costs (~1 ms for 1,200 tensors)."""
     if defaults.FIRST_SAVE_COPY_FREE_FRACTION <= 0 or not torch.cuda.is_available():
         return False
-    pool = pool_for(torch.device("cuda", torch.cuda.current_device()))
+    return _pool_empty(torch.cuda.current_device())
+
+
+def _pool_empty(gpu: int) -> bool:
+    """GPU `gpu`'s host pool holds nothing and nothing is growing it (no reservation running)."""
+    pool = pool_for(torch.device("cuda", gpu))
     return not (pool.capacity or pool.growing)
 
 
