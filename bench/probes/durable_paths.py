@@ -18,6 +18,11 @@ stages and where the rest of its time went: `Phases`; atomic=True unless `--no-a
 read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
+
+`--task-sizes 16,64` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
+with KvikIO's task and bounce buffer both that many MiB: in compat mode each KvikIO thread reads
+one bounce buffer at a time and copies it to the GPU before its next read (4 MiB tasks, 16 MiB
+buffers by default), so these set how much the disk is asked for at once.
 """
 
 from __future__ import annotations
@@ -101,6 +106,14 @@ class Phases:
         return end - t0, stats, {k: round(v, 3) for k, v in phases.items()}
 
 
+def task_size(mib: int | None):
+    """KvikIO's task and bounce buffer size for what runs inside (its defaults where None)."""
+    import contextlib
+
+    import kvikio
+    return kvikio.defaults.set({"task_size": mib << 20, "bounce_buffer_size": mib << 20}) if mib else contextlib.nullcontext()
+
+
 def kvikio_read(path: Path) -> float:
     """GB/s of KvikIO reading the whole file into one device buffer, with the settings gdsckpt's
     reads use (its thread count, O_DIRECT, compat or GDS): the I/O under load_into, alone."""
@@ -132,6 +145,7 @@ def main() -> None:
     ap.add_argument("--load-options", default="",
                     help="more atomic=False restores, each with these Checkpoint options: "
                          "'ring_depth=4;io_threads=8;ring_depth=4,io_threads=8'")
+    ap.add_argument("--task-sizes", default="", help="more reads with KvikIO's task and bounce buffer this many MiB: '16,64'")
     args = ap.parse_args()
     d = Path(args.dir) / "gdsckpt-durable-paths"
     d.mkdir(parents=True, exist_ok=True)
@@ -181,6 +195,14 @@ def main() -> None:
             row[f"load_into_atomic_{atomic}_stored_gbps"] = round(size / seconds / 1e9, 3)
             row[f"load_into_atomic_{atomic}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
             row["io_path"] = stats.io_path
+        for mib in (int(m) for m in filter(None, args.task_sizes.split(","))):
+            with task_size(mib):
+                if args.kvikio_read:
+                    row[f"kvikio_read_task{mib}M_gbps"] = round(kvikio_read(p), 3)
+                drop_page_cache(p)
+                seconds, stats, marks = phases.load(p, state, atomic=False)
+            row[f"load_into_task{mib}M_stored_gbps"] = round(size / seconds / 1e9, 3)
+            row[f"load_into_task{mib}M_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
         for opts in filter(None, args.load_options.split(";")):
             kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(","))}
             drop_page_cache(p)
