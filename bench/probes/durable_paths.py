@@ -22,7 +22,8 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 `--task-sizes 16,64` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
 with KvikIO's task and bounce buffer both that many MiB: in compat mode each KvikIO thread reads
 one bounce buffer at a time and copies it to the GPU before its next read (4 MiB tasks, 16 MiB
-buffers by default), so these set how much the disk is asked for at once.
+buffers by default), so these set how much the disk is asked for at once. The reads' order turns
+each loop. `--save-loops N` times N saves per path instead of --loops.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="6GB")
     ap.add_argument("--loops", type=int, default=2)
+    ap.add_argument("--save-loops", type=int, help="timed saves per path (default --loops)")
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"))
     ap.add_argument("--paths", default="save,save-16t,pool-1GiB,pool-state")
     ap.add_argument("--kvikio-read", action="store_true")
@@ -165,7 +167,7 @@ def main() -> None:
         p = d / f"{name}.gdsckpt"
         fn(p)  # untimed: first use (pool pinned, codecs made)
         rows = []
-        for _ in range(args.loops):
+        for _ in range(args.loops if args.save_loops is None else args.save_loops):
             torch.cuda.synchronize()
             t = time.perf_counter()
             stats = fn(p)
@@ -185,24 +187,23 @@ def main() -> None:
     reads = {"file": p.name, "file_bytes": size, "loops": []}
     atomics = (False,) if args.no_atomic else (False, True)
     phases = Phases()
-    for _ in range(args.loops):
+    # KvikIO's defaults first, then each --task-sizes, in an order turned by one each loop: the
+    # disk drifts within a loop, which would otherwise favour whichever reads first.
+    tasks = [None] + [int(m) for m in filter(None, args.task_sizes.split(","))]
+    for loop in range(args.loops):
         row = {f"direct_read_{t}t_gbps": round(direct_read(p, t), 3) for t in (1, 4, 8)}
-        if args.kvikio_read:
-            row["kvikio_read_gbps"] = round(kvikio_read(p), 3)
-        for atomic in atomics:
-            drop_page_cache(p)
-            seconds, stats, marks = phases.load(p, state, atomic=atomic)
-            row[f"load_into_atomic_{atomic}_stored_gbps"] = round(size / seconds / 1e9, 3)
-            row[f"load_into_atomic_{atomic}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
-            row["io_path"] = stats.io_path
-        for mib in (int(m) for m in filter(None, args.task_sizes.split(","))):
+        for mib in tasks[loop % len(tasks):] + tasks[:loop % len(tasks)]:
+            tag = f"_task{mib}M" if mib else ""
             with task_size(mib):
                 if args.kvikio_read:
-                    row[f"kvikio_read_task{mib}M_gbps"] = round(kvikio_read(p), 3)
-                drop_page_cache(p)
-                seconds, stats, marks = phases.load(p, state, atomic=False)
-            row[f"load_into_task{mib}M_stored_gbps"] = round(size / seconds / 1e9, 3)
-            row[f"load_into_task{mib}M_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
+                    row[f"kvikio_read{tag}_gbps"] = round(kvikio_read(p), 3)
+                for atomic in atomics if mib is None else (False,):
+                    name = f"load_into_atomic_{atomic}" if mib is None else f"load_into{tag}"
+                    drop_page_cache(p)
+                    seconds, stats, marks = phases.load(p, state, atomic=atomic)
+                    row[f"{name}_stored_gbps"] = round(size / seconds / 1e9, 3)
+                    row[f"{name}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
+                    row["io_path"] = stats.io_path
         for opts in filter(None, args.load_options.split(";")):
             kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(","))}
             drop_page_cache(p)
