@@ -56,15 +56,16 @@ def check_gds(io: str, kind: str, op: str) -> None:
             "backend='gpu' on a host whose cuFile has GDS")
 
 
-def make_backend(kind: str, *, io: str = "auto", io_threads: int | None = None):
-    """kind: "gpu" or "cpu". io: "auto", "gds" or "compat" (GPU only). io_threads: I/O workers."""
+def make_backend(kind: str, *, io: str = "auto", io_threads: int | None = None, read_task_bytes: int | None = None):
+    """kind: "gpu" or "cpu". io: "auto", "gds" or "compat" (GPU only). io_threads: I/O workers.
+    read_task_bytes: KvikIO's task and bounce buffer for a read (GPU only; None: KvikIO's)."""
     if kind == "cpu":
         return CpuBackend(io_threads) if io_threads else CpuBackend()
     ok, why = gpu_status()
     if not ok:
         raise BackendUnavailableError(f"the GPU backend is not available: {why}")
     from .gpu.backend import GpuBackend
-    return GpuBackend(io=io, io_threads=io_threads)
+    return GpuBackend(io=io, io_threads=io_threads, read_task_bytes=read_task_bytes)
 
 
 def nvcomp_version() -> str | None:

@@ -33,6 +33,7 @@ class MemorySource:
     # The segment is in host memory (tmpfs), which GPUDirect Storage does not read: KvikIO's compat
     # mode, asked for by name, spares a new process cuFile's driver probe (gpu/io.py: 0.22 s).
     io = "compat"
+    read_task_bytes = None  # KvikIO's: more, smaller reads of memory in parallel (defaults.py)
 
     def __init__(self, slot: Slot, nbytes: int, label: str):
         self.label, self.size, self._slot = label, nbytes, slot

@@ -238,7 +238,8 @@ class Checkpoint:
         reached: list[int] = []  # chunks whose bytes went to their tensors (ring.read_chunks, decode_verified)
         delivered: list[int] = []  # chunks the child decoded and handed over
         device_index = _cuda_index() if kind == "gpu" else None
-        with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
+        with make_backend(kind, io=self._io, io_threads=self._io_threads,
+                          read_task_bytes=self.source.read_task_bytes) as be:
             self._check_decoders(be, chunk_ids)
 
             def scatter(c: int, data: torch.Tensor) -> None:  # a chunk the child decoded
@@ -328,7 +329,8 @@ class Checkpoint:
         self._verify_chunks(range(len(self.index.records)))
         if isolated:
             kind = self._backend_kind({})
-            with make_backend(kind, io=self._io, io_threads=self._io_threads) as be:
+            with make_backend(kind, io=self._io, io_threads=self._io_threads,
+                              read_task_bytes=self.source.read_task_bytes) as be:
                 self._check_decoders(be, range(len(self.index.records)))
             todo = [c for c, r in enumerate(self.index.records) if not r.raw]
             _isolated.run(self._indexed_file(), todo, kind, _cuda_index() if kind == "gpu" else None, self._io)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .defaults import KVIKIO_READ_TASK_BYTES
 from .errors import CheckpointFormatError, GdsckptError
 # The object-store seam: the one place the reader depends on it.
 from .stores import is_remote, open_store, scheme_of
@@ -53,6 +54,7 @@ class ChunkSource(Protocol):
     size: int  # bytes
     io_threads: int | None  # the I/O workers that suit it where the caller names none; None: the backend's
     io: str  # the I/O path that suits it where the caller asks for "auto" (backend.IO_CHOICES)
+    read_task_bytes: int | None  # KvikIO's task size that suits it (defaults.py); None: KvikIO's
 
     def pread(self, n: int, offset: int) -> bytes:
         """`n` bytes at `offset` of the checkpoint that was opened (fewer only past its end)."""
@@ -97,6 +99,7 @@ class LocalFile:
 
     io_threads = None
     io = "auto"
+    read_task_bytes = KVIKIO_READ_TASK_BYTES
 
     def __init__(self, path: Path):
         self.label = path
@@ -160,6 +163,7 @@ class StoreObject:
 
     io_threads = None
     io = "auto"
+    read_task_bytes = None  # its chunks come by GET into host memory, not through KvikIO
 
     def __init__(self, url: str):
         self.label = url

@@ -173,6 +173,38 @@ def test_explicit_gds_without_gds_is_a_clear_error(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_file_reads_ask_kvikio_for_larger_tasks_and_writes_keep_its_own(tmp_path, monkeypatch):
+    """A checkpoint file is read in KVIKIO_READ_TASK_BYTES tasks and bounce buffers (defaults.py)
+    and written with KvikIO's; the settings are back as they were after each; a user's own
+    KVIKIO_TASK_SIZE wins."""
+    import kvikio
+
+    from gdsckpt.defaults import KVIKIO_READ_TASK_BYTES
+    from gdsckpt.gpu.io import DeviceFile
+    seen = []
+    for op in ("pread", "pwrite"):
+        def spy(self, *a, _op=op, _orig=getattr(DeviceFile, op)):
+            seen.append((_op, kvikio.defaults.get("task_size"), kvikio.defaults.get("bounce_buffer_size")))
+            return _orig(self, *a)
+        monkeypatch.setattr(DeviceFile, op, spy)
+    before = kvikio.defaults.get("task_size"), kvikio.defaults.get("bounce_buffer_size")
+    assert before[0] != KVIKIO_READ_TASK_BYTES
+    state = {"w": torch.randn(3_000_000, device="cuda")}
+    p = tmp_path / "t.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=4 << 20)
+    for atomic in (False, True):
+        out = {"w": torch.zeros_like(state["w"])}
+        gdsckpt.load_into(p, out, atomic=atomic)
+        assert_same(out, state)
+    assert {s[1:] for s in seen if s[0] == "pwrite"} == {before}
+    assert {s[1:] for s in seen if s[0] == "pread"} == {(KVIKIO_READ_TASK_BYTES, KVIKIO_READ_TASK_BYTES)}
+    assert (kvikio.defaults.get("task_size"), kvikio.defaults.get("bounce_buffer_size")) == before
+    seen.clear()
+    monkeypatch.setenv("KVIKIO_TASK_SIZE", str(before[0]))
+    gdsckpt.load_into(p, {"w": torch.zeros_like(state["w"])})
+    assert {s[1] for s in seen if s[0] == "pread"} == {before[0]}
+
+
 def test_gpt2_small_adamw_state_roundtrips_and_compresses(tmp_path, capsys):
     """Issue 2's bar: GPT-2-small AdamW state bit-exact on the GPU; typed ANS saves >= 15% overall
     and >= 30% on the bf16 weights; `inspect` shows the per-stream ratios."""

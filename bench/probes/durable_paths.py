@@ -19,22 +19,25 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
 
-`--task-sizes 16,64` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
-with KvikIO's task and bounce buffer both that many MiB: in compat mode each KvikIO thread reads
-one bounce buffer at a time and copies it to the GPU before its next read (4 MiB tasks, 16 MiB
-buffers by default), so these set how much the disk is asked for at once. The reads' order turns
+`--task-sizes 4,128` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
+with KvikIO's task and bounce buffer both that many MiB instead of gdsckpt's (defaults.py
+KVIKIO_READ_TASK_BYTES; KvikIO's own are 4 MiB tasks in 16 MiB buffers, which read as 4 and 4): in
+compat mode each KvikIO thread reads one task into its bounce buffer and copies it to the GPU
+before its next read, so these set how much the disk is asked for at once. The reads' order turns
 each loop. `--save-loops N` times N saves per path instead of --loops.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -108,11 +111,16 @@ class Phases:
 
 
 def task_size(mib: int | None):
-    """KvikIO's task and bounce buffer size for what runs inside (its defaults where None)."""
-    import contextlib
-
+    """KvikIO's task and bounce buffer size for what runs inside (gdsckpt's where None): set as a
+    user would, in KvikIO's variables too, which gdsckpt then leaves alone."""
     import kvikio
-    return kvikio.defaults.set({"task_size": mib << 20, "bounce_buffer_size": mib << 20}) if mib else contextlib.nullcontext()
+    if not mib:
+        return contextlib.nullcontext()
+    n = mib << 20
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.dict(os.environ, {"KVIKIO_TASK_SIZE": str(n), "KVIKIO_BOUNCE_BUFFER_SIZE": str(n)}))
+    stack.enter_context(kvikio.defaults.set({"task_size": n, "bounce_buffer_size": n}))
+    return stack
 
 
 def kvikio_read(path: Path) -> float:
@@ -121,11 +129,12 @@ def kvikio_read(path: Path) -> float:
     import cupy
     import kvikio
 
+    from gdsckpt.defaults import KVIKIO_READ_TASK_BYTES
     from gdsckpt.gpu.io import io_settings
     size = path.stat().st_size
     buf = cupy.empty(size, dtype=cupy.uint8)
     drop_page_cache(path)
-    _, settings = io_settings("auto", None)
+    _, settings = io_settings("auto", None, KVIKIO_READ_TASK_BYTES)
     with settings, kvikio.CuFile(path, "r") as f:
         t = time.perf_counter()
         f.pread(buf, size).get()

@@ -150,6 +150,7 @@ class _Counted:
     def __init__(self, source: ChunkSource, on_bytes):
         self._source, self._on_bytes = source, on_bytes
         self.label, self.size, self.io_threads, self.io = source.label, source.size, source.io_threads, source.io
+        self.read_task_bytes = source.read_task_bytes
 
     def pread(self, n: int, offset: int) -> bytes:
         data = self._source.pread(n, offset)

@@ -123,9 +123,9 @@ class _QueuedCrc:
 class GpuBackend:
     name = "gpu"
 
-    def __init__(self, io: str = "auto", io_threads: int | None = None):
+    def __init__(self, io: str = "auto", io_threads: int | None = None, read_task_bytes: int | None = None):
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.io_path, self._settings = io_settings(io, io_threads)
+        self.io_path, self._settings = io_settings(io, io_threads, read_task_bytes)
         self.nvcomp_version = nvcomp_version()
         self._res = _resources(self.device.index)
         self._torch_stream, self._stream = self._res.torch_stream, self._res.stream

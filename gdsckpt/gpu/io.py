@@ -36,13 +36,18 @@ def set_direct_io(enabled: bool) -> None:
     kvikio.defaults.set({"auto_direct_io_write": enabled, "auto_direct_io_read": enabled})
 
 
-def io_settings(requested: str, io_threads: int | None):
-    """(io path that will run, context manager applying the KvikIO settings for it)."""
+def io_settings(requested: str, io_threads: int | None, read_task_bytes: int | None = None):
+    """(io path that will run, context manager applying the KvikIO settings for it).
+    read_task_bytes: KvikIO's task and bounce buffer size for reading a file (None: KvikIO's)."""
     settings = {}
     if _DIRECT_ENV[0] not in os.environ:  # a user's own KvikIO setting wins
         settings["auto_direct_io_write"] = KVIKIO_DIRECT_IO
     if _DIRECT_ENV[1] not in os.environ:
         settings["auto_direct_io_read"] = KVIKIO_DIRECT_IO
+    if read_task_bytes:
+        for key in ("task_size", "bounce_buffer_size"):
+            if f"KVIKIO_{key.upper()}" not in os.environ:
+                settings[key] = read_task_bytes
     # The GDS probe opens cuFile's driver: 0.22 s the first time in a process on the H100 host, so
     # it runs only where the answer matters (io="compat" never asks: a memory copy's restore).
     if requested == "gds":
