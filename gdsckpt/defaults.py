@@ -33,13 +33,13 @@ KVIKIO_DIRECT_IO = True
 
 # KvikIO's task and bounce buffer when reading a checkpoint file (KvikIO's own: 4 MiB tasks, 16
 # MiB buffers). In compat mode each thread reads one task into its bounce buffer, copies it to the
-# GPU and only then reads on, so the task size is what the disk is asked for at once. A cold 20 GB
-# restore (16.4 GB stored) read 1.28 GB/s on average with 64 MiB against 1.14 with KvikIO's
-# defaults (1.22 with 32 MiB), faster in 6 of 8 loops with the order turned; KvikIO alone reading
-# the file, 1.52 against 1.33 GB/s (2026-11-24-h100-read-tasks/). Costs 4 x 64 MiB of pinned
-# bounce buffers while a restore runs. Writes keep KvikIO's defaults: the durable save already
-# ran above the O_DIRECT write probe (2026-11-24-h100-disk20/). A memory-tier copy too: its
-# "disk" is RAM, which more, smaller tasks read in parallel.
+# GPU and only then reads on, so the task size is what the disk is asked for at once. Cold 20 GB
+# restores (16.4 GB stored) read 1.47 GB/s with 64 MiB against 1.29 with KvikIO's defaults, over
+# 18 loops on three machines with the order turned (16 faster); 32 MiB gained half as much, 128
+# MiB or 8 threads nothing more (2026-11-24-h100-read-tasks/). Costs 4 x 64 MiB of pinned bounce
+# buffers, which KvikIO's pool keeps until a save asks for its own size. Writes keep KvikIO's defaults: the durable save already ran above
+# the O_DIRECT write probe (2026-11-24-h100-disk20/). A memory-tier copy too: its "disk" is RAM,
+# which more, smaller tasks read in parallel.
 KVIKIO_READ_TASK_BYTES = 64 << 20
 
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.
