@@ -185,9 +185,9 @@ class CpuBackend:
     def can_decode(self, spec: dict) -> bool:
         return codecs.cpu_can_decode(spec)
 
-    def empty(self, nbytes: int) -> torch.Tensor:
+    def empty(self, nbytes: int, *, once: bool = False) -> torch.Tensor:
         """nbytes at a 4 KiB aligned address, with room to round a write up to 4 KiB (HostFile's
-        O_DIRECT writes)."""
+        O_DIRECT writes). `once` changes nothing here: host memory goes back as it is freed."""
         room = -(-nbytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
         base = torch.empty(room + _DIRECT_ALIGN, dtype=torch.uint8)
         skip = -base.data_ptr() % _DIRECT_ALIGN

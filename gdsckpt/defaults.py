@@ -163,8 +163,8 @@ PLAN_CACHE = 8
 # checked there by the GPU's kernel, decoded from there. Beyond it, twice through the ring (a
 # checking pass, then the decoding one): an H100 restore of 4.13 GB stored spent 0.93 s in the
 # first pass and ~0.6 s in the second (2026-11-24-h100-memory/). Half: the state's own tensors
-# and the training's first steps need the rest. The buffer goes back to torch's cache on the
-# pipeline's stream, which torch empties before it would report the GPU out of memory.
+# and the training's first steps need the rest. The buffer comes from cudaMalloc and goes back to
+# the device at the end of the restore, not into torch's cache (gpu/device_block.py).
 READ_ONCE_GPU_FRACTION = 0.5
 # KvikIO threads that read a memory-tier copy (a /dev/shm file) into device memory: each preads
 # into its pinned bounce buffer (a copy out of the page cache, one core's memory bandwidth) and

@@ -106,7 +106,10 @@ class Backend(Protocol):
 
     def can_decode(self, spec: dict) -> bool: ...
 
-    def empty(self, nbytes: int) -> Bytes: ...
+    def empty(self, nbytes: int, *, once: bool = False) -> Bytes:
+        """nbytes of the backend's memory. once=True: held through one call only (read_verified's
+        buffer of every stored byte), and given back when freed rather than cached for later
+        calls (the GPU's: outside torch's cache, gpu/device_block.py)."""
 
     def direct(self, view: Bytes) -> bool:
         """True if a decoder may write into `view` (a destination tensor's bytes) directly."""
@@ -358,7 +361,7 @@ def read_verified(index: Index, chunk_ids: list[int], backend: Backend, file: Ch
     if in_place(file):
         stored = [file.view(records[i].stored, records[i].file_offset) for i in chunk_ids]
     else:
-        buf = backend.empty(read_room(index, chunk_ids))
+        buf = backend.empty(read_room(index, chunk_ids), once=True)
         stored, at = [], 0
         for i in chunk_ids:
             rec = records[i]

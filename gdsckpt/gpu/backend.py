@@ -17,6 +17,7 @@ from ..device_copy import side_stream
 from ..ring import ChecksumList
 from . import kernels
 from .codecs import NvcompCodecs, nvcomp_version
+from .device_block import allocated
 from .io import DeviceFile, io_settings
 
 __all__ = ["GpuBackend"]
@@ -168,8 +169,10 @@ class GpuBackend:
     def can_decode(self, spec: dict) -> bool:
         return gpu_can_decode(spec)  # all but byte-shuffled zstd (CPU-only: FORMAT.md)
 
-    def empty(self, nbytes: int) -> torch.Tensor:
+    def empty(self, nbytes: int, *, once: bool = False) -> torch.Tensor:
         self._ring_bytes += nbytes
+        if once and nbytes:  # up to READ_ONCE_GPU_FRACTION of the free memory, for one call
+            return allocated(nbytes, self.device)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def direct(self, view: torch.Tensor) -> bool:
