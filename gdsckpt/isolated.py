@@ -232,7 +232,7 @@ def main() -> int:
             shared = mmap.mmap(req["shm"], SLOTS * req["slot_bytes"])
             host = torch.frombuffer(shared, dtype=torch.uint8)
         free = list(range(SLOTS))
-        with make_backend(req["backend"], io=req["io"]) as be:
+        with make_backend(req["backend"], io=req["io"], read_task_bytes=source.read_task_bytes) as be:
             file = source.open_chunks(be)
             _emit(fd, {"ready": True})
             try:
