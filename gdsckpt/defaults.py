@@ -37,9 +37,9 @@ KVIKIO_DIRECT_IO = True
 # restores (16.4 GB stored) read 1.47 GB/s with 64 MiB against 1.29 with KvikIO's defaults, over
 # 18 loops on three machines with the order turned (16 faster); 32 MiB gained half as much, 128
 # MiB or 8 threads nothing more (2026-11-24-h100-read-tasks/). Costs 4 x 64 MiB of pinned bounce
-# buffers, which KvikIO's pool keeps until a save asks for its own size. Writes keep KvikIO's defaults: the durable save already ran above
-# the O_DIRECT write probe (2026-11-24-h100-disk20/). A memory-tier copy too: its "disk" is RAM,
-# which more, smaller tasks read in parallel.
+# buffers, which KvikIO's pool keeps until a save asks for its own size. Writes keep KvikIO's
+# defaults: the durable save already ran above the O_DIRECT write probe (2026-11-24-h100-disk20/).
+# A memory-tier copy too: its "disk" is RAM, which more, smaller tasks read in parallel.
 KVIKIO_READ_TASK_BYTES = 64 << 20
 
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.

@@ -21,7 +21,7 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
 `--task-sizes 4,128` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
 with KvikIO's task and bounce buffer both that many MiB instead of gdsckpt's (defaults.py
-KVIKIO_READ_TASK_BYTES; KvikIO's own are 4 MiB tasks in 16 MiB buffers, which read as 4 and 4): in
+KVIKIO_READ_TASK_BYTES). KvikIO's own, 4 MiB tasks in 16 MiB buffers, read as `4` does: in
 compat mode each KvikIO thread reads one task into its bounce buffer and copies it to the GPU
 before its next read, so these set how much the disk is asked for at once. The reads' order turns
 each loop. `--save-loops N` times N saves per path instead of --loops.

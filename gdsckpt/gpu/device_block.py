@@ -21,7 +21,7 @@ class _Allocation:
 
     def __init__(self, memory: cupy.cuda.MemoryAsync | cupy.cuda.Memory, nbytes: int):
         self.memory = memory
-        # version 2: no stream to synchronize with; the caller orders its uses on `stream`
+        # version 2: no stream to synchronize with; the caller orders its uses
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (memory.ptr, False),
                                          "version": 2}
 
