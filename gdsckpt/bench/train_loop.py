@@ -103,15 +103,21 @@ class Retention:
     def saved(self, path: Path, handle) -> None:
         self.paths.append(path)
         if len(self.paths) > KEEP:
-            old = self.paths[-KEEP - 1]
-            if handle is None:
-                self._delete(old)
-            else:
-                handle.add_done_callback(lambda f: self._delete(old))
+            self._delete(self.paths[-KEEP - 1], handle)
 
-    def _delete(self, path: Path) -> None:
-        t = threading.Thread(target=lambda: shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True),
-                             name="bench-retention", daemon=True)
+    def _delete(self, path: Path, after) -> None:
+        """Delete `path` once `after` (the newest save's handle, or None) is done, on a thread
+        started now: `join` then waits for every deletion. (A thread started by `after`'s done
+        callback could start after `join`, as callbacks run after result() returns, and race the
+        next loop's clearing of the directory.)"""
+        def run():
+            if after is not None:
+                try:
+                    after.result()
+                except Exception:  # the loop reports the save's error; the old file goes either way
+                    pass
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        t = threading.Thread(target=run, name="bench-retention", daemon=True)
         self.threads.append(t)
         t.start()
 
