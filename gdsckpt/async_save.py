@@ -204,10 +204,9 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             fut = None
             if memory is None and (gpu := copy_first([l.tensor for l in leaves])) is not None:
                 fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
-            if fut is None and mode is Snapshot.OVERLAP:
-                fut = _overlap_save(skeleton, leaves, dest, optimizer, options, t0)
-            elif fut is None:
-                fut = _host_save(skeleton, leaves, dest, options, t0)
+            if fut is None:
+                fut = (_overlap_save(skeleton, leaves, dest, optimizer, options, t0) if mode is Snapshot.OVERLAP
+                       else _host_save(skeleton, leaves, dest, options, t0))
         _tracked.append((fut, mode, str(path)))
         return fut
     finally:

@@ -4,8 +4,9 @@ One pool per device per process (`pool_for`), allocated as saves need it and reu
 later save. Memory comes in arenas: page-locked where the bytes come from a GPU, so the
 device-to-host copies run asynchronously at full PCIe speed (plain pages faulted in, then
 registered with CUDA: a 5 GB first pool in 1.3-2.6 s where CUDA's own pinned allocator took
-2.4-3.5 s); plain host memory on the CPU backend, where the "copy" is a memcpy. The pool holds stored bytes (what the codec emitted),
-not logical bytes, and grows only as they arrive, so what it pins is about the stored size.
+2.4-3.5 s); plain host memory on the CPU backend, where the "copy" is a memcpy. The pool holds
+stored bytes (what the codec emitted), not logical bytes, and grows only as they arrive, so what
+it pins is about the stored size.
 
 An extent (one chunk record, rounded up to 4 KiB) is one or more pieces of arenas, each
 starting and ending on a 4 KiB boundary (what O_DIRECT asks of a buffer), taken first-fit in

@@ -1,7 +1,7 @@
 """Issue 22, target 4: what a restore spends before its first read, by function. A state of as
 many tensors as the 20 GB bench state (~6,300: GPT-2-small blocks' keys and shapes scaled down to
-~0.2 GB, so that the reads themselves are short), saved, then load_into cold (the page cache
-dropped where the probe may) under cProfile, and timed without it.
+~0.2 GB, so that the reads themselves are short), saved, then load_into cold (the file's pages
+evicted first) under cProfile, and timed without it.
 
     OUT=dir python bench/probes/restore_setup.py [--blocks 525] [--loops 3]
 
@@ -25,20 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import gdsckpt  # noqa: E402
+from gdsckpt.bench.disk import drop_page_cache  # noqa: E402
 
 SHAPES = {"attn.c_attn.weight": (768, 96), "attn.c_attn.bias": (96,), "attn.c_proj.weight": (32, 96),
           "attn.c_proj.bias": (32,), "ln_1.weight": (768,), "ln_1.bias": (768,), "ln_2.weight": (768,),
           "ln_2.bias": (768,), "mlp.c_fc.weight": (768, 128), "mlp.c_fc.bias": (128,),
           "mlp.c_proj.weight": (128, 768), "mlp.c_proj.bias": (768,)}
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> None:
@@ -57,7 +49,7 @@ def main() -> None:
         gdsckpt.save(state, p)
         gdsckpt.load_into(p, state)  # warm: the backend, its codecs and kernels, as a restore after saves
         for _ in range(args.loops):
-            cold = drop_caches()
+            drop_page_cache(p)
             torch.cuda.synchronize() if dev == "cuda" else None
             t = time.perf_counter()
             ck = gdsckpt.open(p)
@@ -66,10 +58,10 @@ def main() -> None:
             torch.cuda.synchronize() if dev == "cuda" else None
             end = time.perf_counter()
             ck.close()
-            out["loops"].append({"cold": cold, "open_s": opened - t, "load_into_s": end - opened,
+            out["loops"].append({"open_s": opened - t, "load_into_s": end - opened,
                                  "read_loop_s": sum(stats.stages.values()), "stages": stats.stages})
             print(out["loops"][-1], flush=True)
-        drop_caches()
+        drop_page_cache(p)
         prof = cProfile.Profile()
         prof.enable()
         gdsckpt.load_into(p, state)
