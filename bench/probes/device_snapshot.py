@@ -1,0 +1,48 @@
+"""Issue 22, "every path": save_async(snapshot="device") in the bench's training loop, against the
+design of a first save (async_save._copied_save) taken by every save: the state copied on its GPU
+in the call, the compressed host snapshot taken from the copy on a background thread and the
+copy freed once it is in the pool, the file written by the pool's writer.
+
+    OUT=dir python bench/probes/device_snapshot.py [gdsckpt-bench --train options]
+
+Runs `gdsckpt-bench --train` (its GPT, AdamW, bf16 autocast, loss.item() every step) with one more
+method, "copied": save_async(state, path) with the pool-empty test of device_copy.copy_first
+answered True during the call, so that every save takes the first save's path. Defaults:
+--methods none,async,async-device,copied,async-overlap, --output $OUT/device_snapshot.json,
+--directory $BENCH_DIR or /tmp/bench; the other options are --train's.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from gdsckpt import device_copy  # noqa: E402
+from gdsckpt.bench import cli, train_methods as tm  # noqa: E402
+
+
+class Copied(tm.GdsSaveAsync):
+    def __init__(self):
+        super().__init__("gdsckpt.save_async copied every save", {})
+
+    def save(self, ctx, state, path):
+        with mock.patch.object(device_copy, "_pool_empty", lambda gpu: True):
+            return super().save(ctx, state, path)
+
+
+tm.METHODS.append(Copied)
+tm.ALIASES["copied"] = "gdsckpt.save_async copied every save"
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--methods" not in argv:
+        argv += ["--methods", "none,async,async-device,copied,async-overlap"]
+    if "--output" not in argv:
+        argv += ["--output", str(Path(os.environ.get("OUT", ".")) / "device_snapshot.json")]
+    if "--directory" not in argv:
+        argv += ["--directory", os.environ.get("BENCH_DIR", "/tmp/bench")]
+    sys.exit(cli.main(["--train", *argv]))
