@@ -47,18 +47,20 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   of ~5 GB in the call blocked a first save 2 s on the H100's VMs; the copy, 0.07-0.13 s beyond
   a steady save.
 
-* snapshot="device": the previous behaviour, for hosts with spare GPU memory: every tensor
-  is copied on its own device (a full copy of the state, held until the write ends), then
-  the save runs on a background thread. Never concurrent with another save_async.
+* snapshot="device", for hosts with spare GPU memory: every save takes the path of a first save
+  above, whatever its pool holds and without the free-memory test: the state copied on its
+  GPU (one block outside torch's cache; torch's cache where CUDA refuses it), the call returns,
+  and the compressed host snapshot is taken from the copy on a background thread, which frees
+  the copy once its chunks are in the pool (~0.1-0.2 s later, not when the file is written).
+  No optimizer= is needed, and no step waits. Where neither allocator has room for the copy,
+  the save takes the host snapshot in the call instead (logged; device_copy_bytes 0).
 
 One save in flight, and what that means:
 * save_async calls are serialized: a call waits for the previous call's snapshot (in overlap
   mode, the previous background snapshot) before it takes its own.
 * files are written one at a time, in call order, and committed in call order (never
-  interleaved), by one writer thread. A host snapshot may be taken while earlier files are
+  interleaved), by one writer thread. A snapshot may be taken while earlier files are
   still being written, if the pool has room for it (else it waits, see back-pressure).
-  snapshot="device" first waits for every earlier save_async to finish, as before, and a
-  host snapshot waits for an earlier device-mode save to finish.
 * wait=False: raise SaveInFlightError instead of starting while any earlier save_async has not
   finished (snapshot or write).
 * failures: a failure in the snapshot is raised by the call, and its room in the pool goes back
@@ -75,12 +77,11 @@ call to the commit. Stats of an overlap save are updated with `hook_wait_s` when
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-import traceback
 from concurrent.futures import Future
-from concurrent.futures import wait as _wait_for
 from dataclasses import fields
 
 from . import collector
@@ -91,7 +92,7 @@ from .host_snapshot import PoolDestination, SnapshotDestination, SnapshotTarget
 from .overlap import HookTimer, freeze_for_overlap, run_overlapped, wait_for_snapshot
 from .overlap import memory_of, optimizer_memory  # importable from here, as before
 from .pinned_pool import align_up, pools, release_pools
-from .save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
+from .save import SaveOptions, Snapshot, check_optimizer, save_flat
 from .stats import AsyncStats, Stats
 from .storage import save_target, user_path
 from .tree import Leaf, flatten
@@ -124,6 +125,7 @@ class SaveFuture(Future):
                 self.observed = True
 
 
+log = logging.getLogger("gdsckpt.save_async")
 _calls = threading.Lock()  # one save_async call at a time
 _tracked: list[tuple[SaveFuture, Snapshot, str]] = []  # (future, mode, path) of calls not known finished
 
@@ -187,26 +189,27 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
         raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                 "(call .result() on its future first, or pass wait=True)")
     try:
-        wait_for_snapshot()
-        _surface_failures(path)
-        if not wait and any(not f.done() for f, _, _ in _tracked):
+        if not wait and any(not f.done() for f, _, _ in _tracked):  # before waiting for a snapshot
             raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                     "(call .result() on its future first, or pass wait=True)")
-        if mode is Snapshot.DEVICE:
-            _wait_for([f for f, _, _ in _tracked])
-            fut = _device_save(skeleton, leaves, path, options, t0)
+        wait_for_snapshot()
+        _surface_failures(path)
+        if memory is not None:
+            dest = memory.destination(target, options)
         else:
-            _wait_for([f for f, m, _ in _tracked if m is Snapshot.DEVICE])
-            if memory is not None:
-                dest = memory.destination(target, options)
-            else:
-                dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
-            fut = None
-            if memory is None and (gpu := copy_first([l.tensor for l in leaves])) is not None:
-                fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
+            dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
+        fut = None
+        if mode is Snapshot.DEVICE:
+            tensors = [l.tensor for l in leaves]
+            fut = _copied_save(skeleton, leaves, dest, mode, cuda_device_of(tensors), options, t0, in_cache=True)
             if fut is None:
-                fut = (_overlap_save(skeleton, leaves, dest, optimizer, options, t0) if mode is Snapshot.OVERLAP
-                       else _host_save(skeleton, leaves, dest, options, t0))
+                log.warning("gdsckpt: save_async(snapshot='device') of %s: no room on the GPU for a copy of the "
+                            "state (%d bytes); took the host snapshot in the call", path, block_bytes(tensors))
+        elif memory is None and (gpu := copy_first([l.tensor for l in leaves])) is not None:
+            fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
+        if fut is None:
+            fut = (_overlap_save(skeleton, leaves, dest, optimizer, options, t0) if mode is Snapshot.OVERLAP
+                   else _host_save(skeleton, leaves, dest, options, t0))
         _tracked.append((fut, mode, str(path)))
         return fut
     finally:
@@ -231,16 +234,22 @@ def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optim
     return _in_background(skeleton, frozen, dest, Snapshot.OVERLAP, cuda_device_of(tensors), optimizer, options, t0)
 
 
-def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int,
-                 options: SaveOptions, t0: float) -> SaveFuture | None:
-    """A save whose host pool is not there yet: the state copied on its GPU (one block from CUDA's
-    stream-ordered allocator), then the host snapshot taken from the copy on a background thread,
-    as an overlapped one is, growing the pool there; the copy goes back to the device once that
-    thread has ended. The call blocks for the copy alone, and no optimizer step waits. None
-    where CUDA refused the block (the caller then takes the snapshot as usual)."""
-    try:
-        copies = snapshot_tensors([l.tensor for l in leaves], block=outside_cache)
-    except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int | None,
+                 options: SaveOptions, t0: float, in_cache: bool = False) -> SaveFuture | None:
+    """A first save (its host pool not there yet) or a device-mode one: the state copied on its GPU
+    (one block from CUDA's stream-ordered allocator; in_cache: else from torch's cache), then the
+    host snapshot taken from the copy on a background thread, as an overlapped one is (growing the
+    pool there, if it must); the copy goes back once that thread has ended. The call blocks for
+    the copy alone, and no optimizer step waits. None where no allocator had room for the copy
+    (the caller then takes the snapshot as usual)."""
+    copies = None
+    for block in (outside_cache, None) if in_cache else (outside_cache,):
+        try:
+            copies = snapshot_tensors([l.tensor for l in leaves], block=block)
+            break
+        except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+            continue
+    if copies is None:
         return None
     frozen = [Leaf(l.key, c) for l, c in zip(leaves, copies)]
     return _in_background(skeleton, frozen, dest, mode, gpu, None, options, t0,
@@ -300,39 +309,6 @@ def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: Snapsho
         return stats
 
     dest.done.add_done_callback(done)
-
-
-# ---------------------------------------------------------------- device snapshot (snapshot="device")
-
-
-def _device_save(skeleton, leaves: list[Leaf], path, options: SaveOptions, t0: float) -> SaveFuture:
-    copies = snapshot_tensors([l.tensor for l in leaves])
-    held = [[Leaf(l.key, c) for l, c in zip(leaves, copies)]]
-    gpu = cuda_device_of(copies)
-    del copies
-    fut = _new_future()
-    blocked = time.perf_counter() - t0
-
-    def run():
-        try:
-            snap = held.pop()
-            try:
-                t = time.perf_counter()
-                with on_device(gpu):  # a new thread's current device is 0, not the caller's
-                    stats = save_flat(skeleton, snap, NewFile(user_path(path, "save_async")), options)
-                background = time.perf_counter() - t
-            finally:
-                del snap  # the snapshot's memory goes back before the next save_async may start
-        except BaseException as e:  # noqa: BLE001
-            traceback.clear_frames(e.__traceback__)  # frames of the failed save hold snapshot tensors
-            fut.set_exception(e)
-        else:
-            base = _stats_fields(stats)
-            base["seconds"] = time.perf_counter() - t0
-            fut.set_result(AsyncStats(**base, mode=Snapshot.DEVICE.value, blocked_s=blocked, background_s=background))
-
-    threading.Thread(target=run, name="gdsckpt-save-async", daemon=False).start()
-    return fut
 
 
 # ---------------------------------------------------------------- helpers

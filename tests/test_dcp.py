@@ -311,8 +311,8 @@ def test_checkpoint_ids_and_keys():
 
 
 # ---------------------------------------------------------------- gdsckpt.save_async
-# _GatedSave holds back the background save of snapshot="device" (save_flat as async_save calls it,
-# which only that mode does off the calling thread): these tests pin that mode's semantics (the
+# _GatedSave holds back the background snapshot of snapshot="device" (save_flat as async_save calls
+# it, off the calling thread once the state is copied): these tests pin that mode's semantics (the
 # default host snapshot: tests/test_save_async.py).
 
 
@@ -367,8 +367,9 @@ def test_save_async_second_call_waits_for_the_first(tmp_path, monkeypatch):
     gated.gate.set()
     p = tmp_path / "same.gdsckpt"
     first = gdsckpt.save_async(_state(1), p, snapshot="device")
-    second = gdsckpt.save_async(_state(2), p, snapshot="device")  # blocks here until the first has finished
-    assert first.done()
+    second = gdsckpt.save_async(_state(2), p, snapshot="device")  # blocks here until the first's snapshot ended
+    assert len(gated.spans) == 1
+    first.result(10)
     second.result(10)
     (a0, a1), (b0, b1) = gated.spans
     assert a1 <= b0  # never interleaved

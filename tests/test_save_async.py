@@ -514,17 +514,25 @@ def test_calls_from_two_threads_are_serialized(tmp_path, monkeypatch):
     assert any(same(got, _state(s)) for s in (30, 31))
 
 
-def test_device_mode_waits_for_host_saves_and_host_for_device(tmp_path, monkeypatch):
+def test_device_mode_copies_returns_and_writes_in_call_order(tmp_path, monkeypatch):
+    """snapshot="device": the call copies the state and returns without waiting for earlier
+    files to be written (it waits only for the earlier snapshot); the compressed snapshot is taken
+    from the copy in the background, through the pool, and files commit in call order."""
     held = HeldWriter(monkeypatch)
-    p = tmp_path / "p.gdsckpt"
-    first = gdsckpt.save_async(_state(40), p, **SMALL)
-    threading.Timer(0.3, held.release).start()
-    second = gdsckpt.save_async(_state(41), p, snapshot="device", backend="cpu")  # waits for the first to finish
-    assert first.done()
-    third = gdsckpt.save_async(_state(42), p, **SMALL)  # waits for the device-mode save to finish
-    assert second.done()
-    s2, s3 = second.result(30), third.result(30)
-    assert s2.mode == "device" and isinstance(s2, am.AsyncStats) and s3.mode == "host"
+    p, q = tmp_path / "p.gdsckpt", tmp_path / "q.gdsckpt"
+    first = gdsckpt.save_async(_state(40), p, pool_bytes=16 << 20, **SMALL)
+    state = _state(41)
+    want = _clone(state)
+    second = gdsckpt.save_async(state, q, snapshot="device", pool_bytes=16 << 20, **SMALL)
+    _mutate(state)  # the call's copy is what gets saved
+    third = gdsckpt.save_async(_state(42), p, pool_bytes=16 << 20, **SMALL)
+    assert not any(f.done() for f in (first, second, third))  # nothing written yet, nobody waited for it
+    held.release()
+    s1, s2, s3 = (f.result(30) for f in (first, second, third))
+    assert held.commits == [str(p), str(q), str(p)]
+    assert (s1.mode, s2.mode, s3.mode) == ("host", "device", "host")
+    assert s2.pool_bytes >= s2.stored_bytes  # through the pool, as the host snapshot
+    assert_same(gdsckpt.load(q), want)
     assert_same(gdsckpt.load(p), _state(42))
 
 
@@ -628,6 +636,47 @@ def test_gpu_first_save_takes_no_copy_when_turned_off_or_without_room(tmp_path, 
     stats = gdsckpt.save_async(state, tmp_path / "a.gdsckpt").result(60)
     assert stats.device_copy_bytes == 0 and stats.pool_alloc_s > 0
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), state)
+
+
+@pytest.mark.gpu
+def test_gpu_device_mode_copies_every_save_and_gives_the_memory_back(tmp_path, monkeypatch):
+    """snapshot="device" copies the state on the GPU in every save, whatever the pool holds, and
+    returns; the copy goes back to the device once the background snapshot has it in the pool;
+    where CUDA's pool refuses the block the copy comes from torch's cache, and where neither has
+    room the host snapshot runs in the call."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    state = {"w": torch.randn(32 << 20, device=dev, generator=g),  # 128 MiB fp32
+             "h": torch.randn(1 << 20, device=dev, generator=g).to(torch.bfloat16), "step": 3}
+    gpu_bytes = sum(t.nbytes for t in tensors_of(state))
+    gdsckpt.save_async(state, tmp_path / "warm.gdsckpt").result(60)  # the pool is there now
+    torch.cuda.synchronize()
+    free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    for i in range(2):
+        want = {k: _clone(v) for k, v in state.items()}
+        fut = gdsckpt.save_async(state, tmp_path / f"d{i}.gdsckpt", snapshot="device")
+        state["w"].mul_(-1)  # queued on the current stream right after the call
+        state["h"].zero_()
+        stats = fut.result(60)
+        assert stats.mode == "device" and gpu_bytes <= stats.device_copy_bytes < gpu_bytes + 2 * 256
+        assert stats.pool_alloc_s == 0.0 and stats.pool_bytes >= stats.stored_bytes
+        assert_same(gdsckpt.load(tmp_path / f"d{i}.gdsckpt"), want)
+    torch.cuda.synchronize()
+    kept = free0 - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - reserved0)
+    assert kept < gpu_bytes // 2, f"{kept} bytes of device memory not given back after device-mode saves"
+    assert torch.cuda.memory_reserved() - reserved0 < gpu_bytes // 2  # not left in torch's cache either
+
+    def refused(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    monkeypatch.setattr(am, "outside_cache", refused)
+    want = {k: _clone(v) for k, v in state.items()}
+    stats = gdsckpt.save_async(state, tmp_path / "cache.gdsckpt", snapshot="device").result(60)
+    assert stats.mode == "device" and stats.device_copy_bytes >= gpu_bytes  # copies from torch's cache
+    assert_same(gdsckpt.load(tmp_path / "cache.gdsckpt"), want)
+    monkeypatch.setattr(am, "snapshot_tensors", lambda *a, **k: refused())
+    stats = gdsckpt.save_async(state, tmp_path / "host.gdsckpt", snapshot="device").result(60)
+    assert stats.mode == "host" and stats.device_copy_bytes == 0
+    assert_same(gdsckpt.load(tmp_path / "host.gdsckpt"), want)
 
 
 def test_save_async_writes_through_a_symlink_and_keeps_the_mode(tmp_path):

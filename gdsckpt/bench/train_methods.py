@@ -4,9 +4,9 @@ A method is a Method subclass: `save` returns a handle (a future that completes 
 background) or None (a synchronous save, whose whole cost is the call), `before_step` is any
 wait it imposes before the next optimizer step. METHODS holds one line per method or mode;
 gdsckpt.save_async modes are detected from the installed save_async's signature, and a mode it
-does not accept is reported as unavailable. The save_async methods (but snapshot="device",
-which takes no host memory) reserve their host memory in `setup` (gdsckpt.reserve, waited for:
-before the first save and the loops) and say what it took in `reserved`.
+does not accept is reported as unavailable. The save_async methods reserve their host memory in
+`setup` (gdsckpt.reserve, waited for: before the first save and the loops) and say what it took
+in `reserved`.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class GdsSaveAsync(Method):
 
     def setup(self, ctx):
         import gdsckpt
-        if self.kwargs.get("snapshot") != "device" and hasattr(gdsckpt, "reserve"):
+        if hasattr(gdsckpt, "reserve"):
             self.reserved = reservation(lambda: gdsckpt.reserve(self.saved(ctx.state())))
 
     def saved(self, state):
