@@ -48,12 +48,15 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   a steady save.
 
 * snapshot="device", for hosts with spare GPU memory: every save takes the path of a first save
-  above, whatever its pool holds and without the free-memory test: the state copied on its
-  GPU (one block outside torch's cache; torch's cache where CUDA refuses it), the call returns,
-  and the compressed host snapshot is taken from the copy on a background thread, which frees
-  the copy once its chunks are in the pool (~0.1-0.2 s later, not when the file is written).
-  No optimizer= is needed, and no step waits. Where neither allocator has room for the copy,
-  the save takes the host snapshot in the call instead (logged; device_copy_bytes 0).
+  above, whatever its pool holds and without the free-memory test: the state copied on its GPU,
+  the call returns, and the compressed host snapshot is taken from the copy on a background
+  thread, which lets the copy go once its chunks are in the pool (~0.1-0.2 s later, not when
+  the file is written). No optimizer= is needed, and no step waits. The copies come from
+  torch's cache and go back to it, where the training reuses them: a block of CUDA's own
+  allocator, given back to the device after every save, cost the training thread ~16 ms a
+  save more (mapped again, and unmapped at its next synchronize: bench/probes/copy_block_cost.py).
+  Where torch has no room for the copy, the save takes the host snapshot in the call instead
+  (logged; its stats say mode "host").
 
 One save in flight, and what that means:
 * save_async calls are serialized: a call waits for the previous call's snapshot (in overlap
@@ -201,7 +204,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
         fut = None
         if mode is Snapshot.DEVICE:
             tensors = [l.tensor for l in leaves]
-            fut = _copied_save(skeleton, leaves, dest, mode, cuda_device_of(tensors), options, t0, in_cache=True)
+            fut = _copied_save(skeleton, leaves, dest, mode, cuda_device_of(tensors), options, t0, block=None)
             if fut is None:
                 log.warning("gdsckpt: save_async(snapshot='device') of %s: no room on the GPU for a copy of the "
                             "state (%d bytes); took the host snapshot in the call", path, block_bytes(tensors))
@@ -235,25 +238,20 @@ def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optim
 
 
 def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int | None,
-                 options: SaveOptions, t0: float, in_cache: bool = False) -> SaveFuture | None:
+                 options: SaveOptions, t0: float, block=outside_cache) -> SaveFuture | None:
     """A first save (its host pool not there yet) or a device-mode one: the state copied on its GPU
-    (one block from CUDA's stream-ordered allocator; in_cache: else from torch's cache), then the
-    host snapshot taken from the copy on a background thread, as an overlapped one is (growing the
-    pool there, if it must); the copy goes back once that thread has ended. The call blocks for
-    the copy alone, and no optimizer step waits. None where no allocator had room for the copy
-    (the caller then takes the snapshot as usual)."""
-    copies = None
-    for block in (outside_cache, None) if in_cache else (outside_cache,):
-        try:
-            copies = snapshot_tensors([l.tensor for l in leaves], block=block)
-            break
-        except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
-            continue
-    if copies is None:
+    (snapshot_tensors' block: a first save's from CUDA's stream-ordered allocator, device mode's
+    from torch's cache), then the host snapshot taken from the copy on a background thread, as an
+    overlapped one is (growing the pool there, if it must); the copy goes back once that thread has
+    ended. The call blocks for the copy alone, and no optimizer step waits. None where CUDA had no
+    room for the copy (the caller then takes the snapshot as usual)."""
+    try:
+        copies = snapshot_tensors([l.tensor for l in leaves], block=block)
+    except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
         return None
-    frozen = [Leaf(l.key, c) for l, c in zip(leaves, copies)]
-    return _in_background(skeleton, frozen, dest, mode, gpu, None, options, t0,
-                          copied=block_bytes(c for c in copies if c.is_cuda))
+    copied = block_bytes(c for c in copies if c.is_cuda)
+    return _in_background(skeleton, [Leaf(l.key, c) for l, c in zip(leaves, copies)], dest, mode, gpu, None,
+                          options, t0, copied=copied)
 
 
 def _in_background(skeleton, frozen: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int | None,
@@ -270,7 +268,13 @@ def _in_background(skeleton, frozen: list[Leaf], dest: SnapshotDestination, mode
         else:
             _link(fut, dest, snap, mode, t0, blocked, hook, copied)
 
-    run_overlapped(lambda: save_flat(skeleton, frozen, dest, options), gpu, optimizer, finish, hook)
+    held = [frozen]
+
+    def snapshot():
+        leaves = held.pop()  # a copy's memory goes back as this returns, before the next save may start
+        return save_flat(skeleton, leaves, dest, options)
+
+    run_overlapped(snapshot, gpu, optimizer, finish, hook)
     return fut
 
 
