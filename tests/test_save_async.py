@@ -649,11 +649,11 @@ def test_gpu_device_mode_copies_every_save_and_lets_the_copy_go(tmp_path, monkey
              "h": torch.randn(1 << 20, device=dev, generator=g).to(torch.bfloat16), "step": 3}
     gpu_bytes = sum(t.nbytes for t in tensors_of(state))
     gdsckpt.save_async(state, tmp_path / "warm.gdsckpt").result(60)  # the pool is there now
-    torch.cuda.synchronize()
-    allocated0 = torch.cuda.memory_allocated()
     for i in range(2):
         held = HeldWriter(monkeypatch)  # the file is not written until released
         want = {k: _clone(v) for k, v in state.items()}
+        torch.cuda.synchronize()
+        allocated0 = torch.cuda.memory_allocated()
         fut = gdsckpt.save_async(state, tmp_path / f"d{i}.gdsckpt", snapshot="device")
         state["w"].mul_(-1)  # queued on the current stream right after the call
         state["h"].zero_()
