@@ -282,6 +282,20 @@ def test_overlap_snapshot_runs_during_forward_backward_and_the_step_waits(tmp_pa
     assert stats.hook_wait_s < waited + 0.1
 
 
+def test_wait_false_refuses_at_once_while_an_overlapped_snapshot_runs(tmp_path, monkeypatch):
+    model, opt = _model_and_optimizer()
+    slow = SlowSnapshot(monkeypatch)
+    fut = gdsckpt.save_async(_ckpt(model, opt, 1), tmp_path / "a.gdsckpt", overlap=True, optimizer=opt, **SMALL)
+    assert slow.started.wait(10)
+    t = time.perf_counter()
+    with pytest.raises(gdsckpt.SaveInFlightError, match="still in flight"):
+        gdsckpt.save_async(_ckpt(model, opt, 2), tmp_path / "b.gdsckpt", wait=False, **SMALL)
+    assert time.perf_counter() - t < 5 and not slow.gate.is_set()  # refused, not after the snapshot ended
+    slow.gate.set()
+    fut.result(30)
+    assert not (tmp_path / "b.gdsckpt").exists()
+
+
 def test_overlap_hook_behind_another_hook_is_removed_after_the_step(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer(1)
     state = _ckpt(model, opt, 1)
