@@ -356,7 +356,7 @@ class Checkpointer:
         counts: it is removed as any uncommitted one). A Future of a gdsckpt.Reservation;
         wait=True: returned once done. Under torch.distributed without the memory tier: the pool
         GdsckptWriter's compressed staging takes for this rank's shards (gdsckpt.dcp.reserve;
-        save_options={"snapshot": "cpu" or "device"}: nothing, the future's result is None)."""
+        save_options={"snapshot": "cpu"}: nothing, the future's result is None)."""
         self._writable("reserve memory for saves")
         if self.memory is not None:
             return self.memory.reserve(state, wait)

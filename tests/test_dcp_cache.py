@@ -371,3 +371,44 @@ def test_gpu_first_staging_copies_the_state_on_the_gpu(tmp_path, one_rank_group,
         dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"a{i}"))
         assert_same(target, want)
     pp.release_pools()
+
+
+@pytest.mark.gpu
+def test_gpu_device_staging_copies_every_staging_and_compresses_it_into_the_pool(tmp_path, one_rank_group,
+                                                                                   monkeypatch):
+    """GdsckptWriter(snapshot="device") copies the state on the GPU (torch's cache) in every
+    staging and compresses the copy into the pool on a background thread, as
+    save_async(snapshot="device") does: the checkpoint is the state at the call although
+    training changes it right after, and no optimizer step waits."""
+    from gdsckpt import pinned_pool as pp
+    blocks = []
+
+    def counted(obj, keep=lambda t: False, block=None):
+        blocks.append(block)
+        return real(obj, keep=keep, block=block)
+
+    real = dcp_writer.snapshot_state_dict
+    monkeypatch.setattr(dcp_writer, "snapshot_state_dict", counted)
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    for i in range(2):
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i}
+        want = _to_cuda({"model": {k: v.clone() for k, v in state["model"].items()},
+                         "optim": {"state": {p: {k: v.clone() for k, v in s.items()}
+                                             for p, s in state["optim"]["state"].items()}}})
+        resp = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / f"d{i}", snapshot="device",
+                                                                  chunk_bytes=64 << 10))
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        opt.step()  # no hook: the staging reads its own copy
+        assert not opt._optimizer_step_pre_hooks
+        getattr(resp, "upload_completion", resp).result()
+        assert blocks == [None] * (i + 1)  # a copy in torch's cache, every staging
+        assert pp.pools()[f"cuda:{torch.cuda.current_device()}"]["capacity_bytes"] > 0
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                  "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
+                                      for p, s in state["optim"]["state"].items()}}}
+        dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"d{i}"))
+        assert_same(target, want)
+    pp.release_pools()

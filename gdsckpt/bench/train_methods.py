@@ -295,9 +295,10 @@ class DcpGdsckpt(Method):
     asynchronous = True
     sharded = True
 
-    def __init__(self, overlap: bool = False):
-        self.with_opt = overlap
-        self.name = "dcp.async_save GdsckptWriter" + (" overlap" if overlap else "")
+    def __init__(self, overlap: bool = False, snapshot: str | None = None):
+        self.with_opt, self.snapshot = overlap, snapshot
+        self.name = "dcp.async_save GdsckptWriter" + (" overlap" if overlap else "") + (
+            f" snapshot={snapshot}" if snapshot else "")
 
     def available(self):
         from gdsckpt.dcp import GdsckptWriter
@@ -309,12 +310,12 @@ class DcpGdsckpt(Method):
         _process_group()
         import gdsckpt.dcp
         if hasattr(gdsckpt.dcp, "reserve"):  # the staging's pool, as save_async's methods reserve theirs
-            self.reserved = reservation(lambda: gdsckpt.dcp.reserve(ctx.state()))
+            self.reserved = reservation(lambda: gdsckpt.dcp.reserve(ctx.state(), snapshot=self.snapshot))
 
     def save(self, ctx, state, path):
         import torch.distributed.checkpoint as dcp
         from gdsckpt.dcp import GdsckptWriter
-        w = GdsckptWriter(path, optimizer=ctx.opt) if self.with_opt else GdsckptWriter(path)
+        w = GdsckptWriter(path, optimizer=ctx.opt) if self.with_opt else GdsckptWriter(path, snapshot=self.snapshot)
         fut = dcp.async_save(state, storage_writer=w, process_group=ctx.group, planner=ctx.planner(self.name))
         fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse: staging is a future
 
@@ -369,6 +370,7 @@ METHODS: list[Callable[[], Method]] = [
     lambda: GdsSaveAsync("gdsckpt.save_async overlap codec=raw", {"overlap": True, "codec": "raw"}, optimizer=True),
     DcpGdsckpt,
     lambda: DcpGdsckpt(overlap=True),
+    lambda: DcpGdsckpt(snapshot="device"),
     GdsSaveAsyncShards,
     lambda: GdsSaveAsyncShards(overlap=True),
 ]
@@ -380,7 +382,8 @@ ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSyst
            "async-overlap-raw": "gdsckpt.save_async overlap codec=raw",
            "async-shards": "gdsckpt.save_async per rank, no DCP",
            "async-shards-overlap": "gdsckpt.save_async overlap per rank, no DCP",
-           "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap"}
+           "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap",
+           "dcp-gdsckpt-device": "dcp.async_save GdsckptWriter snapshot=device"}
 
 
 def all_methods() -> dict[str, Method]:

@@ -1,10 +1,10 @@
 """GdsckptWriter's staging for dcp.async_save: what the state dict becomes before
 dcp.async_save returns, for each snapshot mode (save.Snapshot).
 
-* `stage_compressed` (HOST, and the background part of OVERLAP): the rank's tensors compressed
-  into the host pool by save_flat, and a stand-in state dict for DCP to plan with.
-* `snapshot_state_dict` (DEVICE, and the call-time part of OVERLAP): a private copy of the
-  state dict, each tensor (a DTensor's local shard) copied on its own device.
+* `stage_compressed` (HOST, and the background part of OVERLAP and DEVICE): the rank's tensors
+  compressed into the host pool by save_flat, and a stand-in state dict for DCP to plan with.
+* `snapshot_state_dict` (the call-time part of OVERLAP and DEVICE): a private copy of the state
+  dict, each tensor (a DTensor's local shard) copied on its own device.
 """
 
 from __future__ import annotations
@@ -102,12 +102,12 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
 
 def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **writer_options) -> Future:
     """gdsckpt.reserve for GdsckptWriter's compressed staging (snapshot "host" or "overlap", the
-    defaults): the host pool it compresses this rank's tensors (a DTensor's local shard) into,
+    defaults, and "device"): the host pool it compresses this rank's tensors (a DTensor's local shard) into,
     made and page-locked on a background thread ahead of the first dcp.async_save, which would
     otherwise grow it in its staging (beside the training, in the overlap mode). writer_options:
-    GdsckptWriter's (those a save takes are used). snapshot "cpu" or "device" stage without the
-    pool: nothing is reserved, the future's result is None."""
-    if snapshot in ("cpu", "device"):
+    GdsckptWriter's (those a save takes are used). snapshot "cpu" stages without the pool:
+    nothing is reserved, the future's result is None."""
+    if snapshot == "cpu":
         nothing: Future = Future()
         nothing.set_result(None)
         return nothing
@@ -121,8 +121,8 @@ def snapshot_state_dict(obj, keep=lambda t: False, block=None):
     """A private copy of a DCP state dict: tensors (plain or DTensor, whose local shards are
     copied on their own device) through `snapshot_tensors` (and its `block`), except those for
     which keep(local tensor) holds (kept as they are); containers rebuilt, any other object
-    deep-copied. The "device" staging of GdsckptWriter, and the call-time part of its overlapped
-    one and of a first save's."""
+    deep-copied. The call-time part of GdsckptWriter's "device" and overlapped stagings and of a
+    first staging."""
     from torch.distributed.tensor import DTensor
 
     found = state_tensors(obj)

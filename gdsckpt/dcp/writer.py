@@ -104,9 +104,11 @@ class GdsckptWriter(StorageWriter, AsyncStager):
       holds every staged tensor, also replicated ones DCP assigns to another rank. Works
       with AsyncCheckpointerType.THREAD (the default); the PROCESS executor cannot reach the
       pool (pickling the writer then raises; use "cpu" there).
-    - "device" copies each tensor on its own device (GPU shards device-to-device on a side
-      stream, synchronized before dcp.async_save returns), so the background save still
-      compresses on the GPU; it costs one full copy of the rank's state on its GPU.
+    - "device" copies each tensor on its own device (GPU shards device-to-device, from torch's
+      cache) before dcp.async_save returns, then takes the "host" staging from the copy on a
+      background thread and lets the copy go (gdsckpt.save_async(snapshot="device") does the
+      same): no optimizer step waits, at the cost of a copy of the rank's state on its GPU while
+      it is compressed. `stage` returns a Future, as in "overlap"; THREAD executor only.
     - "cpu" stages to host memory as DCP's default stager does (no GPU memory; the background
       save then compresses on the CPU).
     After dcp.async_save returns the state dict is safe to mutate; wait on its future before
@@ -303,24 +305,13 @@ class GdsckptWriter(StorageWriter, AsyncStager):
 
     def __getstate__(self):
         if self._staged[0] is not None or self.optimizer is not None:
-            raise DCPPlanError("GdsckptWriter(snapshot='host' or 'overlap', async_staging='host') keeps the staged "
+            raise DCPPlanError("GdsckptWriter(snapshot='host', 'overlap' or 'device') keeps the staged "
                                "checkpoint in this process's host pool, which another process cannot reach: use "
                                "AsyncCheckpointerType.THREAD, or snapshot='cpu' with the PROCESS executor")
         return self.__dict__
 
     # -- AsyncStager (dcp.async_save)
     def stage(self, state_dict):
-        if self.snapshot in (Snapshot.HOST, Snapshot.OVERLAP):
-            wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
-            _drop_staged(self._staged)  # an earlier staging that no write_data took
-            gpu = copy_first(state_tensors(state_dict)) if may_copy_first() else None
-            staging = self._stage_overlapped(state_dict, gpu) if gpu is not None else None
-            if staging is None and self.snapshot is Snapshot.OVERLAP:
-                staging = self._stage_overlapped(state_dict, None)
-            if staging is not None:
-                return staging
-            state, self._staged[0] = stage_compressed(state_dict, self.options)
-            return state
         if self.snapshot is Snapshot.CPU:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             stager = DefaultStager(StagingOptions(False, False, False, False))
@@ -328,23 +319,35 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 return stager.stage(state_dict)
             finally:
                 stager.close()
-        return snapshot_state_dict(state_dict)
-
-    def _stage_overlapped(self, state_dict, first_copy: int | None) -> ConcurrentFuture | None:
-        """The compressed staging on a background thread, from a copy taken now: overlapped (the
-        optimizer's memory read in place, its next step waiting), or, first_copy (a GPU: the pool
-        is empty, save_async's _copied_save), every tensor copied there and no step waiting.
-        None where CUDA refused the first copy's block."""
-        if first_copy is None:
-            owned = StepOwned(self.optimizer)
-            frozen = snapshot_state_dict(state_dict, keep=owned.__contains__)
-            gpu, optimizer = owned.gpu(), self.optimizer  # the snapshot reads the optimizer's memory: fence its GPU
+        wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
+        _drop_staged(self._staged)  # an earlier staging that no write_data took
+        if self.snapshot is Snapshot.DEVICE:  # every staging from a copy in torch's cache, as save_async's
+            staging = self._stage_copied(state_dict, None, cuda_device_of(state_tensors(state_dict)))
         else:
-            try:
-                frozen = snapshot_state_dict(state_dict, block=outside_cache)
-            except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
-                return None
-            gpu, optimizer = first_copy, None
+            gpu = copy_first(state_tensors(state_dict)) if may_copy_first() else None
+            staging = self._stage_copied(state_dict, outside_cache, gpu) if gpu is not None else None
+            if staging is None and self.snapshot is Snapshot.OVERLAP:
+                owned = StepOwned(self.optimizer)  # the snapshot reads the optimizer's memory: fence its GPU
+                staging = self._in_background(snapshot_state_dict(state_dict, keep=owned.__contains__), owned.gpu(),
+                                              self.optimizer)
+        if staging is not None:
+            return staging
+        state, self._staged[0] = stage_compressed(state_dict, self.options)
+        return state
+
+    def _stage_copied(self, state_dict, block, gpu: int | None) -> ConcurrentFuture | None:
+        """The compressed staging from a copy of every tensor taken now (snapshot_tensors' `block`:
+        a first staging's outside torch's cache, device mode's in it), as save_async's _copied_save
+        takes it; no optimizer step waits. None where CUDA had no room for the copy."""
+        try:
+            frozen = snapshot_state_dict(state_dict, block=block)
+        except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+            return None
+        return self._in_background(frozen, gpu, None)
+
+    def _in_background(self, frozen, gpu: int | None, optimizer) -> ConcurrentFuture:
+        """stage_compressed(frozen) on a background thread (overlap.run_overlapped: with an
+        optimizer, its next step waits for it); the future of the stand-in state dict."""
         staging: ConcurrentFuture = ConcurrentFuture()
         staging.set_running_or_notify_cancel()
 
@@ -355,7 +358,8 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                 state, self._staged[0] = result
                 staging.set_result(state)
 
-        run_overlapped(lambda: stage_compressed(frozen, self.options), gpu, optimizer, finish)
+        held = [frozen]
+        run_overlapped(lambda: stage_compressed(held.pop(), self.options), gpu, optimizer, finish)
         return staging
 
     def synchronize_staging(self) -> None:
