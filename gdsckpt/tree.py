@@ -117,7 +117,10 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
         nodes.append(node)
         return node
 
-    skeleton = walk(state, "", 0)
+    try:
+        skeleton = walk(state, "", 0)
+    finally:
+        walk = None  # noqa: F841 - a recursive closure is a reference cycle; broken, `found` goes with the call
     leaves = _leaves(found, found_keys, nodes)
     return skeleton, leaves
 
@@ -366,4 +369,7 @@ def rebuild(node: dict, leaf: Callable[[int, str | None], torch.Tensor], key: st
         items = [build(v, child(i), depth + 1) for i, v in enumerate(body)]
         return items if kind == "list" else tuple(items)
 
-    return build(node, key, depth)
+    try:
+        return build(node, key, depth)
+    finally:
+        build = None  # noqa: F841 - a recursive closure is a reference cycle; broken, `leaf` goes with the call

@@ -92,7 +92,10 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
         return copy.deepcopy(o)
 
     with STAND_INS.round() as round_:
-        state = rebuild(state_dict, "", 0)
+        try:
+            state = rebuild(state_dict, "", 0)
+        finally:
+            rebuild = None  # noqa: F841 - a recursive closure is a reference cycle: `tensors` goes with the call
     skeleton, leaves = flatten(tensors)
     dest = PoolDestination(None, None, options.chunk_bytes)
     with on_device(cuda_device_of(tensors.values())):
@@ -153,7 +156,12 @@ def snapshot_state_dict(obj, keep=lambda t: False, block=None):
             return o
         return copy.deepcopy(o)
 
-    return rebuild(obj)
+    try:
+        return rebuild(obj)
+    finally:
+        # A recursive closure is a reference cycle, and `copied` holds every copy: unbroken, the
+        # copies (a rank's state) waited for the cyclic collector, which saves pause.
+        rebuild = None  # noqa: F841
 
 
 def state_tensors(obj) -> list[torch.Tensor]:
@@ -182,5 +190,8 @@ def state_tensors(obj) -> list[torch.Tensor]:
             raise UnsupportedStateError("ShardedTensor cannot be snapshotted on its device; "
                                "pass snapshot='cpu' to GdsckptWriter")
 
-    collect(obj)
+    try:
+        collect(obj)
+    finally:
+        collect = None  # noqa: F841 - a recursive closure is a reference cycle; broken, `found` goes with the call
     return found
