@@ -46,8 +46,11 @@ def restore_into(ck, state, *, strict: bool = True, atomic: bool = False):
         raise StateMismatchError(f"{ck.path}: keys differ from the checkpoint's: missing from the target "
                                  f"{plan.missing[:5]}, not in the checkpoint {plan.unknown[:5]}")
     stats = ck.read_into(plan.targets, atomic=atomic)
-    for action in plan.actions:
-        action()
+    try:
+        for action in plan.actions:
+            action()
+    finally:
+        plan.actions.clear()  # each refers to the plan: a cycle, left to the collector that restores pause
     return stats
 
 
