@@ -105,11 +105,11 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
 
 def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **writer_options) -> Future:
     """gdsckpt.reserve for GdsckptWriter's compressed staging (snapshot "host" or "overlap", the
-    defaults, and "device"): the host pool it compresses this rank's tensors (a DTensor's local shard) into,
-    made and page-locked on a background thread ahead of the first dcp.async_save, which would
-    otherwise grow it in its staging (beside the training, in the overlap mode). writer_options:
-    GdsckptWriter's (those a save takes are used). snapshot "cpu" stages without the pool:
-    nothing is reserved, the future's result is None."""
+    defaults, and "device"): the host pool it compresses this rank's tensors (a DTensor's local
+    shard) into, made and page-locked on a background thread ahead of the first dcp.async_save,
+    which would otherwise grow it in its staging (beside the training, in the overlap mode).
+    writer_options: GdsckptWriter's (those a save takes are used). snapshot "cpu" stages without
+    the pool: nothing is reserved, the future's result is None."""
     if snapshot == "cpu":
         nothing: Future = Future()
         nothing.set_result(None)
