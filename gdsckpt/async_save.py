@@ -203,11 +203,11 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
         fut = None
         if mode is Snapshot.DEVICE:
-            tensors = [l.tensor for l in leaves]
-            fut = _copied_save(skeleton, leaves, dest, mode, cuda_device_of(tensors), options, t0, block=None)
+            fut = _copied_save(skeleton, leaves, dest, mode, cuda_device_of(l.tensor for l in leaves), options, t0,
+                               block=None)
             if fut is None:
                 log.warning("gdsckpt: save_async(snapshot='device') of %s: no room on the GPU for a copy of the "
-                            "state (%d bytes); took the host snapshot in the call", path, block_bytes(tensors))
+                            "state; took the host snapshot in the call", path)
         elif memory is None and (gpu := copy_first([l.tensor for l in leaves])) is not None:
             fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
         if fut is None:

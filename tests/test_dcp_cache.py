@@ -362,6 +362,13 @@ def _to_cuda(obj):
     return obj
 
 
+def _tensors_as(state, make):
+    """The model's and the optimizer state's tensors of a {"model", "optim", "step"} state dict,
+    each made by `make` from the tensor there."""
+    return {"model": {k: make(v) for k, v in state["model"].items()},
+            "optim": {"state": {p: {k: make(v) for k, v in s.items()} for p, s in state["optim"]["state"].items()}}}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("snapshot", ["host", "overlap"])
 def test_gpu_first_staging_copies_the_state_on_the_gpu(tmp_path, one_rank_group, monkeypatch, snapshot):
@@ -387,18 +394,14 @@ def test_gpu_first_staging_copies_the_state_on_the_gpu(tmp_path, one_rank_group,
     kw = {"snapshot": snapshot, "chunk_bytes": 64 << 10} | ({"optimizer": opt} if snapshot == "overlap" else {})
     for i in range(2):
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i}
-        want = _to_cuda({"model": {k: v.clone() for k, v in state["model"].items()},
-                         "optim": {"state": {p: {k: v.clone() for k, v in s.items()}
-                                             for p, s in state["optim"]["state"].items()}}})
+        want = _to_cuda(_tensors_as(state, torch.Tensor.clone))
         resp = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / f"a{i}", **kw))
         model(torch.randn(8, 64, device="cuda")).sum().backward()
         opt.step()  # training goes on (overlap: the step waits for a snapshot that reads in place)
         getattr(resp, "upload_completion", resp).result()
         assert len(copies) == 1 and copies[0] > 0  # the first staging only
         assert pp.pools()[f"cuda:{torch.cuda.current_device()}"]["capacity_bytes"] > 0
-        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-                  "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
-                                      for p, s in state["optim"]["state"].items()}}}
+        target = _tensors_as(state, torch.zeros_like)
         dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"a{i}"))
         assert_same(target, want)
     pp.release_pools()
@@ -426,9 +429,7 @@ def test_gpu_device_staging_copies_every_staging_and_compresses_it_into_the_pool
     opt.step()
     for i in range(2):
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i}
-        want = _to_cuda({"model": {k: v.clone() for k, v in state["model"].items()},
-                         "optim": {"state": {p: {k: v.clone() for k, v in s.items()}
-                                             for p, s in state["optim"]["state"].items()}}})
+        want = _to_cuda(_tensors_as(state, torch.Tensor.clone))
         resp = dcp.async_save(state, storage_writer=GdsckptWriter(tmp_path / f"d{i}", snapshot="device",
                                                                   chunk_bytes=64 << 10))
         model(torch.randn(8, 64, device="cuda")).sum().backward()
@@ -437,9 +438,7 @@ def test_gpu_device_staging_copies_every_staging_and_compresses_it_into_the_pool
         getattr(resp, "upload_completion", resp).result()
         assert blocks == [None] * (i + 1)  # a copy in torch's cache, every staging
         assert pp.pools()[f"cuda:{torch.cuda.current_device()}"]["capacity_bytes"] > 0
-        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-                  "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
-                                      for p, s in state["optim"]["state"].items()}}}
+        target = _tensors_as(state, torch.zeros_like)
         dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"d{i}"))
         assert_same(target, want)
     pp.release_pools()
