@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from gdsckpt.bench.cli import main
 
 
@@ -61,6 +63,33 @@ def test_train_and_cost(tmp_path, capsys):
     idle = max(0.0, idle_estimate(rows["gdsckpt.save"])[0])
     assert abs(c["idle_usd_month"] - 720 * idle / 3600 * 8 * 3) < 1e-9
     assert abs(c["storage_usd_month"] - 2 * rows["gdsckpt.save"]["stored_bytes"] * 8 / 1e12 * 20) < 1e-9
+
+
+def test_train_loop_reads_its_loss_every_n_steps(tmp_path, capsys, monkeypatch):
+    """--sync-every N: loss.item() after every N-th step only (the host ahead of the device between), and
+    every run of steps the estimates sum ends with one; an N that does not divide interval // 4 is refused."""
+    from gdsckpt.bench import train_loop
+    reads = []
+    real = train_loop.train_step
+
+    def counted(*a, **kw):
+        out = real(*a, **kw)
+        reads.append(out[0] is not None)
+        return out
+    monkeypatch.setattr(train_loop, "train_step", counted)
+    out = tmp_path / "train.json"
+    assert main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "16", "--interval", "8", "--repeats", "1",
+                 "--sync-every", "2", "--methods", "none,async", "--directory", str(tmp_path / "d"),
+                 "--output", str(out)]) == 0
+    assert "the loss read every 2 steps" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["sync_every"] == 2
+    assert reads == [False, True] * 8 * 2  # each method's loop: steps 2, 4, ..., 16 read the loss
+    rows = {m["name"]: m for m in r["methods"]}
+    assert rows["gdsckpt.save_async"]["status"] == "ok" and rows["gdsckpt.save_async"]["overhead_local_per_ckpt_s"]["n"] == 1
+    with pytest.raises(SystemExit, match=r"--sync-every 3: must divide --interval // 4 \(2\)"):
+        main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "16", "--interval", "8",
+              "--sync-every", "3", "--methods", "none", "--directory", str(tmp_path / "e")])
 
 
 def test_cost_from_file_and_unavailable_modes(tmp_path, capsys):

@@ -66,9 +66,12 @@ def run_train(args) -> dict:
     rk, device = ranks.from_env(args.device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size if args.size in TRAIN_SIZES else ("gpt2-medium" if device.startswith("cuda") else "small-cpu")
-    steps, interval, repeats = args.steps, args.interval, args.repeats
+    steps, interval, repeats, sync_every = args.steps, args.interval, args.repeats, args.sync_every
     if n_checkpoints(steps, interval) < 1:
         raise SystemExit("--steps must be at least twice --interval (every checkpoint is followed by a full interval)")
+    if sync_every < 1 or max(1, interval // 4) % sync_every:
+        raise SystemExit(f"--sync-every {sync_every}: must divide --interval // 4 ({max(1, interval // 4)}), "
+                         "so that every run of steps the estimates sum ends with a sync")
     memory = getattr(args, "memory", False)
     methods = select(args.methods or ("none,async" if memory else None))
     if memory:  # the memory tier beside them (train_memory.py), at the same interval
@@ -143,7 +146,7 @@ def run_train(args) -> dict:
                 ctx.io_path = ctx.stored_bytes = None
                 ctx.pinned = 0
                 try:
-                    loop = run_loop(ctx, m, batches, steps, interval, f"r{r}")
+                    loop = run_loop(ctx, m, batches, steps, interval, f"r{r}", sync_every)
                     rows[m.name]["loops"].append(loop)
                     if ctx.stored_bytes:
                         rows[m.name]["stored_bytes"] = ctx.stored_bytes
@@ -174,6 +177,7 @@ def run_train(args) -> dict:
               "io_path": next((r.get("io_path") for r in out_methods if r.get("io_path")), None),
               "model": minfo, "state": {"logical_bytes": state_bytes, "tensors": n_tensors},
               "steps": steps, "interval": interval, "checkpoints_per_loop": ckpts, "repeats": repeats,
+              "sync_every": sync_every,
               "dcp_planner": args.dcp_planner,
               "step_s": none_mean / steps if none_mean else None,
               "methods": out_methods, "cost": None}
@@ -202,6 +206,9 @@ def add_arguments(ap) -> None:
                    help="training steps per loop (--train); checkpoints every --interval steps but in the last interval")
     g.add_argument("--interval", type=int, default=40, help="a checkpoint every N steps (--train)")
     g.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every method's loop (--train)")
+    g.add_argument("--sync-every", type=int, default=1, metavar="N",
+                   help="the loop reads its loss (loss.item(), the host waiting for the GPU) every N steps; between, "
+                        "the host runs ahead (--train; default 1: every step). N must divide --interval // 4")
     g.add_argument("--dcp-planner", choices=["cached", "default"], default="cached",
                    help="the save planner of every DCP method (--train): gdsckpt.dcp.CachedSavePlanner, "
                         "DCP's plan caching, as torchtitan-scale runs use it; or DCP's DefaultSavePlanner")

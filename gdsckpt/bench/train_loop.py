@@ -63,7 +63,9 @@ class Batches:
         return self.w[idx].to(self.device, non_blocking=True)
 
 
-def train_step(model, opt, batches, device, method: Method, hook_t: list):
+def train_step(model, opt, batches, device, method: Method, hook_t: list, sync: bool = True):
+    """One step; sync: the host reads the loss (loss.item(), waiting for the GPU), as a loop that
+    logs its loss every step does. Returns (loss or None, the optimizer step's wait, loss.item()'s wait)."""
     idx = batches.next()
     cuda = device.startswith("cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else Bf16Matmuls():
@@ -76,9 +78,19 @@ def train_step(model, opt, batches, device, method: Method, hook_t: list):
     waited = time.perf_counter() - t
     hook_t[1] = 0.0
     opt.step()
+    if not sync:  # the host runs ahead of the GPU, as far as CUDA's launch queue lets it
+        return None, waited + hook_t[1], 0.0
     t = time.perf_counter()
-    value = loss.item()  # the loop logs its loss every step, as many do; here the host waits for the GPU
+    value = loss.item()  # the loop logs its loss here; the host waits for the GPU
     return value, waited + hook_t[1], time.perf_counter() - t
+
+
+def synced_step(step: int, sync_every: int) -> bool:
+    """Whether the loop reads its loss after `step` (1-based): every `sync_every`-th step, as a
+    loop that logs every N steps and checkpoints at a multiple of N (Hugging Face's Trainer logs,
+    then saves). Every run of steps the estimates sum (train_report: multiples of interval // 4)
+    then ends with a sync, and the steps between run ahead of the GPU."""
+    return step % sync_every == 0
 
 
 def n_checkpoints(steps: int, interval: int) -> int:
@@ -189,7 +201,7 @@ class Loop:
     steal_windows: list = field(default_factory=list)  # the same over each `interval` steps, every loop alike
 
 
-def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str) -> Loop:
+def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str, sync_every: int = 1) -> Loop:
     cuda = ctx.device.startswith("cuda")
     gc.collect()
     if cuda:
@@ -223,7 +235,8 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
     step_s, ckpt_steps, gpu_waits = [], [], []
     for step in range(1, steps + 1):
         ts = time.perf_counter()
-        _, waited, gpu_wait = train_step(ctx.model, ctx.opt, batches, ctx.device, method, hook_t)
+        _, waited, gpu_wait = train_step(ctx.model, ctx.opt, batches, ctx.device, method, hook_t,
+                                         synced_step(step, sync_every))
         step_s.append(time.perf_counter() - ts)
         gpu_waits.append(gpu_wait)
         if blocked and waits:

@@ -15,7 +15,7 @@ TRAIN_SCHEMA = 1
 TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, device: {kind, name}, versions, io_path,
  model: {size, layers, heads, d_model, vocab, seq, batch, params}, state: {logical_bytes, tensors},
  steps, interval, checkpoints_per_loop (at interval, 2 x interval, ..., each followed by a full interval),
- repeats, dcp_planner (cached | default: the DCP methods' save planner), step_s (the 'none' loops' mean),
+ repeats, sync_every (the loop reads its loss every N steps, the host running ahead between), dcp_planner (cached | default: the DCP methods' save planner), step_s (the 'none' loops' mean),
  methods: [{name, status: ok|error|unavailable, error, loops_s: [per repeat], overhead_per_ckpt_s:
    {mean, min, max, each}, drain_s: [per repeat: the wait for the last write at the loop's end],
    blocked_s: {mean, max, each}, call_s: {mean, max, each} (the call alone: blocked less the optimizer's wait),
@@ -207,6 +207,10 @@ def _after(r: dict) -> str:
     return text
 
 
+def _every(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps (the host ahead of the GPU between)"
+
+
 def print_train(result: dict, out=None) -> None:
     out = out or sys.stdout
     d = result
@@ -215,7 +219,8 @@ def print_train(result: dict, out=None) -> None:
     print(f"  model: GPT {m['layers']}x{m['d_model']} ({m['params'] / 1e6:.1f}M params), batch {m['batch']}x{m['seq']}; "
           f"state {d['state']['logical_bytes'] / 1e9:.2f} GB ({d['state']['tensors']} tensors); "
           f"step {_f(d['step_s'] and d['step_s'] * 1e3, '{:.1f}')} ms; a checkpoint every {d['interval']} steps, "
-          f"{d['checkpoints_per_loop']} per loop of {d['steps']} steps, {d['repeats']} repeat(s)", file=out)
+          f"{d['checkpoints_per_loop']} per loop of {d['steps']} steps, {d['repeats']} repeat(s); "
+          f"the loss read every {_every(d.get('sync_every', 1))}", file=out)
     if d.get("world_size"):
         print(f"  {d['model']['sharding']}: {d['state']['per_rank_bytes'] / 1e9:.2f} GB of state per rank; "
               "the table is rank 0's, each rank's figures follow it", file=out)
