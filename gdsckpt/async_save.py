@@ -56,7 +56,8 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   allocator, given back to the device after every save, cost the training thread ~16 ms a
   save more (mapped again, and unmapped at its next synchronize: bench/probes/copy_block_cost.py).
   Where torch has no room for the copy, the save takes the host snapshot in the call instead
-  (logged; its stats say mode "host").
+  (logged; its stats say mode "host"). With memory= (the Checkpointer's memory tier) the copy
+  is compressed into the tier's shared memory instead of the pool, as the other modes are.
 
 One save in flight, and what that means:
 * save_async calls are serialized: a call waits for the previous call's snapshot (in overlap
@@ -180,9 +181,8 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
         mode = Snapshot.OVERLAP
     check_optimizer(mode, optimizer)
-    if memory is not None and (mode is Snapshot.DEVICE or pool_bytes is not None):
-        raise ValueError("memory= takes the compressed host snapshot into the memory tier: not with "
-                         "snapshot='device' or pool_bytes=")
+    if memory is not None and pool_bytes is not None:
+        raise ValueError("memory= takes the compressed snapshot into the memory tier, not the pool: not with pool_bytes=")
     check_pool_bytes(pool_bytes)
     options = SaveOptions(**save_options)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from .local_writes import LocalWrites
 from .memory_snapshot import MemoryTarget
 from .memory_source import MemorySource
 from .memory_tier import MemoryTier
-from .steps import DAMAGE, StepLayout
+from .steps import DAMAGE, StepLayout, async_options
 
 log = logging.getLogger("gdsckpt.manager")
 
@@ -79,8 +79,8 @@ class MemorySteps:
         if why is None:
             try:
                 what = memory_dcp().snapshot(state) if self.distributed else state
-                fut = save_async(what, self.layout.path(step), overlap=optimizer is not None, optimizer=optimizer,
-                                 memory=MemoryTarget(self.tier, step), **self.save_options)
+                fut = save_async(what, self.layout.path(step), memory=MemoryTarget(self.tier, step),
+                                 **async_options(self.save_options, optimizer))
             except MemoryTierFullError as e:  # found when the plan was known: nothing was taken
                 why = str(e)
             else:

@@ -37,14 +37,14 @@ from typing import Callable
 
 import torch
 
-from .async_save import check_pool_bytes, default_pool_limit
+from .async_save import MODES, check_pool_bytes, default_pool_limit
 from .defaults import CODEC_SAMPLE_PIECE_BYTES
 from .device_copy import cuda_device_of, on_device
 from .memory_snapshot import slot_bytes
 from .pinned_pool import align_up, pool_for
 from .plan import Plan, make_plan
 from .ring import Completion
-from .save import SaveOptions, Sink, backend_kind, save_flat, tensor_specs
+from .save import SaveOptions, Sink, Snapshot, backend_kind, save_flat, tensor_specs
 from .tree import flatten
 
 __all__ = ["reserve", "reserve_planned", "Reservation", "Planned", "plan_for", "reserve_memory", "in_background"]
@@ -89,7 +89,10 @@ class Planned:
 def plan_for(state, save_options: dict) -> Planned:
     """Check `state` and the options as save_async does (the same typed errors, before anything
     runs) and plan it. An optimizer in it that holds no state yet is warned of: before its first
-    step it holds no moments, so the plan (and a reservation) would be sized without them."""
+    step it holds no moments, so the plan (and a reservation) would be sized without them.
+    snapshot= (save_async's) is checked and changes nothing: every mode compresses into the pool."""
+    save_options = dict(save_options)
+    Snapshot.parse(save_options.pop("snapshot", Snapshot.HOST.value), MODES)
     options = SaveOptions(**save_options)
     for key in _optimizers_without_state(state):
         warnings.warn(f"gdsckpt.reserve: the optimizer at {key or 'the top'!r} holds no state yet: if it keeps "

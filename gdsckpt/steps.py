@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from . import api
+from .async_save import MODES, SaveFuture, save_async
 from .errors import CheckpointFormatError, GdsckptError, VersionError
+from .save import Snapshot
 from .stateful import dcp_view, dcp_write_back
 from .storage import fsync_dir, stale_temporaries, temp_path_for
 
@@ -95,7 +97,6 @@ def _identity(path: Path) -> tuple:
 
 def relayed(fut: Future) -> Future:
     """A SaveFuture (which knows whether its outcome was looked at) with `fut`'s outcome."""
-    from .async_save import SaveFuture
     out = SaveFuture()
     out.set_running_or_notify_cancel()
 
@@ -164,6 +165,16 @@ class StepLayout(Protocol):
         """{step: why} of the local steps found damaged so far."""
 
 
+def async_options(save_options: dict, optimizer) -> dict:
+    """save_async's keywords for a step of the Checkpointer's save_options: with optimizer=, the
+    overlapped snapshot where they name none (or "host", the default); a snapshot taken in the
+    call ("device") stays, and no step waits for it."""
+    if optimizer is None:
+        return save_options
+    mode = save_options.get("snapshot", "host")
+    return {**save_options, "optimizer": optimizer, "snapshot": "overlap" if mode == "host" else mode}
+
+
 class _Steps:
     distributed: bool
 
@@ -219,6 +230,8 @@ class FileSteps(_Steps):
     loads_in_place = False
 
     def __init__(self, directory: Path, save_options: dict, scratch: Path | None = None):
+        if "snapshot" in save_options:  # refused now, not at the first save_async hours into a run
+            Snapshot.parse(save_options["snapshot"], MODES)
         super().__init__(directory, save_options)
         self.scratch = scratch if scratch is not None else directory
 
@@ -226,12 +239,11 @@ class FileSteps(_Steps):
         return path.is_file()
 
     def save(self, step: int, state) -> object:
-        return api.save(state, self.path(step), **self.save_options)
+        # a synchronous save takes no snapshot: save_options' snapshot= is save_async's alone
+        return api.save(state, self.path(step), **{k: v for k, v in self.save_options.items() if k != "snapshot"})
 
     def save_async(self, step: int, state, optimizer) -> Future:
-        from .async_save import save_async
-        return save_async(state, self.path(step), overlap=optimizer is not None, optimizer=optimizer,
-                          **self.save_options)
+        return save_async(state, self.path(step), **async_options(self.save_options, optimizer))
 
     def reserve(self, state, wait: bool) -> Future:
         from .reserve import reserve

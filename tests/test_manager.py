@@ -100,6 +100,30 @@ def test_save_async_with_optimizer_overlaps_the_snapshot(tmp_path):
         assert_same(ck.restore().state, want)
 
 
+def test_save_options_snapshot_is_save_asyncs_alone(tmp_path):
+    """save_options={"snapshot": "device"}: save_async takes the copy (optimizer= or not; no step waits
+    for it), save() and reserve() take the rest of the options; a mode save_async lacks is refused at
+    construction."""
+    state = state_for(5)
+    w = torch.nn.Parameter(state["model"]["w"])
+    opt = torch.optim.SGD([w], lr=1.0)
+    want = {k: {kk: (vv.clone() if isinstance(vv, torch.Tensor) else vv) for kk, vv in v.items()}
+            for k, v in state.items()}
+    with Checkpointer(tmp_path, keep=3, save_options={**OPTS, "snapshot": "device"}) as ck:
+        assert ck.reserve(state, wait=True).result().held_bytes > 0
+        assert ck.save(1, state).file_bytes > 0
+        fut = ck.save_async(2, state, optimizer=opt)
+        assert len(opt._optimizer_step_pre_hooks) == 0  # the copy is taken: nothing for a step to wait for
+        state["model"]["w"].fill_(7)
+        assert fut.result().mode == "device"
+        assert ck.save_async(3, state_for(3)).result().mode == "device"
+        ck.wait()
+        assert ck.steps() == [1, 2, 3]
+        assert_same(ck.restore(step=2).state, want)
+    with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', not 'cpu'"):
+        Checkpointer(tmp_path / "b", save_options={"snapshot": "cpu"})
+
+
 def test_temporaries_and_foreign_files_do_not_count(tmp_path):
     with Checkpointer(tmp_path, save_options=OPTS) as ck:
         ck.save(5, state_for(5))

@@ -112,10 +112,31 @@ def test_refusals(tmp_path, shm):
         Checkpointer(tmp_path / "a", memory=True, every_local=0)
     tier = MemoryTier(tmp_path)
     try:
-        with pytest.raises(ValueError, match="memory= takes the compressed host snapshot"):
-            gdsckpt.save_async(state_for(1), tmp_path / "x", snapshot="device", memory=MemoryTarget(tier, 1))
+        with pytest.raises(ValueError, match="memory= takes the compressed snapshot into the memory tier"):
+            gdsckpt.save_async(state_for(1), tmp_path / "x", pool_bytes=1 << 20, memory=MemoryTarget(tier, 1))
     finally:
         tier.close()
+
+
+def test_device_snapshot_into_memory(tmp_path, shm):
+    """save_options={"snapshot": "device"} with the memory tier: the state copied in the call, the copy
+    compressed into the tier; the state may change as save_async returns."""
+    d = tmp_path / "run"
+    with Checkpointer(d, memory=True, every_local=2, save_options={**OPTS, "snapshot": "device"}) as ck:
+        assert ck.reserve(state_for(1), wait=True).result() is not None
+        for s in (1, 2, 3):
+            state = state_for(s)
+            fut = ck.save_async(s, state)
+            state["model"]["w"].fill_(7)
+            st = fut.result()
+            assert (st.mode, st.io_path) == ("device", "memory")
+            ck.memory.wait_local()
+        assert ck.save(4, state_for(4)).io_path == "memory"
+        assert local_files(d) == [step_name(1, False), step_name(3, False)]
+        for s in (1, 3, 4):
+            r = ck.restore(step=s)
+            assert r.source == ("memory" if s in ck.memory.steps() else "local")
+            assert_same(r.state, state_for(s))
 
 
 def test_status_reports_the_cap(tmp_path, shm):
@@ -597,3 +618,27 @@ def test_gpu_snapshot_into_pinned_slots_and_restore_in_a_new_process(tmp_path, s
     out, err = child.communicate(timeout=300)
     assert child.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1]) == {"source": "memory", "step": 3, "exact": True}
+
+
+@pytest.mark.gpu
+def test_gpu_device_snapshot_into_memory_lets_the_copy_go(tmp_path, shm):
+    """snapshot="device" with the memory tier on a GPU: the copy is compressed into the tier's slots
+    and goes back to torch's cache once the step is committed there; the step restores bit-exact."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    state = {"model": {"w": torch.randn(2_000_000, device="cuda", generator=g)},
+             "optim": {"m": torch.randn(1_000_000, device="cuda", generator=g)}}
+    want = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in state.items()}
+    with Checkpointer(tmp_path / "run", memory=True, every_local=10, save_options={"snapshot": "device"}) as ck:
+        ck.save_async(1, state).result()  # the backend warmed, the slot made
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        fut = ck.save_async(2, state)
+        state["model"]["w"].fill_(7)  # the copy was taken in the call
+        st = fut.result()
+        assert (st.mode, st.io_path, st.backend) == ("device", "memory", "gpu")
+        assert st.device_copy_bytes >= 12_000_000
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before  # the copy went back with the snapshot
+        r = ck.restore(step=2)
+        assert r.source == "memory"
+        assert all(torch.equal(r.state[k][kk], want[k][kk]) for k in want for kk in want[k])
