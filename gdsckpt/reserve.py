@@ -28,6 +28,7 @@ what a Checkpointer's next save needs, the memory tier's slots included (`reserv
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
@@ -38,8 +39,10 @@ from typing import Callable
 import torch
 
 from .async_save import MODES, check_pool_bytes, default_pool_limit
+from .codecs import GPU_AUTO_PLANES
 from .defaults import CODEC_SAMPLE_PIECE_BYTES
 from .device_copy import cuda_device_of, on_device
+from .dtypes import name_of
 from .memory_snapshot import slot_bytes
 from .pinned_pool import align_up, pool_for
 from .plan import Plan, make_plan
@@ -195,13 +198,27 @@ class _Discard:
 
 
 def warm(planned: Planned) -> float:
-    """One tiny snapshot through the backend, codecs and options a save of `planned` uses,
-    discarded; seconds."""
+    """Small snapshots through the backend, codecs, options and kernels a save of `planned` uses,
+    discarded; seconds. Per dtype two tensors of random bytes, so that the chunk is gathered from
+    both (a lone aligned tensor is compressed where it lies, and the gather kernels would wait for
+    the first save); with codec="auto" on the GPU, once more with byte planes for the dtypes that
+    may choose them (sampled random bytes may not), so that their gather-into-planes kernel is
+    built too. On a host whose CuPy kernel cache is cold, each kernel left out is compiled in the
+    first save's call instead."""
     t = time.perf_counter()
-    sample = {str(i): torch.zeros(max(1, WARM_BYTES // dtype.itemsize), dtype=dtype, device=device)
-              for i, (dtype, device) in enumerate(planned.samples.items())}
+    sample = {}
+    for i, (dtype, device) in enumerate(planned.samples.items()):
+        half = max(1, WARM_BYTES // dtype.itemsize // 2) * dtype.itemsize
+        for j in range(2):
+            raw = torch.randint(0, 2 if dtype == torch.bool else 256, (half,), dtype=torch.uint8, device=device)
+            sample[f"{i}/{j}"] = raw.view(dtype)
     skeleton, leaves = flatten(sample)
-    save_flat(skeleton, leaves, Sink(_Discard()), planned.options)
+    runs = [planned.options]
+    planes = {name_of(d): "ans-planes" for d in planned.samples if name_of(d) in GPU_AUTO_PLANES}
+    if planned.kind == "gpu" and planned.options.codec == "auto" and planes:
+        runs.append(dataclasses.replace(planned.options, codec=planes))
+    for options in runs:
+        save_flat(skeleton, leaves, Sink(_Discard()), options)
     return time.perf_counter() - t
 
 
