@@ -131,10 +131,10 @@ def run_train(args) -> dict:
                 tc = time.perf_counter()
                 h = m.save(ctx, ctx.state(), directory / f"first-{len(rows[m.name]['loops'])}")
                 tb = time.perf_counter() - tc
-                if h is not None:
-                    h.result()
+                got = h.result() if h is not None else None
                 m.before_step()
-                rows[m.name]["first_save"] = {"blocked_s": tb, "completion_s": time.perf_counter() - tc}
+                rows[m.name]["first_save"] = {"blocked_s": tb, "completion_s": time.perf_counter() - tc,
+                                              "stats": _first_stats(got)}
             except Exception as e:
                 rows[m.name].update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
             clear()
@@ -195,6 +195,16 @@ def run_train(args) -> dict:
         result["memory"] = {"loop": mem.summary(), "restore": restore if not rk else None,
                             "targets": train_memory.idle_target(out_methods)}
     return result
+
+
+def _first_stats(stats) -> dict | None:
+    """Where a first save_async's time went (the target 3 check), from its AsyncStats: the snapshot's
+    stages, the pool's growth and waits; None for other methods."""
+    if not hasattr(stats, "pool_alloc_s"):
+        return None
+    return {"mode": stats.mode, "snapshot_s": stats.snapshot_s, "stages": dict(stats.stages),
+            "pool_alloc_s": stats.pool_alloc_s, "pool_wait_s": stats.pool_wait_s,
+            "device_copy_bytes": stats.device_copy_bytes}
 
 
 def add_arguments(ap) -> None:

@@ -32,7 +32,8 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
      less than the local estimate's means, and it misses any such step a checkpoint itself causes; null as local,
    raw: [per repeat: {steps_ms, ckpt_steps, calls_ms, completion_s}] (each step's and call's own time, to redo the
      estimates),
-   first_save: {blocked_s, completion_s} (outside the loops, after `reserve`),
+   first_save: {blocked_s, completion_s, stats: {mode, snapshot_s, stages, pool_alloc_s, pool_wait_s,
+     device_copy_bytes} | null (save_async's)} (outside the loops, after `reserve`),
    reserve: {when, seconds, where, allocated_bytes, held_bytes, limit_bytes, pinned, warm_s, alloc_s, slots} | null
    (what the method's setup reserved ahead of its first save: gdsckpt.reserve / Checkpointer.reserve),
    stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
