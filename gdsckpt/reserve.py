@@ -54,7 +54,7 @@ __all__ = ["reserve", "reserve_planned", "Reservation", "Planned", "plan_for", "
 
 # The warm-up snapshot's bytes per dtype: one codec-choice sample piece, so that codec="auto"
 # samples it with every candidate codec (on the GPU: byte-plane ANS's nvCOMP codec and shuffle
-# kernel too, not only the typed ANS that zeros pick). Below it nothing was sampled, and a first
+# kernel too, not only the typed ANS that zeros picked). Below it nothing was sampled, and a first
 # save on a fresh host compiled and made them in its call: 1.03 s blocked, 0.12 s steady
 # (H100, 2026-11-24, bench/results/2026-11-24-h100-drift/).
 WARM_BYTES = CODEC_SAMPLE_PIECE_BYTES
@@ -209,8 +209,10 @@ def warm(planned: Planned) -> float:
     sample = {}
     for i, (dtype, device) in enumerate(planned.samples.items()):
         half = max(1, WARM_BYTES // dtype.itemsize // 2) * dtype.itemsize
+        rng = torch.Generator(device=device).manual_seed(i)  # the caller's random streams stay as they were
         for j in range(2):
-            raw = torch.randint(0, 2 if dtype == torch.bool else 256, (half,), dtype=torch.uint8, device=device)
+            raw = torch.randint(0, 2 if dtype == torch.bool else 256, (half,), dtype=torch.uint8, device=device,
+                                generator=rng)
             sample[f"{i}/{j}"] = raw.view(dtype)
     skeleton, leaves = flatten(sample)
     runs = [planned.options]

@@ -101,6 +101,19 @@ def test_reserve_grows_the_pool_to_save_asyncs_bound_and_again_allocates_nothing
     assert _reserving() == []
 
 
+def test_reserve_leaves_the_callers_random_streams_alone(tmp_path):
+    """The warm-up's random bytes come from a generator of its own: a reservation between two draws of
+    the training's global generator does not change the second draw (dropout masks, data order)."""
+    torch.manual_seed(5)
+    torch.rand(3)
+    want = torch.rand(8)
+    torch.manual_seed(5)
+    torch.rand(3)
+    gdsckpt.reserve({"a": torch.ones(10_000), "b": torch.ones(100, dtype=torch.bfloat16),
+                     "c": torch.ones(5, dtype=torch.bool)}, wait=True, **SMALL).result()
+    assert torch.equal(torch.rand(8), want)
+
+
 def test_without_reserve_the_first_save_allocates_in_the_call(tmp_path):
     stats = gdsckpt.save_async(_state(2), tmp_path / "a.gdsckpt", **SMALL).result(60)
     assert stats.pool_alloc_s > 0  # what reserve takes out of the first save
