@@ -3,7 +3,7 @@ first save_async after gdsckpt.reserve, against the next one, with reserve's war
 as it was before session 21 (zeros, one tensor per dtype: the gather kernels were left to the first
 save, which compiled them in its call).
 
-    OUT=dir python bench/probes/cold_first_save.py [--runs 2] [--warmups old,current] [--profile]
+    OUT=dir python bench/probes/cold_first_save.py [--runs 2] [--warmups old,current] [--profile] [--drop-caches]
 
 Each run is a new process with an empty CUPY_CACHE_DIR, in turn with the old and the current
 warm-up: --train's GPT (gpt2-medium) after 3 steps on the GPU, reserve(state, wait=True), then two
@@ -11,7 +11,8 @@ save_async calls of its checkpoint state, each waited for. Writes cold_first_sav
 each call's blocked and durable seconds and its stats (the snapshot's stages, the pool's growth
 and waits), the machine's uptime when the process started (a fresh machine's first process is
 where --train's first saves missed), and with --profile the call's cProfile, top functions by
-cumulative time.
+cumulative time. --drop-caches (root): the page cache dropped before each process, as on a fresh
+machine, whose first process reads the libraries it loads (NVRTC's, for a kernel compiled) from disk.
 """
 from __future__ import annotations
 
@@ -80,11 +81,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="runs of each warm-up, alternating (old first)")
     ap.add_argument("--warmups", default="old,current", help="which warm-ups each run has, in order")
     ap.add_argument("--profile", action="store_true", help="each save_async call under cProfile (slower)")
+    ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each process (root)")
     args = ap.parse_args()
-    out = {"date": time.strftime("%F %T %Z"), "runs": []}
+    out = {"date": time.strftime("%F %T %Z"), "drop_caches": args.drop_caches, "runs": []}
     for i in range(args.runs):
         for kind in args.warmups.split(","):
             with tempfile.TemporaryDirectory() as cache:
+                if args.drop_caches:
+                    os.sync()
+                    Path("/proc/sys/vm/drop_caches").write_text("3")
                 env = dict(os.environ, CUPY_CACHE_DIR=cache)
                 p = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), kind, os.environ.get("BENCH_DIR", "/tmp"),
                                     str(int(args.profile))],
