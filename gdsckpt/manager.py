@@ -120,8 +120,11 @@ class Checkpointer:
         if self.distributed:
             import torch.distributed as dist
             self.rank = dist.get_rank()
+        # Before the lock: bad options and a bad URL are refused with nothing held, and refused
+        # now, not at the first save_async hours into a run.
+        (DcpSteps if self.distributed else FileSteps).check_options(self.save_options)
         store = None
-        if remote is not None:  # before the lock: a bad URL or option is refused with nothing held
+        if remote is not None:
             from .stores import open_store
             store = open_store(remote, **(remote_options or {}))
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -147,11 +150,11 @@ class Checkpointer:
         self._rollback: PendingRollback | None = None
         self.remote: RemoteTier | None = None
         self.memory: MemorySteps | None = None
-        if store is not None:
-            self.remote = RemoteTier(store, self.layout, self.policy,
-                                     upload=self._owner and upload and not self.read_only,
-                                     after_upload=self._retention.request)
         try:
+            if store is not None:
+                self.remote = RemoteTier(store, self.layout, self.policy,
+                                         upload=self._owner and upload and not self.read_only,
+                                         after_upload=self._retention.request)
             if memory and self.read_only:
                 log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
             elif memory:
@@ -326,8 +329,9 @@ class Checkpointer:
         (gdsckpt.save_async's snapshot; dcp.async_save under torch.distributed). optimizer=opt:
         the snapshot runs during the next forward/backward and opt.step() waits for it (the
         overlap contract of gdsckpt.save_async; GdsckptWriter(optimizer=) under
-        torch.distributed). The step counts once the returned future completes; wait() waits
-        for it and raises its error."""
+        torch.distributed), unless save_options name a snapshot taken in the call ("device", or
+        "cpu" under torch.distributed), which no step waits for. The step counts once the
+        returned future completes; wait() waits for it and raises its error."""
         self._wait_save()
         step = self._check(step)
         if self.memory is not None:  # committed in memory; the tier writes it to the directory if due

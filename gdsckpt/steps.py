@@ -230,10 +230,14 @@ class FileSteps(_Steps):
     loads_in_place = False
 
     def __init__(self, directory: Path, save_options: dict, scratch: Path | None = None):
-        if "snapshot" in save_options:  # refused now, not at the first save_async hours into a run
-            Snapshot.parse(save_options["snapshot"], MODES)
         super().__init__(directory, save_options)
         self.scratch = scratch if scratch is not None else directory
+
+    @staticmethod
+    def check_options(save_options: dict) -> None:
+        """A ValueError for a snapshot= that save_async lacks."""
+        if "snapshot" in save_options:
+            Snapshot.parse(save_options["snapshot"], MODES)
 
     def committed(self, path: Path) -> bool:
         return path.is_file()
@@ -290,6 +294,13 @@ class DcpSteps(_Steps):
         super().__init__(directory, save_options)
         self.rank = rank
 
+    @staticmethod
+    def check_options(save_options: dict) -> None:
+        """A ValueError for a snapshot= that GdsckptWriter lacks."""
+        if "snapshot" in save_options:
+            from .dcp.writer import WRITER_MODES
+            Snapshot.parse(save_options["snapshot"], WRITER_MODES)
+
     def committed(self, path: Path) -> bool:
         return path.is_dir() and (path / DCP_METADATA).is_file()
 
@@ -300,14 +311,16 @@ class DcpSteps(_Steps):
     def save(self, step: int, state) -> object:
         import torch.distributed.checkpoint as dcp
         from .dcp import CachedSavePlanner, GdsckptWriter
-        dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **self.save_options),
+        # a synchronous save takes no snapshot: save_options' snapshot= is async_save's alone
+        options = {k: v for k, v in self.save_options.items() if k != "snapshot"}
+        dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **options),
                  planner=CachedSavePlanner())
         return None
 
     def save_async(self, step: int, state, optimizer) -> Future:
         import torch.distributed.checkpoint as dcp
         from .dcp import CachedSavePlanner, GdsckptWriter
-        writer = GdsckptWriter(self.path(step), optimizer=optimizer, **self.save_options)
+        writer = GdsckptWriter(self.path(step), **async_options(self.save_options, optimizer))
         fut = dcp.async_save(dcp_view(state), storage_writer=writer, planner=CachedSavePlanner())
         fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
         return relayed(fut)

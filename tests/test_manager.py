@@ -122,6 +122,8 @@ def test_save_options_snapshot_is_save_asyncs_alone(tmp_path):
         assert_same(ck.restore(step=2).state, want)
     with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', not 'cpu'"):
         Checkpointer(tmp_path / "b", save_options={"snapshot": "cpu"})
+    with Checkpointer(tmp_path / "b", save_options=OPTS) as ck:  # the refusal held no lock on the directory
+        assert ck.steps() == []
 
 
 def test_temporaries_and_foreign_files_do_not_count(tmp_path):

@@ -122,3 +122,46 @@ def test_two_ranks_manager(tmp_path, s3_env):
     from gdsckpt.stores import open_store
     names = sorted(open_store(url).list())
     assert "step_00000003/.metadata" in names and "step_00000003.uploaded.json" in names, names
+
+
+def _snapshot_rank_main(rank: int, root: str) -> None:
+    """save_options={"snapshot": ...} under torch.distributed, as on one process: a refused mode
+    at construction (holding no lock), save() ignoring it, save_async(optimizer=) keeping a copy
+    taken in the call ("device": no step waits for it)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    root = Path(root)
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), WORLD), rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from gdsckpt.manager import Checkpointer
+        mesh = init_device_mesh("cpu", (WORLD,))
+        with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', 'cpu', not 'gpu'"):
+            Checkpointer(root / "ck", save_options={"snapshot": "gpu"})
+        with Checkpointer(root / "ck", keep=3, save_options={"snapshot": "device"}) as ck:  # no lock was left held
+            ck.save(1, sharded(full_state(1), mesh))  # a synchronous save takes no snapshot
+            state = sharded(full_state(2), mesh)
+            params = [torch.nn.Parameter(state[k]) for k in ("w", "emb")]
+            opt = torch.optim.SGD(params, lr=1.0)
+            ck.save_async(2, state, optimizer=opt)
+            assert not opt._optimizer_step_pre_hooks  # the copy is taken: nothing for a step to wait for
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+            state["step"].fill_(-1)
+            ck.wait()
+            assert ck.steps() == [1, 2]
+            target = sharded(full_state(0), mesh)
+            assert ck.restore(target).step == 2
+            same_local(target, sharded(full_state(2), mesh))
+        with Checkpointer(root / "ov", save_options={"snapshot": "overlap"}) as ck:
+            ck.save(1, sharded(full_state(1), mesh))  # not refused for want of an optimizer: no snapshot here
+            assert ck.steps() == [1]
+    finally:
+        dist.destroy_process_group()
+    end_rank()
+
+
+def test_two_ranks_snapshot_options(tmp_path):
+    import torch.multiprocessing as mp
+    mp.start_processes(_snapshot_rank_main, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="spawn")
