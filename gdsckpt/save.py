@@ -38,8 +38,8 @@ from .stats import Stats, stream_stats
 from .storage import AtomicFile, save_target
 from .tree import Leaf
 
-__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "backend_kind", "tensor_specs",
-           "check_codec", "check_optimizer", "is_int"]
+__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "choose_codecs_ahead", "backend_kind",
+           "tensor_specs", "check_codec", "check_optimizer", "is_int"]
 
 
 # ---------------------------------------------------------------- options
@@ -259,18 +259,14 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
     kind = backend_kind(leaves, options)
     chunk_bytes = options.chunk_bytes_for(kind)
     with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
-        def planned_codec(dtype: str) -> dict:
-            return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
-        plan = PLANS.get(tensor_specs(leaves), planned_codec, chunk_bytes)
+        plan = _plan(leaves, options, kind, be)
         tensors = [l.tensor for l in leaves]
         timings = Timings()
         file = destination.open(be)
         try:
             be.begin()
             t = time.perf_counter()
-            if codec_choice.choose_codecs(plan, lambda dtype: codecs.candidates(
-                    options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version),
-                    codec_choice.Sampler(be, plan, tensors)):
+            if _choose_codecs(plan, tensors, options, kind, be):
                 timings.add("codec_choice", t)  # only where a sample was compressed: steady saves reuse the choice
             layout = destination.layout(file.fd, _writer_meta(be, chunk_bytes), skeleton,
                                         ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
@@ -286,6 +282,30 @@ def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, opti
                      sum(r.stored for r in records), layout.file_bytes if layout.fd is not None else 0,
                      len(plan.chunks), chunk_bytes, options.ring_depth, time.perf_counter() - t_start,
                      dict(timings.stages), timings.latencies, stream_stats(plan, records), be.memory())
+
+
+def choose_codecs_ahead(leaves: list[Leaf], options: SaveOptions) -> int:
+    """codec="auto"'s per-stream choice for a state of `leaves`, made now from their bytes and kept
+    (codec_choice.CHOICES), so that the state's first save samples nothing (gdsckpt.reserve's
+    warm-up). The streams measured; 0 where there was nothing to choose or it was chosen before."""
+    kind = backend_kind(leaves, options)
+    with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
+        be.begin()
+        chosen = _choose_codecs(_plan(leaves, options, kind, be), [l.tensor for l in leaves], options, kind, be)
+        be.finish()
+    return chosen
+
+
+def _plan(leaves: list[Leaf], options: SaveOptions, kind: str, be: Backend) -> Plan:
+    def planned_codec(dtype: str) -> dict:
+        return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
+    return PLANS.get(tensor_specs(leaves), planned_codec, options.chunk_bytes_for(kind))
+
+
+def _choose_codecs(plan: Plan, tensors: list, options: SaveOptions, kind: str, be: Backend) -> int:
+    """codec_choice.choose_codecs for `plan` on the save's backend (after be.begin())."""
+    return codec_choice.choose_codecs(plan, lambda dtype: codecs.candidates(
+        options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version), codec_choice.Sampler(be, plan, tensors))
 
 
 def _writer_meta(be: Backend, chunk_bytes: int) -> dict:

@@ -364,6 +364,7 @@ def test_gpu_reserve_pins_the_pool_and_the_first_save_allocates_nothing(tmp_path
     assert r.limit_bytes - pp.ALIGN < r.held_bytes <= r.limit_bytes
     first = gdsckpt.save_async(state, tmp_path / "a.gdsckpt").result(120)
     assert first.backend == "gpu" and first.pool_alloc_s == 0.0 and first.pool_limit_bytes == r.limit_bytes
+    assert "codec_choice" not in first.stages  # codec="auto" chose from the state's bytes in the reservation
     assert first.memory["pinned_host_bytes"] == r.held_bytes
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt", device="cpu"), {k: v.cpu() for k, v in state.items()})
     assert gdsckpt.reserve(state, wait=True).result().allocated_bytes == 0
