@@ -89,8 +89,9 @@ class Checkpointer:
 
     keep: local steps kept (>= 1). remote: "s3://bucket/prefix" or None. keep_remote: remote
     steps kept (None: all). every_remote: upload every n-th saved step. save_options: keyword
-    arguments of gdsckpt.save (codec, chunk_bytes, io, ...) or of GdsckptWriter under
-    torch.distributed. remote_options: keyword arguments of gdsckpt.stores.open_store
+    arguments of gdsckpt.save (codec, chunk_bytes, io, ...; snapshot= for save_async) or of
+    GdsckptWriter under torch.distributed, checked here (a ValueError naming the option, before
+    anything is taken). remote_options: keyword arguments of gdsckpt.stores.open_store
     (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
     torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
     memory: hold every saved step in shared memory on this host (the memory tier); then

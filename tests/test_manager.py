@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +125,25 @@ def test_save_options_snapshot_is_save_asyncs_alone(tmp_path):
         Checkpointer(tmp_path / "b", save_options={"snapshot": "cpu"})
     with Checkpointer(tmp_path / "b", save_options=OPTS) as ck:  # the refusal held no lock on the directory
         assert ck.steps() == []
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"codecs": "ans"}, "save_options: 'codecs' is not an option of a step's save; it takes backend, chunk_bytes, "
+                        "codec, io, io_threads, ring_depth, snapshot"),
+    ({"pool_bytes": 2**30}, "'pool_bytes' is not an option of a step's save"),
+    ({"codec": "lz4"}, "unknown codec 'lz4'"),
+    ({"chunk_bytes": 3}, "chunk_bytes must be a positive multiple of 4096"),
+    ({"io": "fast"}, "io must be one of 'auto', 'gds', 'compat', not 'fast'"),
+    ({"ring_depth": 1}, "ring_depth must be at least 2"),
+])
+def test_bad_save_options_are_refused_when_made_holding_nothing(tmp_path, options, message):
+    """Refused by the constructor, not by the first save hours into a run, and before the
+    directory's lock is taken: the same directory opens at once with good options."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Checkpointer(tmp_path, save_options=options)
+    with Checkpointer(tmp_path, save_options=OPTS) as ck:
+        ck.save(1, state_for(1))
+        assert ck.steps() == [1]
 
 
 def test_temporaries_and_foreign_files_do_not_count(tmp_path):

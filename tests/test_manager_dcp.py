@@ -138,6 +138,11 @@ def _snapshot_rank_main(rank: int, root: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', 'cpu', not 'gpu'"):
             Checkpointer(root / "ck", save_options={"snapshot": "gpu"})
+        with pytest.raises(ValueError, match="'codecs' is not an option of a step's save; it takes async_staging, "
+                                             "backend, chunk_bytes, codec, io, io_threads, overwrite, ring_depth, snapshot"):
+            Checkpointer(root / "ck", save_options={"codecs": "ans"})  # GdsckptWriter's options
+        with pytest.raises(ValueError, match="unknown codec 'lz4'"):
+            Checkpointer(root / "ck", save_options={"codec": "lz4"})
         with Checkpointer(root / "ck", keep=3, save_options={"snapshot": "device"}) as ck:  # no lock was left held
             ck.save(1, sharded(full_state(1), mesh))  # a synchronous save takes no snapshot
             state = sharded(full_state(2), mesh)
