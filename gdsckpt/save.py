@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +39,7 @@ from .storage import AtomicFile, save_target
 from .tree import Leaf
 
 __all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "choose_codecs_ahead", "backend_kind",
-           "tensor_specs", "check_codec", "check_optimizer", "is_int"]
+           "tensor_specs", "check_codec", "check_optimizer", "check_save_options", "is_int"]
 
 
 # ---------------------------------------------------------------- options
@@ -130,6 +130,20 @@ class Snapshot(str, enum.Enum):
         if isinstance(value, str) and value in {m.value for m in allowed}:
             return cls(value)
         raise ValueError(f"{keyword} must be one of {', '.join(repr(m.value) for m in allowed)}, not {value!r}")
+
+
+def check_save_options(options: dict, extra=(), modes: tuple[Snapshot, ...] = ()) -> None:
+    """Save options given once for saves to come (a Checkpointer's, an integration's), checked
+    before the first of them: each name a SaveOptions field or one of `extra`, the values valid
+    (SaveOptions' own ValueErrors), and snapshot= one of `modes`. A ValueError naming the option."""
+    names = {f.name for f in fields(SaveOptions)}
+    unknown = sorted(set(options) - names - set(extra))
+    if unknown:
+        raise ValueError(f"{', '.join(map(repr, unknown))} is not a save option here; these are "
+                         f"{', '.join(sorted(names | set(extra)))}")
+    SaveOptions(**{k: v for k, v in options.items() if k in names})
+    if "snapshot" in options:
+        Snapshot.parse(options["snapshot"], modes)
 
 
 def check_optimizer(mode: Snapshot, optimizer) -> None:

@@ -11,7 +11,6 @@ Temporaries of killed saves never count."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import os
 import re
@@ -23,7 +22,7 @@ from typing import ContextManager, Iterator, Protocol
 from . import api
 from .async_save import MODES, SaveFuture, save_async
 from .errors import CheckpointFormatError, GdsckptError, VersionError
-from .save import SaveOptions, Snapshot
+from .save import Snapshot, check_save_options
 from .stateful import dcp_view, dcp_write_back
 from .storage import fsync_dir, stale_temporaries, temp_path_for
 
@@ -177,20 +176,6 @@ def async_options(save_options: dict, optimizer) -> dict:
     return {**save_options, "optimizer": optimizer, "snapshot": "overlap" if mode == "host" else mode}
 
 
-def check_save_options(save_options: dict, takes: set[str], modes: tuple[Snapshot, ...]) -> None:
-    """A Checkpointer's save_options, checked when it is made rather than at its first save hours
-    into a run: every name one that `takes` holds, the save's options valid (SaveOptions' own
-    ValueErrors), and snapshot= one of `modes`."""
-    unknown = sorted(set(save_options) - takes)
-    if unknown:
-        raise ValueError(f"save_options: {', '.join(map(repr, unknown))} is not an option of a step's save; "
-                         f"it takes {', '.join(sorted(takes))}")
-    fields = {f.name for f in dataclasses.fields(SaveOptions)}
-    SaveOptions(**{k: v for k, v in save_options.items() if k in fields})
-    if "snapshot" in save_options:
-        Snapshot.parse(save_options["snapshot"], modes)
-
-
 class _Steps:
     distributed: bool
 
@@ -253,7 +238,7 @@ class FileSteps(_Steps):
     def check_options(save_options: dict) -> None:
         """A ValueError for an option gdsckpt.save and save_async do not both take (snapshot=:
         save_async's alone), or a bad value."""
-        check_save_options(save_options, {f.name for f in dataclasses.fields(SaveOptions)} | {"snapshot"}, MODES)
+        check_save_options(save_options, {"snapshot"}, MODES)
 
     def committed(self, path: Path) -> bool:
         return path.is_file()
@@ -315,8 +300,8 @@ class DcpSteps(_Steps):
         """A ValueError for an option GdsckptWriter does not take (optimizer= is save_async's
         argument), or a bad value."""
         from .dcp.writer import WRITER_MODES, GdsckptWriter
-        takes = set(inspect.signature(GdsckptWriter).parameters) - {"path", "optimizer"}
-        check_save_options(save_options, takes, WRITER_MODES)
+        check_save_options(save_options, set(inspect.signature(GdsckptWriter).parameters) - {"path", "optimizer"},
+                           WRITER_MODES)
 
     def committed(self, path: Path) -> bool:
         return path.is_dir() and (path / DCP_METADATA).is_file()

@@ -238,6 +238,14 @@ def test_io_without_a_trainer(tmp_path):
         io.load_checkpoint(path, map_location=lambda storage, loc: storage)
     with pytest.raises(TypeError, match="storage_options must be a dict"):
         io.save_checkpoint(ck, path, storage_options="zstd")
+    # its options checked when it is made, not at the first checkpoint an epoch into the run
+    with pytest.raises(ValueError, match="unknown codec 'lz4'"):
+        GdsckptCheckpointIO(codec="lz4")
+    with pytest.raises(ValueError, match="'snapshot' is not a save option here"):
+        GdsckptCheckpointIO(snapshot="device")  # gdsckpt.save's: async_save=True takes save_async's
+    with pytest.raises(ValueError, match="snapshot must be one of 'host', 'device', not 'overlap'"):
+        GdsckptCheckpointIO(async_save=True, snapshot="overlap")  # needs an optimizer= Lightning does not give
+    GdsckptCheckpointIO(async_save=True, snapshot="device", pool_bytes=2**30)
     with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
         io.load_checkpoint(tmp_path / "missing.ckpt")
     with pytest.raises(ValueError, match="local files only"):

@@ -120,5 +120,14 @@ def test_train_stop_resume_in_a_new_process_is_bit_identical(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-12", "checkpoint-8"]
 
 
+def test_bad_save_options_are_refused_when_the_trainer_is_made():
+    """Not at the first checkpoint, save_steps into the run; before the Trainer is set up."""
+    from gdsckpt.integrations.transformers import GdsckptTrainer
+    with pytest.raises(ValueError, match="unknown codec 'lz4'"):
+        GdsckptTrainer(save_options={"codec": "lz4"})
+    with pytest.raises(ValueError, match="'snapshot' is not a save option here"):
+        GdsckptTrainer(save_options={"snapshot": "device"})  # gdsckpt.save's options: it takes no snapshot
+
+
 if __name__ == "__main__":
     report((child_first if sys.argv[1] == "first" else child_resume)(Path(sys.argv[2])))

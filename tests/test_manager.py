@@ -128,9 +128,9 @@ def test_save_options_snapshot_is_save_asyncs_alone(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"codecs": "ans"}, "save_options: 'codecs' is not an option of a step's save; it takes backend, chunk_bytes, "
+    ({"codecs": "ans"}, "'codecs' is not a save option here; these are backend, chunk_bytes, "
                         "codec, io, io_threads, ring_depth, snapshot"),
-    ({"pool_bytes": 2**30}, "'pool_bytes' is not an option of a step's save"),
+    ({"pool_bytes": 2**30}, "'pool_bytes' is not a save option here"),
     ({"codec": "lz4"}, "unknown codec 'lz4'"),
     ({"chunk_bytes": 3}, "chunk_bytes must be a positive multiple of 4096"),
     ({"io": "fast"}, "io must be one of 'auto', 'gds', 'compat', not 'fast'"),

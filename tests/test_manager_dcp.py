@@ -138,7 +138,7 @@ def _snapshot_rank_main(rank: int, root: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', 'cpu', not 'gpu'"):
             Checkpointer(root / "ck", save_options={"snapshot": "gpu"})
-        with pytest.raises(ValueError, match="'codecs' is not an option of a step's save; it takes async_staging, "
+        with pytest.raises(ValueError, match="'codecs' is not a save option here; these are async_staging, "
                                              "backend, chunk_bytes, codec, io, io_threads, overwrite, ring_depth, snapshot"):
             Checkpointer(root / "ck", save_options={"codecs": "ans"})  # GdsckptWriter's options
         with pytest.raises(ValueError, match="unknown codec 'lz4'"):

@@ -31,6 +31,7 @@ import torch
 
 import gdsckpt
 from gdsckpt.errors import UnsupportedStateError
+from gdsckpt.save import Snapshot, check_save_options
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -51,12 +52,17 @@ class GdsckptCheckpointIO(CheckpointIO):
     failed background save is raised there or by the next call. Lightning's `AsyncCheckpointIO`
     instead runs a whole synchronous save on a thread after cloning every tensor.
 
-    save_options (codec=, chunk_bytes=, ...) reach gdsckpt.save / save_async; a save's
+    save_options (codec=, chunk_bytes=, ...; with async_save=True also snapshot= "host" or "device"
+    and pool_bytes=), checked here, reach gdsckpt.save / save_async; a save's
     `storage_options` (`trainer.save_checkpoint(path, storage_options={...})`) is a dict of the
     same options, for that save only."""
 
     def __init__(self, *, async_save: bool = False, **save_options: Any):
         super().__init__()
+        # checked now, not at the first checkpoint an epoch into the run; save_async's snapshot
+        # "overlap" needs an optimizer= that Lightning does not hand a CheckpointIO
+        check_save_options(save_options, ("snapshot", "pool_bytes") if async_save else (),
+                           (Snapshot.HOST, Snapshot.DEVICE))
         self.async_save = async_save
         self.save_options = save_options
         self._in_flight: list[tuple[Path, Any]] = []  # (resolved path, SaveFuture), oldest first

@@ -35,6 +35,7 @@ from transformers import Trainer
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 import gdsckpt
+from gdsckpt.save import check_save_options
 
 __all__ = ["GdsckptTrainer", "MODEL_FILE", "OPTIMIZER_FILE", "SCALER_FILE", "TRAINING_ARGS_FILE", "rng_file"]
 
@@ -54,6 +55,7 @@ class GdsckptTrainer(Trainer):
     chunk_bytes=, ...) reach gdsckpt.save; everything else is Trainer's."""
 
     def __init__(self, *args, save_options: dict | None = None, **kwargs):
+        check_save_options(save_options or {})  # now, not at the first checkpoint save_steps into the run
         super().__init__(*args, **kwargs)
         self.gdsckpt_save_options = dict(save_options or {})
         self._saving_checkpoint = False
