@@ -176,3 +176,10 @@ def test_train_save_resume_in_a_new_process_is_bit_identical(tmp_path):
 
 if __name__ == "__main__":
     report((child_first if sys.argv[1] == "first" else child_resume)(Path(sys.argv[2])))
+
+
+def test_a_bad_codec_is_refused_when_the_manager_is_made():
+    """Not at the first checkpoint, `interval` steps into the run."""
+    from gdsckpt.integrations.torchtitan import GdsckptCheckpointManager
+    with pytest.raises(ValueError, match="unknown codec 'lz4'"):
+        GdsckptCheckpointManager(GdsckptCheckpointManager.Config(enable=True, codec="lz4"))

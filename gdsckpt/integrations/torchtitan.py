@@ -47,6 +47,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
 from gdsckpt.dcp import SUFFIX, CachedSavePlanner, GdsckptReader, GdsckptWriter, reserve
+from gdsckpt.save import check_save_options
 
 __all__ = ["GdsckptCheckpointManager"]
 
@@ -61,6 +62,7 @@ class GdsckptCheckpointManager(CheckpointManager):
         "ans", "ans-planes", "bitcomp", "zstd", "raw"."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        check_save_options({"codec": config.codec})  # now, not at the first checkpoint `interval` steps in
         super().__init__(config, **kwargs)
         self.codec = config.codec
         self.reservation: Future | None = None
