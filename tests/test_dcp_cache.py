@@ -304,6 +304,21 @@ def test_reserve_makes_the_stagings_pool_before_the_first_save(tmp_path, one_ran
     pp.release_pools()
 
 
+def test_reserve_takes_the_tensors_the_staging_saves_under_its_keys(one_rank_group):
+    """What dcp.reserve reserves and warms (codec="auto"'s choice is kept per keys and shapes) is
+    what the compressed staging saves: the same tensors, under the same keys, in the same order."""
+    from gdsckpt.dcp.staging import stage_compressed, staged_tensors
+    from gdsckpt.save import SaveOptions
+    state = _state(7)
+    _, staged = stage_compressed(state, SaveOptions(chunk_bytes=64 << 10))
+    try:
+        reserved = staged_tensors(state)
+        assert list(reserved) == list(staged.shapes)
+        assert all(tuple(t.shape) == tuple(staged.shapes[k]) for k, t in reserved.items())
+    finally:
+        staged.drop()
+
+
 def test_checkpointer_reserve_under_torch_distributed(tmp_path, one_rank_group):
     """Checkpointer.reserve under torch.distributed reserves the staging's pool for this rank's
     tensors (it reserved nothing before): its first save grows nothing."""
@@ -404,6 +419,28 @@ def test_gpu_first_staging_copies_the_state_on_the_gpu(tmp_path, one_rank_group,
         target = _tensors_as(state, torch.zeros_like)
         dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"a{i}"))
         assert_same(target, want)
+    pp.release_pools()
+
+
+@pytest.mark.gpu
+def test_gpu_reserve_makes_the_stagings_codec_choice(tmp_path, one_rank_group):
+    """After gdsckpt.dcp.reserve the first staging samples nothing: codec="auto"'s choice was made
+    from the state's bytes under the staging's keys."""
+    import gdsckpt.dcp
+    from gdsckpt import pinned_pool as pp
+    pp.release_pools()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {"model": {"w": torch.randn(3_000_000, device="cuda", generator=g)},
+             "optim": {"state": {"0": {"exp_avg_sq": torch.rand(3_000_000, device="cuda", generator=g) ** 4}}},
+             "step": 1}
+    want = _tensors_as(state, torch.Tensor.clone)
+    gdsckpt.dcp.reserve(state, wait=True).result()
+    writer = GdsckptWriter(tmp_path / "a")
+    getattr(resp := dcp.async_save(state, storage_writer=writer), "upload_completion", resp).result()
+    assert writer.last_stats.backend == "gpu" and "codec_choice" not in writer.last_stats.stages
+    target = _tensors_as(state, torch.zeros_like)
+    dcp.load(target, storage_reader=GdsckptReader(tmp_path / "a"))
+    assert_same(target, want)
     pp.release_pools()
 
 

@@ -25,8 +25,8 @@ from ..stats import Stats
 from ..tree import flatten
 from .standins import STAND_INS, StandInElements, data_address
 
-__all__ = ["Staged", "StandInElements", "stage_compressed", "snapshot_state_dict", "state_tensors", "data_address",
-           "reserve"]
+__all__ = ["Staged", "StandInElements", "stage_compressed", "staged_tensors", "snapshot_state_dict", "state_tensors",
+           "data_address", "reserve"]
 
 
 @dataclass
@@ -52,55 +52,69 @@ def stage_compressed(state_dict, options: SaveOptions) -> tuple[Any, Staged]:
     process's host pool, as save_async does; return (stand-in state dict, Staged) where the
     stand-ins have the shapes, dtypes and DTensor placements of the tensors but hold no memory
     (one element, expanded) and other values are deep-copied."""
-    from torch.distributed.tensor import DTensor
-
     tensors: dict[str, torch.Tensor] = {}
-
-    def stand_in(t: torch.Tensor, path: str, dtensor=None) -> torch.Tensor:
-        if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
-            raise UnsupportedStateError(f"cannot stage a {t.layout} {t.dtype} tensor on {t.device} at {path!r}; "
-                                        "pass snapshot='cpu' to GdsckptWriter")
-        key = path
-        while key in tensors:
-            key += "#"
-        tensors[key] = t.detach()
-        # On the tensor's own device: DTensor.from_local moves a local tensor that is not on the
-        # mesh's device type, and write_data would then not recognise the copy as staged.
-        return round_.stand_in(key, t, dtensor)
-
-    def rebuild(o, path: str, depth: int):
-        if depth > 512:
-            raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
-        if isinstance(o, DTensor):
-            return stand_in(o.to_local(), path, o)
-        if isinstance(o, torch.Tensor):
-            return stand_in(o, path)
-        sep = "/" if path else ""
-        if isinstance(o, dict):
-            items = [(k, rebuild(v, f"{path}{sep}{k}", depth + 1)) for k, v in o.items()]
-            return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
-        if isinstance(o, list):
-            return [rebuild(v, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
-        if isinstance(o, tuple):
-            items = [rebuild(v, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
-            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
-        if type(o).__name__ == "ShardedTensor":
-            raise UnsupportedStateError("ShardedTensor cannot be staged compressed; pass snapshot='cpu' "
-                                        "to GdsckptWriter")
-        if isinstance(o, (bool, int, float, complex, str, bytes, type(None))):
-            return o
-        return copy.deepcopy(o)
-
     with STAND_INS.round() as round_:
-        try:
-            state = rebuild(state_dict, "", 0)
-        finally:
-            rebuild = None  # noqa: F841 - a recursive closure is a reference cycle: `tensors` goes with the call
+        def stand_in(t: torch.Tensor, path: str, dtensor) -> torch.Tensor:
+            # On the tensor's own device: DTensor.from_local moves a local tensor that is not on
+            # the mesh's device type, and write_data would then not recognise the copy as staged.
+            return round_.stand_in(_keyed(tensors, path, t), t, dtensor)
+
+        state = _rebuild(state_dict, stand_in, _copied)
     skeleton, leaves = flatten(tensors)
     dest = PoolDestination(None, None, options.chunk_bytes)
     with on_device(cuda_device_of(tensors.values())):
         snap = save_flat(skeleton, leaves, dest, options)
     return state, Staged(dest, round_.keys, round_.shapes, snap, round_.entries, round_.layout)
+
+
+def staged_tensors(state_dict) -> dict[str, torch.Tensor]:
+    """The tensors stage_compressed saves, under the keys it saves them (reserve's: a save of
+    the same keys and shapes reuses codec="auto"'s choice)."""
+    tensors: dict[str, torch.Tensor] = {}
+    _rebuild(state_dict, lambda t, path, dtensor: _keyed(tensors, path, t), lambda o: None)
+    return tensors
+
+
+def _keyed(tensors: dict, path: str, t: torch.Tensor) -> str:
+    """Add `t` to `tensors` under its path (made unique): the key it is staged under."""
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_quantized:
+        raise UnsupportedStateError(f"cannot stage a {t.layout} {t.dtype} tensor on {t.device} at {path!r}; "
+                                    "pass snapshot='cpu' to GdsckptWriter")
+    key = path
+    while key in tensors:
+        key += "#"
+    tensors[key] = t.detach()
+    return key
+
+
+def _copied(o):
+    return o if isinstance(o, (bool, int, float, complex, str, bytes, type(None))) else copy.deepcopy(o)
+
+
+def _rebuild(o, tensor, other, path: str = "", depth: int = 0):
+    """`o` rebuilt: dicts, lists and tuples as they are, tensor(local tensor, path, its DTensor or
+    None) for each tensor (a DTensor's local shard), other(value) for any other value."""
+    from torch.distributed.tensor import DTensor
+
+    if depth > 512:
+        raise UnsupportedStateError("state dict is nested deeper than 512 levels (or cyclic)")
+    if isinstance(o, DTensor):
+        return tensor(o.to_local(), path, o)
+    if isinstance(o, torch.Tensor):
+        return tensor(o, path, None)
+    sep = "/" if path else ""
+    if isinstance(o, dict):
+        items = [(k, _rebuild(v, tensor, other, f"{path}{sep}{k}", depth + 1)) for k, v in o.items()]
+        return OrderedDict(items) if isinstance(o, OrderedDict) else dict(items)
+    if isinstance(o, list):
+        return [_rebuild(v, tensor, other, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
+    if isinstance(o, tuple):
+        items = [_rebuild(v, tensor, other, f"{path}{sep}{i}", depth + 1) for i, v in enumerate(o)]
+        return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+    if type(o).__name__ == "ShardedTensor":
+        raise UnsupportedStateError("ShardedTensor cannot be staged compressed; pass snapshot='cpu' "
+                                    "to GdsckptWriter")
+    return other(o)
 
 
 def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **writer_options) -> Future:
@@ -116,8 +130,7 @@ def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **wr
         return nothing
     from ..reserve import reserve as reserve_pool
     names = {f.name for f in fields(SaveOptions)}
-    tensors = {str(i): t.detach() for i, t in enumerate(state_tensors(state_dict))}
-    return reserve_pool(tensors, wait=wait, **{k: v for k, v in writer_options.items() if k in names})
+    return reserve_pool(staged_tensors(state_dict), wait=wait, **{k: v for k, v in writer_options.items() if k in names})
 
 
 def snapshot_state_dict(obj, keep=lambda t: False, block=None):
