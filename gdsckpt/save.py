@@ -38,8 +38,8 @@ from .stats import Stats, stream_stats
 from .storage import AtomicFile, save_target
 from .tree import Leaf
 
-__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "choose_codecs_ahead", "backend_kind",
-           "tensor_specs", "check_codec", "check_optimizer", "check_save_options", "is_int"]
+__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "choose_codecs_ahead",
+           "backend_kind", "tensor_specs", "check_codec", "check_optimizer", "check_save_options", "is_int"]
 
 
 # ---------------------------------------------------------------- options
@@ -318,8 +318,9 @@ def _plan(leaves: list[Leaf], options: SaveOptions, kind: str, be: Backend) -> P
 
 def _choose_codecs(plan: Plan, tensors: list, options: SaveOptions, kind: str, be: Backend) -> int:
     """codec_choice.choose_codecs for `plan` on the save's backend (after be.begin())."""
-    return codec_choice.choose_codecs(plan, lambda dtype: codecs.candidates(
-        options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version), codec_choice.Sampler(be, plan, tensors))
+    def candidates(dtype: str) -> list[dict]:
+        return codecs.candidates(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
+    return codec_choice.choose_codecs(plan, candidates, codec_choice.Sampler(be, plan, tensors))
 
 
 def _writer_meta(be: Backend, chunk_bytes: int) -> dict:

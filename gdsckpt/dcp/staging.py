@@ -130,7 +130,8 @@ def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **wr
         return nothing
     from ..reserve import reserve as reserve_pool
     names = {f.name for f in fields(SaveOptions)}
-    return reserve_pool(staged_tensors(state_dict), wait=wait, **{k: v for k, v in writer_options.items() if k in names})
+    save_options = {k: v for k, v in writer_options.items() if k in names}
+    return reserve_pool(staged_tensors(state_dict), wait=wait, **save_options)
 
 
 def snapshot_state_dict(obj, keep=lambda t: False, block=None):
