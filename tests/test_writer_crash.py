@@ -45,6 +45,12 @@ mb, chunk, n = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 states = [make_state(k, mb) for k in range(n)]
 gdsckpt.save(states[0], sys.argv[5], chunk_bytes=chunk)  # warm every lazy cache before forking
 os.unlink(sys.argv[5])
+# What a preforking server does: the objects made so far leave the collector's generations. Else a
+# child's first collection after its save may be a full one, which touches every object torch made
+# here and copies their pages (~100 ms on the CI's VM, depending on how the imports left the
+# generations): a tail after the rename that would draw most of the kills away from the save.
+import gc
+gc.freeze()
 print("ready", flush=True)
 while True:
     line = sys.stdin.readline()
