@@ -182,6 +182,8 @@ class _Steps:
     def __init__(self, directory: Path, save_options: dict):
         self.directory = directory
         self.save_options = save_options
+        # a synchronous save takes no snapshot: save_options' snapshot= is the background save's alone
+        self.sync_options = {k: v for k, v in save_options.items() if k != "snapshot"}
         self._checked: dict[int, tuple[tuple, bool, str | None]] = {}  # step: (identity, deep, why)
 
     def damage(self, step: int, deep: bool = False) -> str | None:
@@ -244,8 +246,7 @@ class FileSteps(_Steps):
         return path.is_file()
 
     def save(self, step: int, state) -> object:
-        # a synchronous save takes no snapshot: save_options' snapshot= is save_async's alone
-        return api.save(state, self.path(step), **{k: v for k, v in self.save_options.items() if k != "snapshot"})
+        return api.save(state, self.path(step), **self.sync_options)
 
     def save_async(self, step: int, state, optimizer) -> Future:
         return save_async(state, self.path(step), **async_options(self.save_options, optimizer))
@@ -313,9 +314,7 @@ class DcpSteps(_Steps):
     def save(self, step: int, state) -> object:
         import torch.distributed.checkpoint as dcp
         from .dcp import CachedSavePlanner, GdsckptWriter
-        # a synchronous save takes no snapshot: save_options' snapshot= is async_save's alone
-        options = {k: v for k, v in self.save_options.items() if k != "snapshot"}
-        dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **options),
+        dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **self.sync_options),
                  planner=CachedSavePlanner())
         return None
 
