@@ -12,7 +12,6 @@ Defaults: --methods none,dcp-gdsckpt,dcp-gdsckpt-device,dcp-device-before,dcp-gd
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from unittest import mock
@@ -20,7 +19,9 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gdsckpt.bench import cli, train_methods as tm  # noqa: E402
+from idle_trace import train_with_defaults  # noqa: E402
+
+from gdsckpt.bench import train_methods as tm  # noqa: E402
 from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 
 
@@ -42,11 +43,5 @@ tm.METHODS.append(DeviceBefore)
 tm.ALIASES["dcp-device-before"] = "dcp.async_save GdsckptWriter snapshot=device, before"
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--methods" not in argv:
-        argv += ["--methods", "none,dcp-gdsckpt,dcp-gdsckpt-device,dcp-device-before,dcp-gdsckpt-overlap"]
-    if "--output" not in argv:
-        argv += ["--output", str(Path(os.environ.get("OUT", ".")) / "dcp_device_staging.json")]
-    if "--directory" not in argv:
-        argv += ["--directory", os.environ.get("BENCH_DIR", "/tmp/bench")]
-    sys.exit(cli.main(["--train", *argv]))
+    sys.exit(train_with_defaults("none,dcp-gdsckpt,dcp-gdsckpt-device,dcp-device-before,dcp-gdsckpt-overlap",
+                                 "dcp_device_staging.json"))

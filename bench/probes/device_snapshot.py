@@ -13,7 +13,6 @@ answered True during the call, so that every save takes the first save's path. D
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from unittest import mock
@@ -21,8 +20,10 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from idle_trace import train_with_defaults  # noqa: E402
+
 from gdsckpt import device_copy  # noqa: E402
-from gdsckpt.bench import cli, train_methods as tm  # noqa: E402
+from gdsckpt.bench import train_methods as tm  # noqa: E402
 
 
 class Copied(tm.GdsSaveAsync):
@@ -38,11 +39,4 @@ tm.METHODS.append(Copied)
 tm.ALIASES["copied"] = "gdsckpt.save_async copied every save"
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--methods" not in argv:
-        argv += ["--methods", "none,async,async-device,copied,async-overlap"]
-    if "--output" not in argv:
-        argv += ["--output", str(Path(os.environ.get("OUT", ".")) / "device_snapshot.json")]
-    if "--directory" not in argv:
-        argv += ["--directory", os.environ.get("BENCH_DIR", "/tmp/bench")]
-    sys.exit(cli.main(["--train", *argv]))
+    sys.exit(train_with_defaults("none,async,async-device,copied,async-overlap", "device_snapshot.json"))

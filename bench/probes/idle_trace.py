@@ -40,6 +40,20 @@ if str(ROOT) not in sys.path:
 from gdsckpt.bench import train_loop, train_methods  # noqa: E402
 
 
+def train_with_defaults(methods: str, output: str) -> int:
+    """gdsckpt-bench --train on this process's command line, with these defaults where it names
+    none: --methods `methods`, --output $OUT/`output`, --directory $BENCH_DIR or /tmp/bench (the
+    probes that add a method to --train's)."""
+    from gdsckpt.bench import cli
+    argv = sys.argv[1:]
+    defaults = {"--methods": methods, "--output": str(Path(os.environ.get("OUT", ".")) / output),
+                "--directory": os.environ.get("BENCH_DIR", "/tmp/bench")}
+    for option, value in defaults.items():
+        if option not in argv:
+            argv += [option, value]
+    return cli.main(["--train", *argv])
+
+
 def step(model, opt, batches):
     """One step with no checkpoint method (warm-up; write_interference's loop)."""
     return method_step(model, opt, batches, train_methods.Method())
