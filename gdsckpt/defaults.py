@@ -42,6 +42,14 @@ KVIKIO_DIRECT_IO = True
 # A memory-tier copy too: its "disk" is RAM, which more, smaller tasks read in parallel.
 KVIKIO_READ_TASK_BYTES = 64 << 20
 
+# A checkpoint file read into a GPU in KvikIO's compat mode (no GPUDirect Storage) is read ahead of
+# the ring by our own threads (gdsckpt/read_ahead.py): this many O_DIRECT reads of this many bytes
+# in flight at all times, into a window of pageable host memory (the widest record's blocks + one
+# block per thread), each record then copied into its GPU slot. 0 threads: KvikIO reads each record
+# when the ring asks for it. Not yet measured: the 8-thread O_DIRECT read of the target-4 probe.
+READ_AHEAD_THREADS = 8
+READ_AHEAD_BLOCK_BYTES = 64 << 20
+
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.
 CPU_IO_THREADS = 2
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from .backend import make_backend
 from .errors import BackendUnavailableError, CheckpointFormatError, ChecksumError
 from .format import Index, read_index
-from .ring import verify_chunk
+from .ring import announce, verify_chunk
 from .sources import ChunkSource, LocalFile
 
 # Seconds: for the child to import torch and gdsckpt and open the file (CUDA and nvCOMP start
@@ -241,6 +241,7 @@ def main() -> int:
                 max_stored = max(records[c].stored for c in chunks)
                 staging = be.empty(max_len)
                 stored_bufs = [be.empty(max_stored) for _ in range(2)]
+                announce(file, index, chunks)
                 pending = file.pread(stored_bufs[0], records[chunks[0]].stored, records[chunks[0]].file_offset)
                 for j, c in enumerate(chunks):
                     chunk, rec = plan.chunks[c], records[c]

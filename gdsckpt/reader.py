@@ -22,7 +22,7 @@ from .defaults import CPU_VERIFY_THREADS, READ_ONCE_GPU_FRACTION, RING_DEPTH
 from .dtypes import BY_NAME, name_of
 from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
 from .restore import restore_into
-from .ring import Timings, decode_verified, in_place, read_chunks, read_room, read_verified, verify_chunk
+from .ring import ReadsAhead, Timings, decode_verified, in_place, read_chunks, read_room, read_verified, verify_chunk
 from .stats import Stats, stream_stats
 from .tree import unflatten
 
@@ -290,12 +290,13 @@ class Checkpoint:
                                       if s.tensor in out and work[s.tensor] is out[s.tensor]}
                 raise
             finally:
+                io_path = file.io_path if isinstance(file, ReadsAhead) else be.io_path
                 file.close()
             for i, v in work.items():
                 if v is not out[i]:
                     out[i].copy_(v)
             stored = sum(records[c].stored for c in chunk_ids)
-            self.last_stats = Stats("load", str(self.path), be.name, be.io_path,
+            self.last_stats = Stats("load", str(self.path), be.name, io_path,
                                     sum(plan.chunks[c].length for c in chunk_ids), stored, stored, len(chunk_ids),
                                     max((plan.chunks[c].length for c in chunk_ids), default=0), self.ring_depth,
                                     time.perf_counter() - t_start, dict(timings.stages), timings.latencies, [],

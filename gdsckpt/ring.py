@@ -293,6 +293,7 @@ def read_chunks(index: Index, chunk_ids: list[int], views, backend: Backend, fil
     max_stored = max(records[i].stored for i in chunk_ids)
     staging = backend.empty(max_len)
     slots = [_Slot(backend.empty(max_stored)) for _ in range(min(depth, len(chunk_ids)))]
+    announce(file, index, chunk_ids)
 
     def submit(slot, i):
         slot.started = time.perf_counter()
@@ -336,6 +337,24 @@ class MappedChunkFile(ChunkFile, Protocol):
         """The `nbytes` at `offset`, in place (fewer past the end of what is mapped)."""
 
 
+@runtime_checkable
+class ReadsAhead(ChunkFile, Protocol):
+    """A ChunkFile that reads records ahead once told which ones a read will ask for
+    (gdsckpt/read_ahead.py). Its preads of those records are waited for in the order asked.
+    `io_path` is the path its reads take, for the read's Stats (the backend's is KvikIO's)."""
+
+    io_path: str
+
+    def will_read(self, ranges: list[tuple[int, int]]) -> None:
+        """(file offset, stored bytes) of the records the next preads ask for, in that order."""
+
+
+def announce(file: ChunkFile, index: Index, chunk_ids: list[int]) -> None:
+    """Tell a file that reads ahead which records follow, in the order they will be asked for."""
+    if isinstance(file, ReadsAhead):
+        file.will_read([(index.records[i].file_offset, index.records[i].stored) for i in chunk_ids])
+
+
 def in_place(file: ChunkFile) -> bool:
     """True where `file`'s records need no read: read_verified views them, at no cost in memory."""
     return isinstance(file, MappedChunkFile)
@@ -362,6 +381,7 @@ def read_verified(index: Index, chunk_ids: list[int], backend: Backend, file: Ch
         stored = [file.view(records[i].stored, records[i].file_offset) for i in chunk_ids]
     else:
         buf = backend.empty(read_room(index, chunk_ids), once=True)
+        announce(file, index, chunk_ids)
         stored, at = [], 0
         for i in chunk_ids:
             rec = records[i]

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .defaults import KVIKIO_READ_TASK_BYTES
+from .defaults import KVIKIO_READ_TASK_BYTES, READ_AHEAD_BLOCK_BYTES, READ_AHEAD_THREADS
 from .errors import CheckpointFormatError, GdsckptError
 # The object-store seam: the one place the reader depends on it.
 from .stores import is_remote, open_store, scheme_of
+from .read_ahead import ReadAheadFile
 from .ring import Backend, ChunkFile, Completion
 from .storage import pread_exact, user_path
 
@@ -127,7 +128,11 @@ class LocalFile:
             os.close(fd)
 
     def open_chunks(self, backend: Backend) -> ChunkFile:
-        file = backend.open(self._reopen_path(), "r")
+        if backend.name == "gpu" and backend.io_path == "compat" and READ_AHEAD_THREADS:
+            file = ReadAheadFile(self._reopen_path(), backend.copy, threads=READ_AHEAD_THREADS,
+                                 block=READ_AHEAD_BLOCK_BYTES)
+        else:
+            file = backend.open(self._reopen_path(), "r")
         try:
             self._check_same(file.fd)
         except BaseException:

@@ -11,7 +11,8 @@ __all__ = ["Stats", "AsyncStats", "stream_stats"]
 
 @dataclass
 class Stats:
-    """What one save or restore did. `io_path` is the path the bytes really took: gds, compat or cpu."""
+    """What one save or restore did. `io_path` is the path the bytes really took: gds, compat or
+    cpu; a file read into a GPU in compat mode, read-ahead-direct (or -buffered: read_ahead.py)."""
 
     op: str
     path: str

@@ -292,13 +292,13 @@ def pwritev_all(fd: int, views: list, offset: int) -> None:
             views = [views[0][n:]] + views[1:]
 
 
-def open_direct(path: Path) -> int:
-    """A second write descriptor on the file `path` with O_DIRECT (no page-cache copy, nothing
-    left for the fsync), or -1 where this OS or the file system (tmpfs) refuses it at open."""
+def open_direct(path: Path, flags: int = os.O_WRONLY) -> int:
+    """A second descriptor on the file `path` with O_DIRECT (no page-cache copy; for writes,
+    nothing left for the fsync), or -1 where this OS or the file system (tmpfs) refuses it at open."""
     if not hasattr(os, "O_DIRECT"):
         return -1
     try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, flags | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return -1
 

@@ -174,13 +174,15 @@ def test_explicit_gds_without_gds_is_a_clear_error(tmp_path):
 
 
 def test_file_reads_ask_kvikio_for_larger_tasks_and_writes_keep_its_own(tmp_path, monkeypatch):
-    """A checkpoint file is read in KVIKIO_READ_TASK_BYTES tasks and bounce buffers (defaults.py)
+    """With no read-ahead, a checkpoint file is read in KVIKIO_READ_TASK_BYTES tasks and bounce buffers (defaults.py)
     and written with KvikIO's; the settings are back as they were after each; a user's own
     KVIKIO_TASK_SIZE wins."""
     import kvikio
 
+    from gdsckpt import sources
     from gdsckpt.defaults import KVIKIO_READ_TASK_BYTES
     from gdsckpt.gpu.io import DeviceFile
+    monkeypatch.setattr(sources, "READ_AHEAD_THREADS", 0)  # KvikIO reads each record (as on a GDS host)
     seen = []
     for op in ("pread", "pwrite"):
         def spy(self, *a, _op=op, _orig=getattr(DeviceFile, op)):
@@ -203,6 +205,42 @@ def test_file_reads_ask_kvikio_for_larger_tasks_and_writes_keep_its_own(tmp_path
     monkeypatch.setenv("KVIKIO_TASK_SIZE", str(before[0]))
     gdsckpt.load_into(p, {"w": torch.zeros_like(state["w"])})
     assert {s[1] for s in seen if s[0] == "pread"} == {before[0]}
+
+
+def test_a_file_is_read_ahead_into_the_gpu_in_compat_mode_and_exactly(tmp_path, monkeypatch):
+    """In compat mode (no GDS), a file's records are read ahead by our O_DIRECT threads and copied
+    into the ring's slots (read_ahead.py): load_into with and without atomic, one tensor, and a
+    damaged chunk, against KvikIO's own reads of the same file."""
+    from gdsckpt import sources
+    from gdsckpt.gpu.io import gds_available
+    if gds_available():
+        pytest.skip("this host has GDS: cuFile reads the file")
+    monkeypatch.setattr(sources, "READ_AHEAD_BLOCK_BYTES", 1 << 20)  # records span several blocks
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = {f"w{i}": torch.randn(700_000 + 1031 * i, device="cuda", generator=g) for i in range(6)}
+    p = tmp_path / "r.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=4 << 20)
+    for atomic in (False, True):
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        stats = gdsckpt.load_into(p, out, atomic=atomic)
+        assert stats.io_path == "read-ahead-direct" and stats.chunks > 4
+        assert_same(out, state)
+    with gdsckpt.open(p) as ck:
+        assert torch.equal(ck.get_tensor("w3"), state["w3"])
+    monkeypatch.setattr(sources, "READ_AHEAD_THREADS", 0)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert gdsckpt.load_into(p, out).io_path == "compat"
+    assert_same(out, state)
+    monkeypatch.undo()
+    with gdsckpt.open(p) as ck:
+        rec = ck.index.records[2]
+    with open(p, "r+b") as f:
+        f.seek(rec.file_offset + 100)
+        b = f.read(1)
+        f.seek(rec.file_offset + 100)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(gdsckpt.ChecksumError, match="chunk 2"):
+        gdsckpt.load(p)
 
 
 def test_gpt2_small_adamw_state_roundtrips_and_compresses(tmp_path, capsys):

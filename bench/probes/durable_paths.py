@@ -19,6 +19,9 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
 
+`--read-ahead '0;4x64;16x32'` also reads the file (load_into atomic=False) with the read-ahead of
+compat mode (gdsckpt/read_ahead.py) at that many threads x MiB blocks instead of the defaults'
+(defaults.READ_AHEAD_*); 0 threads: KvikIO reads each record as the ring asks, as before it.
 `--task-sizes 4,128` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
 with KvikIO's task and bounce buffer both that many MiB instead of gdsckpt's (defaults.py
 KVIKIO_READ_TASK_BYTES). KvikIO's own, 4 MiB tasks in 16 MiB buffers, read as `4` does: in
@@ -123,6 +126,15 @@ def task_size(mib: int | None):
     return stack
 
 
+@contextlib.contextmanager
+def read_ahead(threads: int, mib: int | None):
+    """The read-ahead's threads and block size (gdsckpt.sources reads them) for what runs inside."""
+    import gdsckpt.sources as sources
+    with mock.patch.object(sources, "READ_AHEAD_THREADS", threads), \
+            mock.patch.object(sources, "READ_AHEAD_BLOCK_BYTES", (mib << 20) if mib else sources.READ_AHEAD_BLOCK_BYTES):
+        yield
+
+
 def kvikio_read(path: Path) -> float:
     """GB/s of KvikIO reading the whole file into one device buffer, with the settings gdsckpt's
     reads use (its thread count, O_DIRECT, compat or GDS): the I/O under load_into, alone."""
@@ -156,6 +168,7 @@ def main() -> None:
     ap.add_argument("--load-options", default="",
                     help="more atomic=False restores, each with these Checkpoint options: "
                          "'ring_depth=4;io_threads=8;ring_depth=4,io_threads=8'")
+    ap.add_argument("--read-ahead", default="", help="more reads with the read-ahead at THREADSxMIB: '0;4x64;16x32'")
     ap.add_argument("--task-sizes", default="", help="more reads with KvikIO's task and bounce buffer this many MiB: '16,64'")
     args = ap.parse_args()
     d = Path(args.dir) / "gdsckpt-durable-paths"
@@ -213,6 +226,15 @@ def main() -> None:
                     row[f"{name}_stored_gbps"] = round(size / seconds / 1e9, 3)
                     row[f"{name}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
                     row["io_path"] = stats.io_path
+        variants = list(filter(None, args.read_ahead.split(";")))
+        for ra in variants[loop % len(variants):] + variants[:loop % len(variants)] if variants else ():
+            threads, _, mib = ra.partition("x")
+            with read_ahead(int(threads), int(mib) if mib else None):
+                drop_page_cache(p)
+                seconds, stats, marks = phases.load(p, state)
+            row[f"load_into_ra{ra}_stored_gbps"] = round(size / seconds / 1e9, 3)
+            row[f"load_into_ra{ra}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
+            row[f"load_into_ra{ra}_io_path"] = stats.io_path
         for opts in filter(None, args.load_options.split(";")):
             kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(","))}
             drop_page_cache(p)

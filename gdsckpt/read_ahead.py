@@ -1,0 +1,204 @@
+"""Chunk records read ahead of the ring: a ChunkFile that, told which records a read will ask for
+(`will_read`), reads them in file order by several threads, in large 4 KiB-aligned blocks, with
+O_DIRECT where the file system allows it, into a window of host memory; the ring's `pread` then
+copies each record from there into its slot with the backend's copy.
+
+Why (defaults.READ_AHEAD_THREADS): the ring asks for a record only when one of its slots is free,
+so the disk sees the requests of at most `depth` chunks, and between a chunk's read and the next
+slot's turn, fewer. Read ahead, the disk sees `threads` requests at all times, as a plain
+multi-threaded O_DIRECT reader of the whole file does; the window bounds the host memory this
+takes. Records outside the plan (or read with none) are read on their own, when asked for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import GdsckptError
+from .format import ALIGN
+from .ring import Bytes, Completion
+from .storage import open_direct
+
+# Gaps between planned records up to this size are read through rather than skipped: one request
+# instead of two, for at most this many bytes of nobody's.
+_MERGE_GAP = 1 << 20
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    """nbytes of host memory at a 4 KiB aligned address (O_DIRECT's), pages touched by the reads."""
+    base = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -base.data_ptr() % ALIGN
+    return base[skip:skip + nbytes]
+
+
+def _blocks(ranges: list[tuple[int, int]], block: int) -> list[tuple[int, int]]:
+    """(offset, length) of the blocks that cover `ranges` (increasing offsets): 4 KiB aligned,
+    at most `block` bytes each, gaps up to _MERGE_GAP read through."""
+    spans: list[list[int]] = []
+    for off, n in ranges:
+        start = off - off % ALIGN
+        if spans and start - spans[-1][1] <= _MERGE_GAP:
+            spans[-1][1] = max(spans[-1][1], off + n)
+        else:
+            spans.append([start, off + n])
+    out = []
+    for start, end in spans:
+        end = -(-end // ALIGN) * ALIGN
+        out.extend((o, min(block, end - o)) for o in range(start, end, block))
+    return out
+
+
+class _Ahead:
+    """One plan: the records in the order the ring takes them, the blocks that hold them, and
+    a window of `window` block buffers, each block read as soon as its buffer is free (the ring
+    has taken every record in the block that last held it)."""
+
+    def __init__(self, ranges: list[tuple[int, int]], block: int, threads: int, read: Callable):
+        self.ranges = ranges
+        self.asked = 0  # ranges a pread has asked for
+        self.next = 0  # ranges taken (copied out): in the order asked
+        self.blocks = _blocks(ranges, block)
+        starts = [o for o, _ in self.blocks]
+        # each range's first and last block
+        self.spans = [(bisect.bisect_right(starts, off) - 1, bisect.bisect_right(starts, off + n - 1) - 1)
+                      for off, n in ranges]
+        widest = max(last - first + 1 for first, last in self.spans)
+        self.window = min(len(self.blocks), widest + threads)
+        self.block = block
+        self.host = _aligned(self.window * block)
+        self._read = read
+        self.futures: dict[int, Future] = {}
+        self.released = 0  # blocks below this are done with; block b may be read once b < released + window
+        for b in range(self.window):
+            self._submit(b)
+
+    def _submit(self, b: int) -> None:
+        if b < len(self.blocks):
+            off, n = self.blocks[b]
+            k = b % self.window
+            self.futures[b] = self._read(self.host[k * self.block:k * self.block + n], off)
+
+    def take(self, j: int, buf: Bytes, copy) -> int:
+        """Copy planned record j, the next one, into buf; the bytes there were (fewer only at the
+        file's end)."""
+        if j != self.next:
+            raise GdsckptError(f"read ahead: record {j} waited for before record {self.next}")
+        offset, nbytes = self.ranges[j]
+        first, last = self.spans[j]
+        got = 0
+        for b in range(first, last + 1):
+            boff, _ = self.blocks[b]
+            have = self.futures[b].result()  # bytes of the block that the file had
+            lo, hi = max(offset + got, boff), min(offset + nbytes, boff + have)
+            if hi > lo:
+                k = (b % self.window) * self.block
+                copy(buf[got:got + hi - lo], self.host[k + lo - boff:k + hi - boff])
+                got += hi - lo
+            if offset + got < min(offset + nbytes, boff + self.blocks[b][1]):
+                break  # the file ended inside this block
+        self.next += 1
+        keep = self.spans[self.next][0] if self.next < len(self.ranges) else len(self.blocks)
+        for b in range(self.released, keep):
+            del self.futures[b]
+            self._submit(b + self.window)
+        self.released = max(self.released, keep)
+        return got
+
+    def stop(self) -> None:
+        """Cancel the reads not started, wait for those that were: their buffer is the window."""
+        for f in self.futures.values():
+            f.cancel()
+        for f in self.futures.values():
+            if not f.cancelled():
+                try:
+                    f.result()
+                except Exception:
+                    pass
+        self.futures.clear()
+
+
+class ReadAheadFile:
+    """A checkpoint file opened for the ring's reads (ring.ReadsAhead): see the module's doc.
+    `copy(dst, src)` moves bytes from host memory into the ring's buffers (the backend's copy)."""
+
+    def __init__(self, path: Path, copy: Callable[[Bytes, Bytes], None], *, threads: int, block: int):
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._dfd = open_direct(path, os.O_RDONLY)
+        self.direct = self._dfd >= 0  # False once the file system refused O_DIRECT, at open or at a read
+        self._copy, self._threads, self._block = copy, threads, block
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-read-ahead")
+        self._ahead: _Ahead | None = None
+
+    @property
+    def io_path(self) -> str:
+        return "read-ahead-direct" if self.direct else "read-ahead-buffered"
+
+    def will_read(self, ranges: list[tuple[int, int]]) -> None:
+        """The records (offset, stored bytes) the next preads ask for, in that order; replaces any
+        earlier plan. Read ahead only where their offsets increase, as a checkpoint's records do."""
+        self._stop()
+        if ranges and all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:])):
+            self._ahead = _Ahead(list(ranges), self._block, self._threads, self._read_block)
+
+    def pread(self, buf: Bytes, nbytes: int, offset: int) -> Completion:
+        ahead = self._ahead
+        if ahead is not None and ahead.asked < len(ahead.ranges) and ahead.ranges[ahead.asked] == (offset, nbytes):
+            j, ahead.asked = ahead.asked, ahead.asked + 1
+            return Completion(lambda: ahead.take(j, buf, self._copy))
+        # Not in the plan: this record alone, read now into its own buffer
+        start = offset - offset % ALIGN
+        host = _aligned(-(-(offset + nbytes - start) // ALIGN) * ALIGN)
+        fut = self._read_block(host, start)
+
+        def finish() -> int:
+            got = max(0, min(nbytes, fut.result() - (offset - start)))
+            self._copy(buf[:got], host[offset - start:offset - start + got])
+            return got
+        return Completion(finish)
+
+    def pwrite(self, buf, nbytes: int, offset: int):
+        raise GdsckptError("a read-ahead file is opened for reading")
+
+    def _read_block(self, host: torch.Tensor, offset: int) -> Future:
+        return self._pool.submit(self._read_into, host, offset)
+
+    def _read_into(self, host: torch.Tensor, offset: int) -> int:
+        """Fill `host` from `offset` (fewer bytes only at the file's end); the bytes read."""
+        view = memoryview(host.numpy())
+        done = 0
+        while done < len(view):
+            if self.direct:
+                try:
+                    n = os.preadv(self._dfd, [view[done:]], offset + done)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    # EINVAL: O_DIRECT refused at the read (an alignment the file system wants); buffered from here on
+                    self.direct = False
+                    continue
+            else:
+                n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _stop(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
+
+    def close(self) -> None:
+        self._stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in (self._dfd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self._dfd = self.fd = -1

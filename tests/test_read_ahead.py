@@ -1,0 +1,163 @@
+"""gdsckpt/read_ahead.py: records read ahead of the ring by several threads, in aligned blocks,
+into a bounded window of host memory, and copied out in the order the ring asks for them. Run
+here with host buffers as the ring's (the copy is the CPU backend's); the GPU tests read a
+checkpoint through it into device memory (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import gdsckpt
+from gdsckpt.backend import make_backend
+from gdsckpt.errors import GdsckptError
+from gdsckpt.read_ahead import ReadAheadFile
+from gdsckpt.reader import open as open_checkpoint
+from gdsckpt.storage import open_direct
+from gdsckpt.ring import ReadsAhead, Timings, read_chunks, read_verified
+
+DATA = os.urandom(300_000)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("ra") / "data.bin"
+    p.write_bytes(DATA)
+    return p
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _read(f: ReadAheadFile, ranges) -> list[bytes]:
+    bufs = [torch.empty(n, dtype=torch.uint8) for _, n in ranges]
+    futures = [f.pread(b, n, off) for b, (off, n) in zip(bufs, ranges)]
+    return [bytes(b[:fut.get()].numpy()) for b, fut in zip(bufs, futures)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30_000)), min_size=1, max_size=12),
+       st.integers(1, 4), st.sampled_from([4096, 8192, 65536]))
+def test_planned_records_come_back_exact_whatever_the_blocks_and_threads(data_file, layout, threads, block):
+    ranges, at = [], 0
+    for gap_pages, n in layout:  # increasing, 4 KiB aligned starts: a checkpoint's records
+        off = at + gap_pages * 4096
+        ranges.append((off, n))
+        at = -(-(off + n) // 4096) * 4096
+    f = ReadAheadFile(data_file, _copy, threads=threads, block=block)
+    try:
+        f.will_read(ranges)
+        got = _read(f, ranges)
+    finally:
+        f.close()
+    assert got == [DATA[off:off + n] for off, n in ranges]  # fewer bytes only where the file ends
+
+
+def test_a_record_outside_the_plan_is_read_on_its_own_and_the_plan_goes_on(data_file):
+    f = ReadAheadFile(data_file, _copy, threads=2, block=8192)
+    try:
+        f.will_read([(0, 10_000), (12_288, 20_000)])
+        assert _read(f, [(0, 10_000), (4096, 50), (12_288, 20_000)]) == [DATA[:10_000], DATA[4096:4146],
+                                                                         DATA[12_288:32_288]]
+        assert _read(f, [(100, 7)]) == [DATA[100:107]]  # no plan left: unaligned is fine too
+    finally:
+        f.close()
+
+
+def test_records_waited_for_out_of_order_are_refused(data_file):
+    f = ReadAheadFile(data_file, _copy, threads=2, block=8192)
+    try:
+        f.will_read([(0, 100), (8192, 100)])
+        a, b = torch.empty(100, dtype=torch.uint8), torch.empty(100, dtype=torch.uint8)
+        fa, fb = f.pread(a, 100, 0), f.pread(b, 100, 8192)
+        with pytest.raises(GdsckptError, match="record 1 waited for before record 0"):
+            fb.get()
+        assert fa.get() == 100 and bytes(a.numpy()) == DATA[:100]
+    finally:
+        f.close()
+
+
+def test_a_new_plan_replaces_one_half_read_and_close_stops_the_reads(data_file):
+    f = ReadAheadFile(data_file, _copy, threads=3, block=4096)
+    f.will_read([(o, 4096) for o in range(0, 290_000, 4096)])
+    assert _read(f, [(0, 4096)]) == [DATA[:4096]]
+    f.will_read([(8192, 100)])
+    assert _read(f, [(8192, 100)]) == [DATA[8192:8292]]
+    f.will_read([(o, 4096) for o in range(0, 290_000, 4096)])
+    f.close()
+    assert f.fd == -1
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
+def test_a_file_on_tmpfs_is_read_as_its_file_system_allows():
+    """tmpfs refused O_DIRECT until Linux 6.6; either way the bytes come back, and io_path says how."""
+    p = Path("/dev/shm") / f"gdsckpt-ra-{os.getpid()}"
+    p.write_bytes(DATA)
+    try:
+        f = ReadAheadFile(p, _copy, threads=2, block=8192)
+        try:
+            f.will_read([(0, 5000), (8192, 9000)])
+            assert _read(f, [(0, 5000), (8192, 9000)]) == [DATA[:5000], DATA[8192:17_192]]
+            fd = open_direct(p, os.O_RDONLY)
+            assert f.io_path == ("read-ahead-direct" if fd >= 0 else "read-ahead-buffered")
+            if fd >= 0:
+                os.close(fd)
+        finally:
+            f.close()
+    finally:
+        p.unlink()
+
+
+def _saved(tmp_path) -> tuple[Path, dict]:
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(20_000 + 777 * i, generator=g) for i in range(12)}
+    p = tmp_path / "s.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=64 << 10)
+    return p, state
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_the_ring_reads_a_checkpoint_through_it_exactly(tmp_path, atomic):
+    p, state = _saved(tmp_path)
+    with open_checkpoint(p) as ck, make_backend("cpu") as be:
+        index = ck.index
+        ids = [c.index for c in index.plan.chunks]
+        out = {t.key: torch.empty(state[t.key].shape) for t in index.plan.tensors}
+        views = [out[t.key].view(torch.uint8) for t in index.plan.tensors]
+        f = ReadAheadFile(p, be.copy, threads=3, block=16 << 10)
+        assert isinstance(f, ReadsAhead)
+        try:
+            if atomic:  # every record at once, then checked: the plan covers them all
+                stored = read_verified(index, ids, be, f, Timings(), p)
+                assert [bytes(s.numpy()) for s in stored] == [
+                    p.read_bytes()[r.file_offset:r.file_offset + r.stored] for r in index.records]
+            else:
+                read_chunks(index, ids, views, be, f, 2, Timings(), p)
+                assert all(torch.equal(out[k], state[k]) for k in state)
+        finally:
+            f.close()
+
+
+def test_a_damaged_record_read_ahead_fails_its_checksum_naming_the_chunk(tmp_path):
+    p, state = _saved(tmp_path)
+    with open_checkpoint(p) as ck:
+        rec = ck.index.records[3]
+    with open(p, "r+b") as fh:
+        fh.seek(rec.file_offset + 10)
+        b = fh.read(1)
+        fh.seek(rec.file_offset + 10)
+        fh.write(bytes([b[0] ^ 1]))
+    with open_checkpoint(p) as ck, make_backend("cpu") as be:
+        ids = [c.index for c in ck.index.plan.chunks]
+        views = [torch.empty(t.shape).view(torch.uint8).reshape(-1) for t in ck.index.plan.tensors]
+        f = ReadAheadFile(p, be.copy, threads=2, block=16 << 10)
+        try:
+            with pytest.raises(gdsckpt.ChecksumError, match="chunk 3"):
+                read_chunks(ck.index, ids, views, be, f, 2, Timings(), p)
+        finally:
+            f.close()
