@@ -47,8 +47,9 @@ KVIKIO_READ_TASK_BYTES = 64 << 20
 # in flight at all times, into a window of pageable host memory (the widest record's blocks + one
 # block per thread), each record then copied into its GPU slot. 0 threads: KvikIO reads each record
 # when the ring asks for it. Not yet measured: the 8-thread O_DIRECT read of the target-4 probe.
-READ_AHEAD_THREADS = 8
+READ_AHEAD_THREADS = 4
 READ_AHEAD_BLOCK_BYTES = 64 << 20
+READ_AHEAD_PINNED = False
 
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.
 CPU_IO_THREADS = 2

@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 import errno
 import os
+import time
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -31,8 +33,11 @@ from .storage import open_direct
 _MERGE_GAP = 1 << 20
 
 
-def _aligned(nbytes: int) -> torch.Tensor:
-    """nbytes of host memory at a 4 KiB aligned address (O_DIRECT's), pages touched by the reads."""
+def _aligned(nbytes: int, pinned: bool = False) -> torch.Tensor:
+    """nbytes of host memory at a 4 KiB aligned address (O_DIRECT's). pinned: page-locked, from
+    torch's caching host allocator (page aligned; kept for the process's next read)."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     base = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -base.data_ptr() % ALIGN
     return base[skip:skip + nbytes]
@@ -60,7 +65,7 @@ class _Ahead:
     a window of `window` block buffers, each block read as soon as its buffer is free (the ring
     has taken every record in the block that last held it)."""
 
-    def __init__(self, ranges: list[tuple[int, int]], block: int, threads: int, read: Callable):
+    def __init__(self, ranges: list[tuple[int, int]], block: int, threads: int, read: Callable, pinned: bool):
         self.ranges = ranges
         self.asked = 0  # ranges a pread has asked for
         self.next = 0  # ranges taken (copied out): in the order asked
@@ -71,8 +76,7 @@ class _Ahead:
                       for off, n in ranges]
         widest = max(last - first + 1 for first, last in self.spans)
         self.window = min(len(self.blocks), widest + threads)
-        self.block = block
-        self.host = _aligned(self.window * block)
+        self.host = [_aligned(block, pinned) for _ in range(self.window)]
         self._read = read
         self.futures: dict[int, Future] = {}
         self.released = 0  # blocks below this are done with; block b may be read once b < released + window
@@ -82,10 +86,9 @@ class _Ahead:
     def _submit(self, b: int) -> None:
         if b < len(self.blocks):
             off, n = self.blocks[b]
-            k = b % self.window
-            self.futures[b] = self._read(self.host[k * self.block:k * self.block + n], off)
+            self.futures[b] = self._read(self.host[b % self.window][:n], off)
 
-    def take(self, j: int, buf: Bytes, copy) -> int:
+    def take(self, j: int, buf: Bytes, copy, timings: dict) -> int:
         """Copy planned record j, the next one, into buf; the bytes there were (fewer only at the
         file's end)."""
         if j != self.next:
@@ -95,12 +98,15 @@ class _Ahead:
         got = 0
         for b in range(first, last + 1):
             boff, _ = self.blocks[b]
+            t = time.perf_counter()
             have = self.futures[b].result()  # bytes of the block that the file had
             lo, hi = max(offset + got, boff), min(offset + nbytes, boff + have)
+            t1 = time.perf_counter()
             if hi > lo:
-                k = (b % self.window) * self.block
-                copy(buf[got:got + hi - lo], self.host[k + lo - boff:k + hi - boff])
+                copy(buf[got:got + hi - lo], self.host[b % self.window][lo - boff:hi - boff])
                 got += hi - lo
+            timings["read_ahead_copy"] += time.perf_counter() - t1
+            timings["read_ahead_wait"] += t1 - t
             if offset + got < min(offset + nbytes, boff + self.blocks[b][1]):
                 break  # the file ended inside this block
         self.next += 1
@@ -126,15 +132,19 @@ class _Ahead:
 
 class ReadAheadFile:
     """A checkpoint file opened for the ring's reads (ring.ReadsAhead): see the module's doc.
-    `copy(dst, src)` moves bytes from host memory into the ring's buffers (the backend's copy)."""
+    `copy(dst, src)` moves bytes from host memory into the ring's buffers (the backend's copy);
+    pinned: the window page-locked, which a copy into GPU memory reads at the DMA engines' rate."""
 
-    def __init__(self, path: Path, copy: Callable[[Bytes, Bytes], None], *, threads: int, block: int):
+    def __init__(self, path: Path, copy: Callable[[Bytes, Bytes], None], *, threads: int, block: int,
+                 pinned: bool = False):
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._dfd = open_direct(path, os.O_RDONLY)
         self.direct = self._dfd >= 0  # False once the file system refused O_DIRECT, at open or at a read
-        self._copy, self._threads, self._block = copy, threads, block
+        self._copy, self._threads, self._block, self._pinned = copy, threads, block, pinned
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-read-ahead")
         self._ahead: _Ahead | None = None
+        # seconds the ring's preads waited for blocks to be read, and copied them out: in the read's stats
+        self.stages: dict[str, float] = defaultdict(float)
 
     @property
     def io_path(self) -> str:
@@ -145,13 +155,13 @@ class ReadAheadFile:
         earlier plan. Read ahead only where their offsets increase, as a checkpoint's records do."""
         self._stop()
         if ranges and all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:])):
-            self._ahead = _Ahead(list(ranges), self._block, self._threads, self._read_block)
+            self._ahead = _Ahead(list(ranges), self._block, self._threads, self._read_block, self._pinned)
 
     def pread(self, buf: Bytes, nbytes: int, offset: int) -> Completion:
         ahead = self._ahead
         if ahead is not None and ahead.asked < len(ahead.ranges) and ahead.ranges[ahead.asked] == (offset, nbytes):
             j, ahead.asked = ahead.asked, ahead.asked + 1
-            return Completion(lambda: ahead.take(j, buf, self._copy))
+            return Completion(lambda: ahead.take(j, buf, self._copy, self.stages))
         # Not in the plan: this record alone, read now into its own buffer
         start = offset - offset % ALIGN
         host = _aligned(-(-(offset + nbytes - start) // ALIGN) * ALIGN)

@@ -290,7 +290,10 @@ class Checkpoint:
                                       if s.tensor in out and work[s.tensor] is out[s.tensor]}
                 raise
             finally:
-                io_path = file.io_path if isinstance(file, ReadsAhead) else be.io_path
+                io_path = be.io_path
+                if isinstance(file, ReadsAhead):
+                    io_path = file.io_path
+                    timings.stages.update(file.stages)
                 file.close()
             for i, v in work.items():
                 if v is not out[i]:

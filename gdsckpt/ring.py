@@ -341,9 +341,11 @@ class MappedChunkFile(ChunkFile, Protocol):
 class ReadsAhead(ChunkFile, Protocol):
     """A ChunkFile that reads records ahead once told which ones a read will ask for
     (gdsckpt/read_ahead.py). Its preads of those records are waited for in the order asked.
-    `io_path` is the path its reads take, for the read's Stats (the backend's is KvikIO's)."""
+    `io_path` is the path its reads take, and `stages` where its preads' time went (inside the
+    ring's "read_wait"), for the read's Stats."""
 
     io_path: str
+    stages: dict[str, float]
 
     def will_read(self, ranges: list[tuple[int, int]]) -> None:
         """(file offset, stored bytes) of the records the next preads ask for, in that order."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .defaults import KVIKIO_READ_TASK_BYTES, READ_AHEAD_BLOCK_BYTES, READ_AHEAD_THREADS
+from .defaults import KVIKIO_READ_TASK_BYTES, READ_AHEAD_BLOCK_BYTES, READ_AHEAD_PINNED, READ_AHEAD_THREADS
 from .errors import CheckpointFormatError, GdsckptError
 # The object-store seam: the one place the reader depends on it.
 from .stores import is_remote, open_store, scheme_of
@@ -130,7 +130,7 @@ class LocalFile:
     def open_chunks(self, backend: Backend) -> ChunkFile:
         if backend.name == "gpu" and backend.io_path == "compat" and READ_AHEAD_THREADS:
             file = ReadAheadFile(self._reopen_path(), backend.copy, threads=READ_AHEAD_THREADS,
-                                 block=READ_AHEAD_BLOCK_BYTES)
+                                 block=READ_AHEAD_BLOCK_BYTES, pinned=READ_AHEAD_PINNED)
         else:
             file = backend.open(self._reopen_path(), "r")
         try:

@@ -19,9 +19,10 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
 
-`--read-ahead '0;4x64;16x32'` also reads the file (load_into atomic=False) with the read-ahead of
+`--read-ahead '0;4x64;4x64p'` also reads the file (load_into atomic=False) with the read-ahead of
 compat mode (gdsckpt/read_ahead.py) at that many threads x MiB blocks instead of the defaults'
-(defaults.READ_AHEAD_*); 0 threads: KvikIO reads each record as the ring asks, as before it.
+(defaults.READ_AHEAD_*), a trailing p: its window pinned; 0 threads: KvikIO reads each record as
+the ring asks, as before it.
 `--task-sizes 4,128` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
 with KvikIO's task and bounce buffer both that many MiB instead of gdsckpt's (defaults.py
 KVIKIO_READ_TASK_BYTES). KvikIO's own, 4 MiB tasks in 16 MiB buffers, read as `4` does: in
@@ -127,10 +128,11 @@ def task_size(mib: int | None):
 
 
 @contextlib.contextmanager
-def read_ahead(threads: int, mib: int | None):
-    """The read-ahead's threads and block size (gdsckpt.sources reads them) for what runs inside."""
+def read_ahead(threads: int, mib: int | None, pinned: bool):
+    """The read-ahead's threads, block size and window (gdsckpt.sources reads them) for what runs inside."""
     import gdsckpt.sources as sources
     with mock.patch.object(sources, "READ_AHEAD_THREADS", threads), \
+            mock.patch.object(sources, "READ_AHEAD_PINNED", pinned), \
             mock.patch.object(sources, "READ_AHEAD_BLOCK_BYTES", (mib << 20) if mib else sources.READ_AHEAD_BLOCK_BYTES):
         yield
 
@@ -228,8 +230,8 @@ def main() -> None:
                     row["io_path"] = stats.io_path
         variants = list(filter(None, args.read_ahead.split(";")))
         for ra in variants[loop % len(variants):] + variants[:loop % len(variants)] if variants else ():
-            threads, _, mib = ra.partition("x")
-            with read_ahead(int(threads), int(mib) if mib else None):
+            threads, _, mib = ra.rstrip("p").partition("x")
+            with read_ahead(int(threads), int(mib) if mib else None, ra.endswith("p")):
                 drop_page_cache(p)
                 seconds, stats, marks = phases.load(p, state)
             row[f"load_into_ra{ra}_stored_gbps"] = round(size / seconds / 1e9, 3)
