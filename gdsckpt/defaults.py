@@ -44,12 +44,16 @@ KVIKIO_READ_TASK_BYTES = 64 << 20
 
 # A checkpoint file read into a GPU in KvikIO's compat mode (no GPUDirect Storage) is read ahead of
 # the ring by our own threads (gdsckpt/read_ahead.py): this many O_DIRECT reads of this many bytes
-# in flight at all times, into a window of pageable host memory (the widest record's blocks + one
-# block per thread), each record then copied into its GPU slot. 0 threads: KvikIO reads each record
-# when the ring asks for it. Not yet measured: the 8-thread O_DIRECT read of the target-4 probe.
+# in flight at all times, into a window of page-locked host memory (the widest record's blocks +
+# one block per thread: ~10 x 64 MiB, from torch's caching host allocator, which keeps it for the
+# next read or a save_async pool's arenas), each record then copied into its GPU slot. Cold 20 GB
+# restores, 3 loops with the order turned: 1.55 GB/s against KvikIO's 1.42 (+10%); 8 threads
+# 1.44; a pageable window 1.42, its copies ~6 GB/s in the ring's thread (2.5-2.7 s of 16.4 GB)
+# where pinned ones ran at ~50 GB/s (0.33 s) (bench/results/2026-11-25-h100-read-ahead/).
+# 0 threads: KvikIO reads each record when the ring asks for it, as on a GDS host.
 READ_AHEAD_THREADS = 4
 READ_AHEAD_BLOCK_BYTES = 64 << 20
-READ_AHEAD_PINNED = False
+READ_AHEAD_PINNED = True
 
 # The CPU backend's pwrite/pread workers: enough to overlap one write with the next compression.
 CPU_IO_THREADS = 2

@@ -76,7 +76,10 @@ class _Ahead:
                       for off, n in ranges]
         widest = max(last - first + 1 for first, last in self.spans)
         self.window = min(len(self.blocks), widest + threads)
-        self.host = [_aligned(block, pinned) for _ in range(self.window)]
+        # Each buffer is allocated by the first read into it, on a reader thread, beside the other
+        # reads (page-locking 64 MiB takes milliseconds); as large as the largest block.
+        self.host: list[torch.Tensor | None] = [None] * self.window
+        self._size, self._pinned = max(n for _, n in self.blocks), pinned
         self._read = read
         self.futures: dict[int, Future] = {}
         self.released = 0  # blocks below this are done with; block b may be read once b < released + window
@@ -86,7 +89,12 @@ class _Ahead:
     def _submit(self, b: int) -> None:
         if b < len(self.blocks):
             off, n = self.blocks[b]
-            self.futures[b] = self._read(self.host[b % self.window][:n], off)
+            self.futures[b] = self._read(lambda k=b % self.window, n=n: self._buffer(k)[:n], off)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        if self.host[k] is None:  # no other thread uses buffer k until this read is done
+            self.host[k] = _aligned(self._size, self._pinned)
+        return self.host[k]
 
     def take(self, j: int, buf: Bytes, copy, timings: dict) -> int:
         """Copy planned record j, the next one, into buf; the bytes there were (fewer only at the
@@ -165,7 +173,7 @@ class ReadAheadFile:
         # Not in the plan: this record alone, read now into its own buffer
         start = offset - offset % ALIGN
         host = _aligned(-(-(offset + nbytes - start) // ALIGN) * ALIGN)
-        fut = self._read_block(host, start)
+        fut = self._read_block(lambda: host, start)
 
         def finish() -> int:
             got = max(0, min(nbytes, fut.result() - (offset - start)))
@@ -176,12 +184,12 @@ class ReadAheadFile:
     def pwrite(self, buf, nbytes: int, offset: int):
         raise GdsckptError("a read-ahead file is opened for reading")
 
-    def _read_block(self, host: torch.Tensor, offset: int) -> Future:
-        return self._pool.submit(self._read_into, host, offset)
+    def _read_block(self, into: Callable[[], torch.Tensor], offset: int) -> Future:
+        return self._pool.submit(self._read_into, into, offset)
 
-    def _read_into(self, host: torch.Tensor, offset: int) -> int:
-        """Fill `host` from `offset` (fewer bytes only at the file's end); the bytes read."""
-        view = memoryview(host.numpy())
+    def _read_into(self, into: Callable[[], torch.Tensor], offset: int) -> int:
+        """Fill the buffer `into()` gives from `offset` (fewer bytes only at the file's end); the bytes read."""
+        view = memoryview(into().numpy())
         done = 0
         while done < len(view):
             if self.direct:
