@@ -6,7 +6,7 @@ bounce buffers allocated by this restore), and each against a second restore in 
 
 The parent saves the bench's realistic state (gdsckpt.bench.workload.make_state) once; each run is
 a new process per mode, the modes' order turned each run: it makes empty tensors of the saved
-shapes on the GPU, drops the file's pages, and times load_into (atomic=False) cold, twice. Modes:
+shapes on the GPU, drops the file's pages, and times open + read_into (atomic=False) cold, twice. Modes:
   ra             the defaults: READ_AHEAD_THREADS x READ_AHEAD_BLOCK_BYTES, a window from torch's
                  pinned allocator (cudaHostAlloc)
   kvikio         READ_AHEAD_THREADS = 0: KvikIO reads each record as the ring asks
@@ -46,15 +46,15 @@ def child(path: str, mode: str) -> dict:
         ra._aligned = lambda n, pinned=False: _registered(n)  # the probe's window: never unregistered
     torch.cuda.init()
     with gdsckpt.open(path) as ck:
-        state = {k: torch.empty(ck.info(k)["shape"], dtype=BY_NAME[ck.info(k)["dtype"]], device="cuda")
-                 for k in ck.keys()}
+        state = {t.key: torch.empty(t.shape, dtype=BY_NAME[t.dtype], device="cuda") for t in ck.index.plan.tensors}
     torch.cuda.synchronize()
     out = {"mode": mode, "setup_s": round(time.perf_counter() - t0, 3), "loads": []}
     for _ in range(2):
         drop_page_cache(path)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        stats = gdsckpt.load_into(path, state, strict=False)
+        with gdsckpt.open(path) as ck:
+            stats = ck.read_into(state)
         torch.cuda.synchronize()
         s = time.perf_counter() - t
         out["loads"].append({"seconds": round(s, 3), "stored_gbps": round(stats.stored_bytes / s / 1e9, 3),
