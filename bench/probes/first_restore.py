@@ -2,7 +2,7 @@
 (gdsckpt/read_ahead.py: its pinned window allocated by this restore) against KvikIO's reads (its
 bounce buffers allocated by this restore), and each against a second restore in the same process.
 
-    OUT=dir python bench/probes/first_restore.py [--size 6GB] [--runs 3] [--modes ra,kvikio,ra-registered]
+    OUT=dir python bench/probes/first_restore.py [--size 6GB] [--runs 3] [--modes ra,kvikio]
 
 The parent saves the bench's realistic state (gdsckpt.bench.workload.make_state) once; each run is
 a new process per mode, the modes' order turned each run: it makes empty tensors of the saved
@@ -10,8 +10,6 @@ shapes on the GPU, drops the file's pages, and times open + read_into (atomic=Fa
   ra             the defaults: READ_AHEAD_THREADS x READ_AHEAD_BLOCK_BYTES, a window from torch's
                  pinned allocator (cudaHostAlloc)
   kvikio         READ_AHEAD_THREADS = 0: KvikIO reads each record as the ring asks
-  ra-registered  the window's buffers mmap'ed, faulted in and cudaHostRegister'ed, as the save
-                 pool's arenas are (pinned_pool._registered), instead of cudaHostAlloc
 Writes first_restore.json.
 """
 
@@ -40,10 +38,6 @@ def child(path: str, mode: str) -> dict:
     t0 = time.perf_counter()
     if mode == "kvikio":
         sources.READ_AHEAD_THREADS = 0
-    elif mode == "ra-registered":
-        import gdsckpt.read_ahead as ra
-        from gdsckpt.pinned_pool import _registered
-        ra._aligned = lambda n, pinned=False: _registered(n)  # the probe's window: never unregistered
     torch.cuda.init()
     with gdsckpt.open(path) as ck:
         state = {t.key: torch.empty(t.shape, dtype=BY_NAME[t.dtype], device="cuda") for t in ck.index.plan.tensors}
@@ -66,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="6GB")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--modes", default="ra,kvikio,ra-registered")
+    ap.add_argument("--modes", default="ra,kvikio")
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"))
     ap.add_argument("--child", nargs=2, metavar=("PATH", "MODE"))
     args = ap.parse_args()
