@@ -141,10 +141,12 @@ class _Ahead:
 class ReadAheadFile:
     """A checkpoint file opened for the ring's reads (ring.ReadsAhead): see the module's doc.
     `copy(dst, src)` moves bytes from host memory into the ring's buffers (the backend's copy);
-    pinned: the window page-locked, which a copy into GPU memory reads at the DMA engines' rate."""
+    pinned: the window page-locked, which a copy into GPU memory reads at the DMA engines' rate;
+    `label` names the file in errors (`path` may be /proc/self/fd/N)."""
 
     def __init__(self, path: Path, copy: Callable[[Bytes, Bytes], None], *, threads: int, block: int,
-                 pinned: bool = False):
+                 pinned: bool = False, label=None):
+        self.label = path if label is None else label  # names the file in errors
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._dfd = open_direct(path, os.O_RDONLY)
         self.direct = self._dfd >= 0  # False once the file system refused O_DIRECT, at open or at a read
@@ -191,21 +193,27 @@ class ReadAheadFile:
         """Fill the buffer `into()` gives from `offset` (fewer bytes only at the file's end); the bytes read."""
         view = memoryview(into().numpy())
         done = 0
-        while done < len(view):
-            if self.direct:
-                try:
-                    n = os.preadv(self._dfd, [view[done:]], offset + done)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    # EINVAL: O_DIRECT refused at the read (an alignment the file system wants); buffered from here on
-                    self.direct = False
-                    continue
-            else:
-                n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n == 0:
-                break
-            done += n
+        try:
+            while done < len(view):
+                if self.direct:
+                    try:
+                        n = os.preadv(self._dfd, [view[done:]], offset + done)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        # O_DIRECT refused at the read (an alignment the file system wants): buffered from here on
+                        self.direct = False
+                        continue
+                    if n % ALIGN:  # O_DIRECT reads whole 4 KiB pages but the file's last
+                        return done + n
+                else:
+                    n = os.preadv(self.fd, [view[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as e:
+            e.add_note(f"gdsckpt: reading {self.label} at byte {offset + done}")
+            raise
         return done
 
     def _stop(self) -> None:

@@ -130,7 +130,7 @@ class LocalFile:
     def open_chunks(self, backend: Backend) -> ChunkFile:
         if backend.name == "gpu" and backend.io_path == "compat" and READ_AHEAD_THREADS:
             file = ReadAheadFile(self._reopen_path(), backend.copy, threads=READ_AHEAD_THREADS,
-                                 block=READ_AHEAD_BLOCK_BYTES, pinned=READ_AHEAD_PINNED)
+                                 block=READ_AHEAD_BLOCK_BYTES, pinned=READ_AHEAD_PINNED, label=self.label)
         else:
             file = backend.open(self._reopen_path(), "r")
         try:

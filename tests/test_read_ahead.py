@@ -50,12 +50,14 @@ def test_planned_records_come_back_exact_whatever_the_blocks_and_threads(data_fi
         ranges.append((off, n))
         at = -(-(off + n) // 4096) * 4096
     f = ReadAheadFile(data_file, _copy, threads=threads, block=block)
+    way = f.io_path
     try:
         f.will_read(ranges)
         got = _read(f, ranges)
     finally:
         f.close()
     assert got == [DATA[off:off + n] for off, n in ranges]  # fewer bytes only where the file ends
+    assert f.io_path == way  # an O_DIRECT read that meets the file's end is not a refusal of O_DIRECT
 
 
 def test_a_record_outside_the_plan_is_read_on_its_own_and_the_plan_goes_on(data_file):
