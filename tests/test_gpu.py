@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gdsckpt
+from ckpt_tools import flip_chunk_byte
 from conftest import all_dtype_tensors, assert_same
 
 pytestmark = pytest.mark.gpu
@@ -232,13 +233,7 @@ def test_a_file_is_read_ahead_into_the_gpu_in_compat_mode_and_exactly(tmp_path, 
     assert gdsckpt.load_into(p, out).io_path == "compat"
     assert_same(out, state)
     monkeypatch.undo()
-    with gdsckpt.open(p) as ck:
-        rec = ck.index.records[2]
-    with open(p, "r+b") as f:
-        f.seek(rec.file_offset + 100)
-        b = f.read(1)
-        f.seek(rec.file_offset + 100)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_chunk_byte(p, 100, 0x40, chunk=2)
     with pytest.raises(gdsckpt.ChecksumError, match="chunk 2"):
         gdsckpt.load(p)
 

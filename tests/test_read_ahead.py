@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import gdsckpt
+from ckpt_tools import flip_chunk_byte
 from gdsckpt.backend import make_backend
 from gdsckpt.errors import GdsckptError
 from gdsckpt.read_ahead import ReadAheadFile
@@ -147,13 +148,7 @@ def test_the_ring_reads_a_checkpoint_through_it_exactly(tmp_path, atomic):
 
 def test_a_damaged_record_read_ahead_fails_its_checksum_naming_the_chunk(tmp_path):
     p, state = _saved(tmp_path)
-    with open_checkpoint(p) as ck:
-        rec = ck.index.records[3]
-    with open(p, "r+b") as fh:
-        fh.seek(rec.file_offset + 10)
-        b = fh.read(1)
-        fh.seek(rec.file_offset + 10)
-        fh.write(bytes([b[0] ^ 1]))
+    flip_chunk_byte(p, 10, 1, chunk=3)
     with open_checkpoint(p) as ck, make_backend("cpu") as be:
         ids = [c.index for c in ck.index.plan.chunks]
         views = [torch.empty(t.shape).view(torch.uint8).reshape(-1) for t in ck.index.plan.tensors]
