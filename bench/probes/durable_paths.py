@@ -19,7 +19,7 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
 
-`--read-ahead '0;4x64;4x64p'` also reads the file (load_into atomic=False) with the read-ahead of
+`--read-ahead '0;4x64;4x64p'` also reads the file (load_into, atomic=True too unless --no-atomic) with the read-ahead of
 compat mode (gdsckpt/read_ahead.py) at that many threads x MiB blocks instead of the defaults'
 (defaults.READ_AHEAD_*), a trailing p: its window pinned; 0 threads: KvikIO reads each record as
 the ring asks, as before it.
@@ -231,12 +231,14 @@ def main() -> None:
         variants = list(filter(None, args.read_ahead.split(";")))
         for ra in variants[loop % len(variants):] + variants[:loop % len(variants)] if variants else ():
             threads, _, mib = ra.rstrip("p").partition("x")
-            with read_ahead(int(threads), int(mib) if mib else None, ra.endswith("p")):
-                drop_page_cache(p)
-                seconds, stats, marks = phases.load(p, state)
-            row[f"load_into_ra{ra}_stored_gbps"] = round(size / seconds / 1e9, 3)
-            row[f"load_into_ra{ra}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
-            row[f"load_into_ra{ra}_io_path"] = stats.io_path
+            for atomic in atomics:
+                name = f"load_into_ra{ra}" + ("_atomic" if atomic else "")
+                with read_ahead(int(threads), int(mib) if mib else None, ra.endswith("p")):
+                    drop_page_cache(p)
+                    seconds, stats, marks = phases.load(p, state, atomic=atomic)
+                row[f"{name}_stored_gbps"] = round(size / seconds / 1e9, 3)
+                row[f"{name}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
+                row[f"{name}_io_path"] = stats.io_path
         for opts in filter(None, args.load_options.split(";")):
             kw = {k: int(v) for k, v in (o.split("=") for o in opts.split(","))}
             drop_page_cache(p)
