@@ -210,6 +210,10 @@ class CpuBackend:
         else:  # a CUDA tensor saved or loaded through the CPU backend
             dst.copy_(src)
 
+    def scatter(self, copies) -> None:
+        for dst, src in copies:
+            self.copy(dst, src)
+
     def gatherer(self, plan, views):
         """(chunk, staging, spec) -> (the chunk's logical bytes, False): a view of its tensor where the
         chunk lies inside one, else its segments copied into `staging`, split over the codec threads:

@@ -116,6 +116,9 @@ class Backend(Protocol):
 
     def copy(self, dst: Bytes, src: Bytes) -> None: ...
 
+    def scatter(self, copies: list[tuple[Bytes, Bytes]]) -> None:
+        """copy(dst, src) for each pair: a decoded chunk's segments into their tensors, at once."""
+
     def gatherer(self, plan: Plan, views: "ByteViews") -> Gather: ...
 
     def max_stored(self, spec: dict, nbytes: int) -> int: ...
@@ -463,10 +466,9 @@ def _decode_chunk(index: Index, i: int, stored: Bytes, views, staging: Bytes, ba
                                     key=plan.tensors[chunk.segments[0].tensor].key, chunk=i) from e
     t = timings.add("decompress", t)
     if out.data_ptr() == staging.data_ptr():
-        for s in chunk.segments:
-            if views[s.tensor] is not None:
-                backend.copy(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
-                             out[s.chunk_offset:s.chunk_offset + s.length])
+        backend.scatter([(views[s.tensor][s.tensor_offset:s.tensor_offset + s.length],
+                          out[s.chunk_offset:s.chunk_offset + s.length])
+                         for s in chunk.segments if views[s.tensor] is not None])
     return timings.add("scatter", t)
 
 

@@ -181,6 +181,20 @@ class GpuBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=dst.is_cuda and src.is_cuda)
 
+    def scatter(self, copies) -> None:
+        """One torch._foreach_copy_ for the pairs on this GPU (a chunk of small tensors holds
+        dozens: a copy_ each cost ~30 us of Python, 0.2 s over a 6,300-tensor state), copy() for
+        the others (a host tensor's bytes)."""
+        dsts, srcs = [], []
+        for dst, src in copies:
+            if dst.device == self.device and src.device == self.device:
+                dsts.append(dst)
+                srcs.append(src)
+            else:
+                self.copy(dst, src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
     def gatherer(self, plan, views):
         """(chunk, staging, spec) -> what the spec's coder reads, on this GPU: a view of its tensor
         where the chunk lies inside one, else its segments gathered into `staging` by one kernel
