@@ -46,10 +46,12 @@ KVIKIO_READ_TASK_BYTES = 64 << 20
 # the ring by our own threads (gdsckpt/read_ahead.py): this many O_DIRECT reads of this many bytes
 # in flight at all times, into a window of page-locked host memory (the widest record's blocks +
 # one block per thread: ~10 x 64 MiB, from torch's caching host allocator, which keeps it for the
-# next read or a save_async pool's arenas), each record then copied into its GPU slot. Cold 20 GB
-# restores, 3 loops with the order turned: 1.55 GB/s against KvikIO's 1.42 (+10%); 8 threads
-# 1.44; a pageable window 1.42, its copies ~6 GB/s in the ring's thread (2.5-2.7 s of 16.4 GB)
-# where pinned ones ran at ~50 GB/s (0.33 s) (bench/results/2026-11-25-h100-read-ahead/).
+# next read), each record then copied into its GPU slot. Cold 20 GB restores (atomic=False): 0.99x
+# an 8-thread O_DIRECT read of the file, 1.03x KvikIO's reads over 13 loops on four machines
+# (+10% on the slowest disk); 8 threads slower than 4; a pageable window no faster than KvikIO,
+# its copies ~6 GB/s in the ring's thread where pinned ones run at ~50 GB/s. atomic=True asks
+# for every record at once, which fills KvikIO's queue too: no gain there, no loss
+# (bench/results/2026-11-25-h100-read-ahead/).
 # 0 threads: KvikIO reads each record when the ring asks for it, as on a GDS host.
 READ_AHEAD_THREADS = 4
 READ_AHEAD_BLOCK_BYTES = 64 << 20
