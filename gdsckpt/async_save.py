@@ -163,7 +163,8 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
 
     snapshot: "host" (default: compressed into a host pool), "overlap" (with optimizer=opt: the
     host snapshot taken during the next forward/backward; the next opt.step() waits for it) or
-    "device" (a same-device copy); save.Snapshot. overlap=True: the earlier spelling of
+    "device" (a same-device copy); save.Snapshot. optimizer= with "host" is a ValueError (it would
+    go unused); with "device" it is accepted and unused. overlap=True: the earlier spelling of
     snapshot="overlap". pool_bytes: the host pool's bound for this save (None: the state's
     logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an
     earlier save_async is unfinished. memory: the memory tier's target for this save (the
@@ -180,6 +181,10 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
         if mode is Snapshot.DEVICE:
             raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
         mode = Snapshot.OVERLAP
+    if optimizer is not None and mode is Snapshot.HOST:  # as GdsckptWriter refuses it: given, and unused
+        raise ValueError("optimizer= is for snapshot='overlap' (the snapshot taken during the next forward/backward, "
+                         "the next opt.step() waiting for it); snapshot='host', the default, takes it in the call: "
+                         "pass snapshot='overlap', or no optimizer=")
     check_optimizer(mode, optimizer)
     if memory is not None and pool_bytes is not None:
         raise ValueError("memory= takes the compressed snapshot into the memory tier, not the pool: not with pool_bytes=")

@@ -344,6 +344,9 @@ def test_bad_options_are_value_errors(tmp_path):
         gdsckpt.save_async(st, tmp_path / "a.gdsckpt", pool_bytes=0)
     with pytest.raises(ValueError, match="optimizer= must be"):
         gdsckpt.save_async(st, tmp_path / "a.gdsckpt", overlap=True, optimizer=object())
+    for host in ({}, {"snapshot": "host"}):  # an optimizer the host snapshot would not use, as GdsckptWriter refuses it
+        with pytest.raises(ValueError, match="optimizer= is for snapshot='overlap'.*pass snapshot='overlap', or no"):
+            gdsckpt.save_async(st, tmp_path / "a.gdsckpt", optimizer=opt, **host)
     assert os.listdir(tmp_path) == []
 
 
