@@ -48,7 +48,7 @@ KVIKIO_READ_TASK_BYTES = 64 << 20
 # one block per thread: ~10 x 64 MiB, from torch's caching host allocator, which keeps it for the
 # next read), each record then copied into its GPU slot. Cold 20 GB restores (atomic=False): 0.99x
 # an 8-thread O_DIRECT read of the file, 1.03x KvikIO's reads over 13 loops on four machines
-# (+10% on the slowest disk); 8 threads slower than 4; a pageable window no faster than KvikIO,
+# (+10% on the slowest disk, none on an H200's faster one at 40 GB); 8 threads slower than 4; a pageable window no faster than KvikIO,
 # its copies ~6 GB/s in the ring's thread where pinned ones run at ~50 GB/s. atomic=True asks
 # for every record at once, which fills KvikIO's queue too: no gain there, no loss
 # (bench/results/2026-11-25-h100-read-ahead/).
