@@ -5,7 +5,8 @@ The reader (gdsckpt/reader.py) reads the footer and index, and checks chunks on 
 backend. `open_source` picks the source for what the user named:
 
 * `LocalFile`: a file, held open from open to close, so that every read goes to the file that
-  was opened even after a save renames a new checkpoint over its path;
+  was opened even after a save renames a new checkpoint over its path; read into a GPU without
+  GPUDirect Storage, ahead of the ring (gdsckpt/read_ahead.py);
 * `StoreObject`: an object in a store ("s3://bucket/key"), read by ranged GETs only, nothing
   downloaded whole: into host memory, or on the GPU straight into device memory through
   KvikIO's RemoteFile (gdsckpt/gpu/remote.py).
@@ -26,9 +27,9 @@ from typing import Protocol
 
 from .defaults import KVIKIO_READ_TASK_BYTES, READ_AHEAD_BLOCK_BYTES, READ_AHEAD_PINNED, READ_AHEAD_THREADS
 from .errors import CheckpointFormatError, GdsckptError
+from .read_ahead import ReadAheadFile
 # The object-store seam: the one place the reader depends on it.
 from .stores import is_remote, open_store, scheme_of
-from .read_ahead import ReadAheadFile
 from .ring import Backend, ChunkFile, Completion
 from .storage import pread_exact, user_path
 
