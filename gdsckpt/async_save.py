@@ -177,15 +177,11 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     """
     mode = Snapshot.parse(snapshot, MODES)
     if overlap:  # the earlier spelling of snapshot="overlap"
-        check_optimizer(Snapshot.OVERLAP, optimizer)
+        check_optimizer(Snapshot.OVERLAP, optimizer, "save_async")
         if mode is Snapshot.DEVICE:
             raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
         mode = Snapshot.OVERLAP
-    if optimizer is not None and mode is Snapshot.HOST:  # as GdsckptWriter refuses it: given, and unused
-        raise ValueError("optimizer= is for snapshot='overlap' (the snapshot taken during the next forward/backward, "
-                         "the next opt.step() waiting for it); snapshot='host', the default, takes it in the call: "
-                         "pass snapshot='overlap', or no optimizer=")
-    check_optimizer(mode, optimizer)
+    check_optimizer(mode, optimizer, "save_async")
     if memory is not None and pool_bytes is not None:
         raise ValueError("memory= takes the compressed snapshot into the memory tier, not the pool: not with pool_bytes=")
     check_pool_bytes(pool_bytes)

@@ -146,8 +146,15 @@ def check_save_options(options: dict, extra=(), modes: tuple[Snapshot, ...] = ()
         Snapshot.parse(options["snapshot"], modes)
 
 
-def check_optimizer(mode: Snapshot, optimizer) -> None:
-    """The optimizer an overlapped snapshot needs: given, and an optimizer (it has step hooks)."""
+def check_optimizer(mode: Snapshot, optimizer, caller: str) -> None:
+    """The optimizer an overlapped snapshot needs: given, and an optimizer (it has step hooks);
+    none with the host snapshot, taken before `caller` returns, which would leave it unused (the
+    overlap its caller likely meant never running). "device" and "cpu" take it unused: a caller
+    that always passes its optimizer (the Checkpointer) may still choose them."""
+    if mode is Snapshot.HOST and optimizer is not None:
+        raise ValueError(f"optimizer= is for snapshot='overlap' (the snapshot taken during the next forward/backward, "
+                         f"the next opt.step() waiting for it); snapshot='host' takes the snapshot before {caller} "
+                         "returns: pass snapshot='overlap', or no optimizer=")
     if mode is Snapshot.OVERLAP and optimizer is None:
         raise ValueError("snapshot='overlap' (overlap=True) needs optimizer=: the snapshot runs during the next "
                          "forward/backward, and only a step pre-hook on the optimizer keeps the step from "

@@ -55,24 +55,17 @@ WRITER_MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE, Snapshot.CPU) 
 def _staging_mode(snapshot, async_staging, optimizer) -> Snapshot:
     """GdsckptWriter's snapshot mode from snapshot= or its earlier spelling async_staging= (where
     "host" with optimizer= means "overlap", as it always did); by default "overlap" where an
-    optimizer is given, else "host". optimizer= with "device" or "cpu" (a copy taken in the call,
-    which no step waits for) is accepted and unused, as save_async(snapshot="device") takes it: a
-    caller that always passes its optimizer (the Checkpointer) may still choose them."""
+    optimizer is given, else "host"; optimizer= as save.check_optimizer takes it."""
     if async_staging is not None:
         if snapshot is not None:
             raise ValueError("snapshot= and async_staging= (its earlier spelling) name the same choice: pass one")
         mode = Snapshot.parse(async_staging, (Snapshot.HOST, Snapshot.DEVICE, Snapshot.CPU), "async_staging")
-        keyword = f"async_staging={async_staging!r}"
         if optimizer is not None and mode is Snapshot.HOST:
             mode = Snapshot.OVERLAP
     else:
         default = Snapshot.OVERLAP if optimizer is not None else Snapshot.HOST
         mode = Snapshot.parse(default.value if snapshot is None else snapshot, WRITER_MODES)
-        keyword = f"snapshot={mode.value!r}"
-    if optimizer is not None and mode is Snapshot.HOST:
-        raise ValueError(f"optimizer= overlaps the compressed host snapshot with training (snapshot='overlap'); "
-                         f"{keyword} takes the snapshot before dcp.async_save returns")
-    check_optimizer(mode, optimizer)
+    check_optimizer(mode, optimizer, "dcp.async_save")
     return mode
 
 
