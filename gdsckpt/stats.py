@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Stats", "AsyncStats", "stream_stats"]
+__all__ = ["Stats", "AsyncStats", "stream_stats", "INNER_STAGES", "outer_seconds"]
+
+# Stages timed inside another one (read_ahead.py's, within the ring's read_wait or atomic_read):
+# reported, never added to the others.
+INNER_STAGES = frozenset({"read_ahead_wait", "read_ahead_copy"})
+
+
+def outer_seconds(stages: dict) -> float:
+    """The seconds `stages` (a Stats' stages) account for, each counted once."""
+    return sum(v for k, v in stages.items() if k not in INNER_STAGES)
 
 
 @dataclass

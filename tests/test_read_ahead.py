@@ -20,6 +20,7 @@ from gdsckpt.read_ahead import ReadAheadFile
 from gdsckpt.reader import open as open_checkpoint
 from gdsckpt.storage import open_direct
 from gdsckpt.ring import ReadsAhead, Timings, read_chunks, read_verified
+from gdsckpt.stats import outer_seconds
 
 DATA = os.urandom(300_000)
 
@@ -158,3 +159,25 @@ def test_a_damaged_record_read_ahead_fails_its_checksum_naming_the_chunk(tmp_pat
                 read_chunks(ck.index, ids, views, be, f, 2, Timings(), p)
         finally:
             f.close()
+
+
+def test_a_verify_counting_its_bytes_keeps_the_read_ahead_plan(tmp_path):
+    """`gdsckpt verify` counts bytes through a wrapper of the source's ChunkFile: a file that reads
+    ahead stays one (the ring's plan reaches it, its stages and io_path reach the Stats)."""
+    from gdsckpt.cli.files import _Counted
+    from gdsckpt.sources import LocalFile
+
+    class AheadSource(LocalFile):  # a GPU's compat reads, on the CPU backend
+        def open_chunks(self, backend):
+            return ReadAheadFile(self.label, backend.copy, threads=2, block=16 << 10)
+
+    p, state = _saved(tmp_path)
+    counted: list[int] = []
+    with open_checkpoint(p) as ck:
+        ck.source = _Counted(AheadSource(p), counted.append)
+        out = ck.load(device="cpu")
+        stats = ck.last_stats
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert stats.io_path.startswith("read-ahead-") and stats.stages["read_ahead_copy"] > 0
+    assert outer_seconds(stats.stages) <= stats.seconds  # the read-ahead's stages are inside read_wait
+    assert sum(counted) == sum(r.stored for r in ck.index.records)

@@ -28,6 +28,7 @@ import gdsckpt
 from gdsckpt import api, tree, units
 from gdsckpt.backend import gpu_status, set_direct_io
 from gdsckpt.defaults import RING_DEPTH
+from gdsckpt.stats import outer_seconds
 
 from . import provenance, states, train
 from .baselines import same_tensors
@@ -132,7 +133,7 @@ def _job_result(name, rw, target, args, bs, depth, stats_list, cpu, verified=Non
             "stage_gbps": {"gather+compress+checksum": logical / sum(stages.get(k, 0.0) for k in
                                                                      ("gather", "compress", "checksum")) / 1e9
                            if rw == "write" and any(stages.get(k) for k in ("gather", "compress")) else None},
-            "setup_s": (secs - sum(stages.values())) / len(stats_list),
+            "setup_s": (secs - outer_seconds(stages)) / len(stats_list),
             "streams": last.streams, "verified": verified, "per_loop_gbps": [s.gbps for s in stats_list],
             "logical_gibps": logical / secs / units.GIB if secs else 0.0,
             "logical_gbps_mean": statistics.fmean(s.gbps for s in stats_list),

@@ -19,7 +19,7 @@ from ..dcp.layout import METADATA_FILE, RANK_FILE
 from ..dcp.metadata import read_metadata
 from ..dtypes import ITEMSIZE, name_of
 from ..errors import CheckpointFormatError, GdsckptError
-from ..ring import ChunkFile
+from ..ring import ChunkFile, ReadsAhead
 from ..sources import ChunkSource
 from ..stores import is_remote
 from ..units import format_bytes
@@ -158,7 +158,8 @@ class _Counted:
         return data
 
     def open_chunks(self, backend) -> ChunkFile:
-        return _CountedChunks(self._source.open_chunks(backend), self._on_bytes)
+        file = self._source.open_chunks(backend)
+        return (_CountedAhead if isinstance(file, ReadsAhead) else _CountedChunks)(file, self._on_bytes)
 
     def child_file(self):
         return self._source.child_file()
@@ -181,6 +182,22 @@ class _CountedChunks:
 
     def close(self) -> None:
         self._file.close()
+
+
+class _CountedAhead(_CountedChunks):
+    """A counted file that reads ahead (ring.ReadsAhead): the ring's plan reaches it, so a deep
+    verify on the GPU reads as a restore does, not record by record."""
+
+    def will_read(self, ranges) -> None:
+        self._file.will_read(ranges)
+
+    @property
+    def io_path(self) -> str:
+        return self._file.io_path
+
+    @property
+    def stages(self) -> dict[str, float]:
+        return self._file.stages
 
 
 def _verify_one(path: str, args, bar, summary: dict | None, root: str) -> dict:
