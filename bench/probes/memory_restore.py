@@ -186,14 +186,16 @@ def profile_child(d: Path, size: str, device: str) -> dict:
     _restore(d, state, device)
     prof.disable()
     cold = time.perf_counter() - t
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    text, own = io.StringIO(), io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+    pstats.Stats(prof, stream=own).sort_stats("tottime").print_stats(30)
     t = time.perf_counter()
     r = _restore(d, state, device)
     warm = time.perf_counter() - t
     return {"kind": "profile", "cold_profiled_s": cold, "warm_s": warm, "warm_source": r.source,
             "warm_stages": {k: round(v, 4) for k, v in r.stats.stages.items()},
-            "top_cumulative": text.getvalue().splitlines()[:110]}
+            "top_cumulative": text.getvalue().splitlines()[:130],
+            "top_tottime": own.getvalue().splitlines()[:60]}
 
 
 def paths_child(segment: Path, nbytes: int, how: str) -> dict:
