@@ -177,7 +177,8 @@ class Checkpointer:
             self._remove_leftovers()
         pending = self._journal.read()
         if pending is not None:  # a rollback killed part-way, or whose store could not be reached
-            self._resume_rollback(pending)
+            with self._deleting:
+                self._resume_rollback(pending)
         if self.remote is not None and self.remote.uploading:
             newest = self.layout.local_steps()
             if newest:  # a restarted run: its newest step may never have reached the store
@@ -202,22 +203,25 @@ class Checkpointer:
         step = whole_number("step", step, 0)
         self._writable(f"roll back to step {step}")
         self.wait()
-        if step not in self.steps():
-            raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
-                                    + (f" or {self.remote.url()}" if self.remote is not None else ""))
         gone: list[int] = []
-        if self._owner:
-            prev = self._rollback.store_to if self._rollback is not None else None
-            store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
-            # (a pending store part stays: nothing newer than `prev` has been uploaded since)
-            gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
+        # No retention between the check and the removals: a memory copy's local write that ends
+        # meanwhile must not count toward `keep` and let go of the step rolled back to.
+        with self._deleting:
+            if step not in self.steps():
+                raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
+                                        + (f" or {self.remote.url()}" if self.remote is not None else ""))
+            if self._owner:
+                prev = self._rollback.store_to if self._rollback is not None else None
+                store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
+                # (a pending store part stays: nothing newer than `prev` has been uploaded since)
+                gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
         self.layout.barrier()
         return gone
 
     def _resume_rollback(self, pending: PendingRollback) -> list[int]:
         """Do what `pending` still has to: the directory's part at once, the store's through the
         remote tier (a read-only manager or a rank that does not own the directory: nothing is
-        removed, the steps only stop counting)."""
+        removed, the steps only stop counting). The caller holds `_deleting`: no retention meanwhile."""
         acts = self._lock is not None
         gone: set[int] = set()
         with self._rolling:
@@ -227,12 +231,11 @@ class Checkpointer:
             if self.memory is not None and pending.local_to is not None:
                 gone.update(self.memory.drop_newer_than(pending.local_to))
             if acts and pending.local_to is not None:
-                with self._deleting:
-                    for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
-                        log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
-                                 self.layout.path(s))
-                        self.layout.delete(s)
-                        gone.add(s)
+                for s in reversed([s for s in self.layout.local_steps() if s > pending.local_to]):
+                    log.info("gdsckpt: rollback to step %d: removing step %d (%s)", pending.local_to, s,
+                             self.layout.path(s))
+                    self.layout.delete(s)
+                    gone.add(s)
                 self._rollback_done(local=True)
         store_to = self._rollback.store_to if self._rollback is not None else None
         if store_to is not None and self.remote is not None:
@@ -409,7 +412,7 @@ class Checkpointer:
         (footer and index checked, once per step); and before the step that would be the only
         intact one left loses its older company, its every chunk is verified (once, a full read)
         unless the store holds a verified copy of it."""
-        local = self.layout.local_steps()
+        local = self._local_steps()  # a pending rollback's abandoned steps count for nothing
         protected: set[int] = set()
         uploaded = None
         if self.remote is not None:

@@ -190,6 +190,32 @@ def test_rollback_drops_newer_memory_copies(tmp_path, shm):
         assert_same(ck.restore().state, state_for(30))
 
 
+def _rollback_beside_a_local_write(d: Path, monkeypatch, delay: float) -> tuple[list[int], list[int]]:
+    """keep=1: step 2 is committed in memory and being written to the directory when
+    rollback(1) starts; the rollback's record is made slow (its fsync behind that write)."""
+    from gdsckpt import rollback as rb
+    write = rb.RollbackJournal.write
+
+    def slow(self, pending):
+        if pending is not None and pending.local_to is not None:
+            time.sleep(delay)
+        return write(self, pending)
+    monkeypatch.setattr(rb.RollbackJournal, "write", slow)
+    with Checkpointer(d, keep=1, memory=True, keep_memory=1, save_options=OPTS) as ck:
+        ck.save(1, state_for(1))
+        ck.save_async(2, state_for(2))
+        return ck.rollback(1), ck.steps()
+
+
+def test_a_rollback_beside_a_local_write_keeps_the_step_it_goes_back_to(tmp_path, shm, monkeypatch):
+    """The write of step 2 ending during the rollback must not let retention (keep=1) remove
+    step 1 as older than step 2, which the rollback then removes: nothing would be left."""
+    gone, steps = _rollback_beside_a_local_write(tmp_path / "run", monkeypatch, 0.5)
+    assert gone == [2] and steps == [1]
+    with Checkpointer(tmp_path / "run") as ck:
+        assert_same(ck.restore(zeros_like(state_for(1))).state, state_for(1))
+
+
 # ---------------------------------------------------------------- the cap and the drop order
 
 
