@@ -59,6 +59,7 @@ from .defaults import MEMORY_KEEP
 from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .memory_steps import MemorySteps
+from .memory_tier import renew_directory_id
 from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
 from .retention_thread import RetentionThread
@@ -162,6 +163,11 @@ class Checkpointer:
                 self.memory = MemorySteps(self.layout, rank=self.rank, every_local=every_local, cap_bytes=memory_bytes,
                                           keep=keep_memory, save_options=self.save_options,
                                           on_local_commit=self._on_commit)
+            # Whether this manager's first write forks the directory's lineage from memory copies it
+            # does not see (memory_tier.renew_directory_id). Not an empty tier under torch.distributed:
+            # the other ranks' tiers have taken the id already.
+            self._forks = self._owner and not self.read_only and (
+                self.memory is None or (not self.distributed and not self.memory.steps()))
             self._open()
         except BaseException:
             if self.memory is not None:
@@ -210,6 +216,7 @@ class Checkpointer:
             if step not in self.steps():
                 raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
                                         + (f" or {self.remote.url()}" if self.remote is not None else ""))
+            self._fork_lineage()
             if self._owner:
                 prev = self._rollback.store_to if self._rollback is not None else None
                 store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)
@@ -310,7 +317,19 @@ class Checkpointer:
             raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
                              f"{str(self.directory)!r}{' or its memory tier' if self.memory else ''} "
                              f"(rollback(n) with n < {step} removes the newer steps; or use a new directory)")
+        self._fork_lineage()
         return step
+
+    def _fork_lineage(self) -> None:
+        """Before this manager's first write (a save, a rollback): where it does not see the
+        directory's memory copies (no memory tier, or an empty one), they are made another run's,
+        on every host, so that none of them is restored over, or instead of, the steps it writes."""
+        if self._forks:
+            self._forks = False
+            if self.memory is not None:
+                self.memory.tier.renew_id()
+            else:
+                renew_directory_id(self.directory)
 
     def save(self, step: int, state) -> object:
         """Save `state` as `step`; durable and committed on return, and the steps retention lets go

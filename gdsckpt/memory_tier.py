@@ -21,7 +21,10 @@ directory and rank, which also removes records whose slot is gone or no longer m
 Identity: the directory's tier id (DIR/.gdsckpt-memory-id, random, made by the first manager
 with a memory tier) ties the copies to the directory, not to its path: a directory removed and
 made again under the same path gets a new id, and the earlier run's copies are removed, never
-restored into the new run.
+restored into the new run. It is also the copies' lineage: a manager that writes steps without
+seeing them (no memory tier, or an empty one: another host, a restart after a reboot) or rolls
+back without a memory tier gives the directory a new id first (`renew_directory_id`), so that
+copies of steps its own replace or abandon are another run's from then on, wherever they are.
 
 Bounded: the tier holds at most `cap_bytes` (the slots' file sizes, an upper bound of the memory
 they take; defaults.MEMORY_*), and keeps the newest `keep` copies where it may (older ones go,
@@ -62,6 +65,7 @@ from .defaults import MEMORY_HOST_FRACTION, MEMORY_KEEP, MEMORY_SHM_FRACTION
 from .dirlock import DirectoryLock
 from .errors import MemoryTierFullError
 from .memory_slot import Slot
+from .storage import fsync_dir
 
 log = logging.getLogger("gdsckpt.memory")
 
@@ -121,6 +125,24 @@ def directory_id(directory: Path, create: bool) -> str | None:
     finally:
         tmp.unlink(missing_ok=True)
     return path.read_text().strip()
+
+
+def renew_directory_id(directory: Path) -> str | None:
+    """A new tier id for `directory`, where it has one (None where it has none): every memory
+    copy of it, on any host, is another run's from now on (removed by the next manager of its
+    folder, never restored). Durable before the caller writes or removes a step."""
+    path = Path(directory) / ID_NAME
+    if not path.exists():
+        return None
+    ident = secrets.token_hex(16)
+    tmp = path.with_name(f"{ID_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(ident + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return ident
 
 
 def default_cap(root: Path | None = None) -> int:
@@ -287,12 +309,10 @@ class MemoryTier:
             for name in os.listdir(self.folder):
                 if name != self._lock.path.name:
                     if _SLOT.match(name) or _COMMIT.match(name):
-                        self.reclaimed.append({"name": name, "why": "another run's (the directory was made anew)"})
+                        self.reclaimed.append({"name": name, "why": "another run's (the directory was made anew, "
+                                                                    "or its steps went on without these copies)"})
                     (self.folder / name).unlink(missing_ok=True)
-            tmp = self.folder / f".{OWNER}.{os.getpid()}"
-            tmp.write_text(json.dumps({"directory": os.path.realpath(self.directory), "id": ident,
-                                       "rank": self.rank, "host": socket.gethostname()}))
-            os.replace(tmp, self.folder / OWNER)
+            self._write_owner(ident)
         names = os.listdir(self.folder)
         named: set[str] = set()
         for name in sorted(names):
@@ -320,6 +340,20 @@ class MemoryTier:
                     (self.folder / name).unlink(missing_ok=True)  # a record or owner file never renamed
         for r in self.reclaimed:
             log.info("gdsckpt: memory tier %s: removed %s (%s)", self.folder, r["name"], r["why"])
+
+    def _write_owner(self, ident: str) -> None:
+        tmp = self.folder / f".{OWNER}.{os.getpid()}"
+        tmp.write_text(json.dumps({"directory": os.path.realpath(self.directory), "id": ident,
+                                   "rank": self.rank, "host": socket.gethostname()}))
+        os.replace(tmp, self.folder / OWNER)
+
+    def renew_id(self) -> None:
+        """The directory's new tier id (renew_directory_id), taken by this tier: an empty tier's
+        manager writes steps that copies elsewhere of this directory never saw."""
+        with self._cond:
+            if self._copies:
+                raise RuntimeError("a tier that holds copies continues their lineage; it does not renew it")
+            self._write_owner(renew_directory_id(self.directory) or directory_id(self.directory, create=True))
 
     # ------------------------------------------------------------ what it holds
     def steps(self) -> list[int]:

@@ -216,6 +216,80 @@ def test_a_rollback_beside_a_local_write_keeps_the_step_it_goes_back_to(tmp_path
         assert_same(ck.restore(zeros_like(state_for(1))).state, state_for(1))
 
 
+def test_a_rollback_without_the_memory_tier_reaches_its_copies(tmp_path, shm):
+    """A manager without memory=True (a restart, a tool) that rolls back leaves no memory copy
+    that a later memory=True manager would bring back."""
+    d = tmp_path / "run"
+    with Checkpointer(d, memory=True, keep_memory=5, save_options=OPTS) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, state_for(s))
+    with Checkpointer(d, save_options=OPTS) as ck:
+        assert ck.rollback(1) == [2, 3] and ck.steps() == [1]
+    with Checkpointer(d, memory=True, save_options=OPTS) as ck:
+        assert ck.steps() == [1]
+        assert {r["why"] for r in ck.memory.tier.reclaimed} == {
+            "another run's (the directory was made anew, or its steps went on without these copies)"}
+        r = ck.restore(zeros_like(state_for(1)))
+        assert (r.step, r.source) == (1, "local")
+        assert_same(r.state, state_for(1))
+        ck.save(2, state_for(20))
+
+
+_DIES_WITH_STEPS_IN_MEMORY = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from gdsckpt import Checkpointer
+from test_memory_tier import state_for, OPTS
+ck = Checkpointer(sys.argv[1], memory=True, every_local=10, save_options=OPTS)
+for s in (1, 2, 3):
+    ck.save(s, state_for(s))
+os._exit(0)  # preempted: steps 2 and 3 in this host's memory only
+"""
+
+
+@pytest.mark.parametrize("second_run", ["memory elsewhere", "no memory tier"])
+def test_copies_of_an_abandoned_run_never_shadow_the_steps_written_without_them(tmp_path, shm, monkeypatch,
+                                                                               second_run):
+    """Run A dies on host X with steps 2 and 3 in X's memory only. Run B, on host Y (its tier
+    empty) or without the memory tier, resumes from step 1 on disk and writes its own 2 and 3.
+    Back on X, a run must restore B's step 3, not A's copy of it."""
+    d, host_x = tmp_path / "run", shm / "x"
+    host_x.mkdir()
+    monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(host_x))
+    child = _child(_DIES_WITH_STEPS_IN_MEMORY, d, REPO / "tests", tmp=tmp_path)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    if second_run == "memory elsewhere":
+        (shm / "y").mkdir()
+        monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(shm / "y"))
+    with Checkpointer(d, memory=second_run == "memory elsewhere", save_options=OPTS) as ck:
+        assert ck.restore(zeros_like(state_for(1))).step == 1
+        ck.save(2, state_for(200))
+        ck.save(3, state_for(300))
+    monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(host_x))
+    with Checkpointer(d, memory=True, save_options=OPTS) as ck:
+        assert ck.memory.steps() == []  # A's copies: another run's
+        r = ck.restore(zeros_like(state_for(3)))
+        assert (r.step, r.source) == (3, "local")
+        assert_same(r.state, state_for(300))
+
+
+def test_a_run_that_resumes_from_its_copies_keeps_them(tmp_path, shm):
+    """The lineage is renewed only by a writer that does not see the copies: a restart on the
+    same host restores from memory, saves on, and its copies stay valid for the next restart."""
+    d = tmp_path / "run"
+    with Checkpointer(d, memory=True, every_local=10, save_options=OPTS) as ck:
+        ck.save(1, state_for(1))
+        ck.save(2, state_for(2))
+    ident = (d / ID_NAME).read_text()
+    with Checkpointer(d, memory=True, every_local=10, save_options=OPTS) as ck:
+        assert ck.restore(zeros_like(state_for(2))).source == "memory"
+        ck.save(3, state_for(3))
+    assert (d / ID_NAME).read_text() == ident
+    with Checkpointer(d, memory=True, save_options=OPTS) as ck:
+        assert ck.memory.steps()[-1] == 3 and ck.restore().source == "memory"
+
+
 # ---------------------------------------------------------------- the cap and the drop order
 
 
