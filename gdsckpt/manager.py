@@ -59,7 +59,7 @@ from .defaults import MEMORY_KEEP
 from .dirlock import try_lock
 from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
 from .memory_steps import MemorySteps
-from .memory_tier import renew_directory_id
+from .memory_folders import renew_directory_id
 from .policy import Policy, whole_number
 from .remote_tier import RemoteTier, no_remote_status
 from .retention_thread import RetentionThread
@@ -163,9 +163,8 @@ class Checkpointer:
                 self.memory = MemorySteps(self.layout, rank=self.rank, every_local=every_local, cap_bytes=memory_bytes,
                                           keep=keep_memory, save_options=self.save_options,
                                           on_local_commit=self._on_commit)
-            # Whether this manager's first write forks the directory's lineage from memory copies it
-            # does not see (memory_tier.renew_directory_id). Not an empty tier under torch.distributed:
-            # the other ranks' tiers have taken the id already.
+            # Whether its first write forks the lineage from copies it does not see (_fork_lineage);
+            # not an empty tier under torch.distributed: the other ranks' tiers took the id already.
             self._forks = self._owner and not self.read_only and (
                 self.memory is None or (not self.distributed and not self.memory.steps()))
             self._open()
@@ -210,8 +209,8 @@ class Checkpointer:
         self._writable(f"roll back to step {step}")
         self.wait()
         gone: list[int] = []
-        # No retention between the check and the removals: a memory copy's local write that ends
-        # meanwhile must not count toward `keep` and let go of the step rolled back to.
+        # No retention from the check to the removals: a local write ending meanwhile must not
+        # count toward `keep` and let go of the step rolled back to.
         with self._deleting:
             if step not in self.steps():
                 raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
@@ -321,9 +320,8 @@ class Checkpointer:
         return step
 
     def _fork_lineage(self) -> None:
-        """Before this manager's first write (a save, a rollback): where it does not see the
-        directory's memory copies (no memory tier, or an empty one), they are made another run's,
-        on every host, so that none of them is restored over, or instead of, the steps it writes."""
+        """Before the first write (save, rollback) of a manager that does not see the directory's
+        memory copies (no tier, or an empty one): they become another run's, on every host."""
         if self._forks:
             self._forks = False
             if self.memory is not None:

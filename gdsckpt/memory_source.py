@@ -99,7 +99,7 @@ def check_copy(folder: Path, rec: dict, deep: bool) -> str:
     the tier's lock (the CLI): its segment ends in the committed footer (memory_tier.check_record)
     and its footer and index are valid; deep: every chunk checksum too."""
     from . import api
-    from .memory_tier import check_record
+    from .memory_folders import check_record
     why = check_record(folder, rec)
     if why is None:
         slot = Slot(folder / rec["slot"])

@@ -26,7 +26,8 @@ import gdsckpt
 from gdsckpt import Checkpointer
 from gdsckpt.errors import CheckpointLockedError, ChecksumError
 from gdsckpt.memory_snapshot import MemoryTarget, local_write
-from gdsckpt.memory_tier import ID_NAME, MemoryTier, default_cap, tier_folder
+from gdsckpt.memory_tier import MemoryTier, default_cap
+from gdsckpt.memory_folders import ID_NAME, tier_folder
 from gdsckpt.steps import step_name
 from conftest import assert_same
 

@@ -24,7 +24,7 @@ from gdsckpt import async_save as am
 from gdsckpt import memory_slot
 from gdsckpt import pinned_pool as pp
 from gdsckpt.errors import GDSUnavailableError, MemoryTierFullError, UnsupportedStateError
-from gdsckpt.memory_tier import tier_folder
+from gdsckpt.memory_folders import tier_folder
 from conftest import all_dtype_tensors, assert_same
 from test_memory_tier import OPTS, REPO, _child, slot_files, state_for
 

@@ -124,7 +124,7 @@ def setup_child(d: Path, size: str, device: str) -> dict:
     """Each one-time cost of a new process's first GPU restore, apart; then the restore itself."""
     import importlib
     from gdsckpt.codecs import spec_for
-    from gdsckpt.memory_tier import list_copies
+    from gdsckpt.memory_folders import list_copies
     _, _, state = _restarted_state(size, device)
     times: dict = {}
 
@@ -299,7 +299,7 @@ def main() -> None:
     from gdsckpt.bench.provenance import stamp
     from gdsckpt.bench.train_methods import checkpoint_state
     from gdsckpt.defaults import MEMORY_READ_THREADS
-    from gdsckpt.memory_tier import drop_copies, list_copies
+    from gdsckpt.memory_folders import drop_copies, list_copies
     gpu = a.device.startswith("cuda")
     model, opt, info = _state(a.size, a.device, a.steps)
     base = Path(a.directory) if a.directory else Path(tempfile.gettempdir())

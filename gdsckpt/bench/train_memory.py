@@ -152,7 +152,7 @@ def digests(state) -> dict[str, str]:
 def measure_restores(size: str, device: str, model, opt, directory: Path, remote: str | None) -> dict:
     """Save the trained state once (memory tier on), then restore it in a new process."""
     from gdsckpt import Checkpointer
-    from gdsckpt.memory_tier import drop_copies
+    from gdsckpt.memory_folders import drop_copies
     d = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-restore-", dir=directory))
     try:
         state = checkpoint_state(model, opt)

@@ -26,7 +26,7 @@ def cmd_clean(args) -> int:
     d = Path(args.directory)
     dropped = []
     if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
-        from ..memory_tier import drop_copies
+        from ..memory_folders import drop_copies
         dropped = drop_copies(d)
         if not args.json:
             for t in dropped:
@@ -125,7 +125,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
 
 
 def _memory_copies(d: Path) -> list[dict]:
-    from ..memory_tier import list_copies
+    from ..memory_folders import list_copies
     return list_copies(d) if d.is_dir() else []
 
 
