@@ -1,16 +1,20 @@
-"""A DCP checkpoint's `.metadata` (issue 20, finding 5): never read with an unrestricted unpickler.
+"""A DCP checkpoint's `.metadata` (issue 20, finding 5), and the pickles of its non-tensor values
+in the rank files (audit C): never read with an unrestricted unpickler.
 
 A pickle payload planted in `.metadata` (in the bucket, or on disk) is refused with a
 CheckpointFormatError naming the file, and the test proves it never ran; a damaged `.metadata`
 (every single flipped byte, truncated, empty) is a CheckpointFormatError naming the file, which
 the manager's restore falls back past; the metadata gdsckpt writes, and DCP's own tools'
-reading of it, keep working.
+reading of it, keep working. A payload planted in a non-tensor value's pickle (DCP's planner
+would torch.load it with weights_only=False) is refused the same way, naming the rank file and key.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import random
 import warnings
 from pathlib import Path
 
@@ -198,3 +202,76 @@ def test_not_metadata_at_all_is_a_format_error(saved):
         meta.write_bytes(pickle.dumps(obj))
         with pytest.raises(gdsckpt.CheckpointFormatError, match="not DCP metadata"):
             read_metadata(meta)
+
+
+# ---------------------------------------------------------------- non-tensor values in the rank files
+
+
+def _plant(saved: Path, key: str, value) -> Path:
+    """The rank file with `key`'s pickle replaced by torch.save(value): a valid gdsckpt file
+    (checksums and all), as anyone who can write the bucket can make."""
+    rank_file = saved / "__0_0.gdsckpt"
+    state = gdsckpt.load(rank_file)
+    assert key in state
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    state[key] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    gdsckpt.save(state, rank_file)
+    return rank_file
+
+
+def _failure(info) -> BaseException:
+    """The one rank's error inside DCP's CheckpointException."""
+    (exc, _), = info.value.failures.values()
+    return exc
+
+
+def test_a_payload_in_a_non_tensor_value_is_refused_and_never_runs(saved, tmp_path):
+    marker = tmp_path / "payload-ran"
+    payloads = {"os.system": _Payload(f"touch {marker}"),
+                "eval": _Eval(f"__import__('pathlib').Path({str(marker)!r}).touch()"),
+                "torch.load": _Reduce(torch.load, (str(marker),)),
+                "inside a dict": {"step": 7, "x": _Payload(f"touch {marker}")}}
+    for name, payload in payloads.items():
+        rank_file = _plant(saved, "meta.step", payload)
+        with pytest.raises(BaseException, match="refused") as info:  # DCP wraps it (CheckpointException)
+            _load(saved)
+        err = _failure(info)
+        assert isinstance(err, gdsckpt.CheckpointFormatError), name
+        assert err.path == rank_file and err.key == "meta.step" and "'meta.step'" in str(err), name
+        assert not marker.exists(), f"the {name} payload ran"
+    # control: the planted pickle is live, DCP's own torch.load would have run it
+    torch.load(io.BytesIO(_plain_pickle(_Payload(f"touch {marker}"))), weights_only=False)
+    assert marker.exists()
+
+
+def _plain_pickle(value) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def test_plain_non_tensor_values_still_round_trip(tmp_path):
+    """What DCP pickles for non-tensor values (torch.save of each): plain values and containers,
+    bytes, sets, complex numbers, tensors inside a tuple, NumPy's arrays and scalars (NumPy's
+    generator state, as RNG() saves it); torch's process-wide allowlist is left as it was."""
+    import numpy as np
+    state = {"w": torch.arange(4.), "step": 7, "lr": 0.1, "name": "run", "flag": True, "none": None,
+             "opt": {"betas": (0.9, 0.99), "lrs": [1e-3, None], "tags": {"a", "b"}, "c": 1 + 2j, "raw": b"\x00\xff"},
+             "pair": (torch.ones(2), 3), "py_rng": random.getstate(), "np_rng": np.random.get_state(),
+             "np_scalar": np.float32(2.5), "np_array": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    allowed = torch.serialization.get_safe_globals()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=GdsckptWriter(tmp_path / "ck"), no_dist=True)
+        target = {k: None for k in state} | {"w": torch.zeros(4), "opt": dict.fromkeys(state["opt"])}
+        dcp.load(target, storage_reader=GdsckptReader(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(target["w"], state["w"])
+    for k in ("step", "lr", "name", "flag", "none", "opt", "py_rng"):
+        assert target[k] == state[k] and type(target[k]) is type(state[k]), k
+    assert torch.equal(target["pair"][0], torch.ones(2)) and target["pair"][1] == 3
+    assert target["np_rng"][0] == "MT19937" and np.array_equal(target["np_rng"][1], state["np_rng"][1])
+    assert target["np_rng"][2:] == state["np_rng"][2:]
+    assert type(target["np_scalar"]) is np.float32 and target["np_scalar"] == np.float32(2.5)
+    assert target["np_array"].dtype == np.int16 and np.array_equal(target["np_array"], state["np_array"])
+    assert torch.serialization.get_safe_globals() == allowed
