@@ -122,9 +122,11 @@ def dcp_view(state: dict, *, strict: bool = True) -> dict:
 
 
 def dcp_write_back(state: dict, view: dict) -> None:
-    """After dcp.load(view): the top-level values DCP replaced in the view, into `state`."""
+    """After dcp.load(view): the top-level values DCP replaced in the view, and those a `_DcpTree`
+    rebuilt (a tuple, which cannot be written back into), into `state`."""
     for k, v in view.items():
-        if not isinstance(v, _DcpTree) and state.get(k) is not v:
+        v = v.value if isinstance(v, _DcpTree) else v
+        if state.get(k) is not v:
             state[k] = v
 
 
@@ -138,7 +140,9 @@ class _DcpTree:
         return self._state(self.value, self._key)
 
     def load_state_dict(self, loaded) -> None:
-        self._restore(self.value, loaded, self._key)
+        new = self._restore(self.value, loaded, self._key)
+        if new is not self._KEEP:  # a tuple, rebuilt with its restored plain values: for dcp_write_back
+            self.value = new
 
     def _state(self, v, key: str):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

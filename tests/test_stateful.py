@@ -488,6 +488,24 @@ def test_dcp_optimizer_needs_its_module(tmp_path, one_rank):
         dcp_view({"train": {"optim": opt}})["train"].state_dict()
 
 
+def test_dcp_view_writes_back_plain_values_in_tuples(tmp_path, one_rank):
+    """A tuple holding a stateful object, at the top level or below: its plain values come back
+    in a new tuple (as load_into gives), put where the old one was, and the object is restored."""
+    import torch.distributed.checkpoint as dcp
+    from gdsckpt.dcp import GdsckptReader, GdsckptWriter
+    warnings.filterwarnings("ignore", category=UserWarning)
+    m = torch.nn.Linear(2, 2)
+    dcp.save(dcp_view({"pair": (m, 7), "nested": {"pair": (m, 8)}, "list": [(m, 9)]}),
+             storage_writer=GdsckptWriter(tmp_path / "c"))
+    m2 = torch.nn.Linear(2, 2)
+    state = {"pair": (m2, 0), "nested": {"pair": (m2, 0)}, "list": [(m2, 0)]}
+    view = dcp_view(state)
+    dcp.load(view, storage_reader=GdsckptReader(tmp_path / "c"))
+    dcp_write_back(state, view)
+    assert torch.equal(m2.weight, m.weight)
+    assert state == {"pair": (m2, 7), "nested": {"pair": (m2, 8)}, "list": [(m2, 9)]}
+
+
 def test_checkpointer_under_dcp_restores_objects(tmp_path, one_rank):
     """The Checkpointer's DCP layout (torch.distributed initialised) with objects, a fresh optimizer
     among them: the resumed losses are the same bits."""
