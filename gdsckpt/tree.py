@@ -73,8 +73,9 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
             if np is not None and isinstance(obj, (np.ndarray, np.generic)):
                 kind, t = _numpy_tensor(obj, np, key or "<root>")
                 return place(t, key, kind)
-            if isinstance(obj, bytes):
+            if type(obj) is bytes:
                 return place(_bytes_tensor(obj), key, "bytes")
+            _check_not_a_subclass(obj, key)
         if isinstance(obj, dict):
             items = []
             for k, v in obj.items():
@@ -123,6 +124,24 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
         walk = None  # noqa: F841 - a recursive closure is a reference cycle; broken, `found` goes with the call
     leaves = _leaves(found, found_keys, nodes)
     return skeleton, leaves
+
+
+# A subclass of one of these would be saved as the base type and load as it (an IntEnum as an
+# int, a defaultdict as a dict, losing its type and default factory): refused instead.
+_BASES = (dict, bytes, int, float, str)
+
+
+def _check_not_a_subclass(obj, key: str) -> None:
+    """Refuse a subclass of dict, bytes, int, float or str (UnsupportedStateError naming the key):
+    nothing in the file could say what it was, so it would load, silently, as the base type. Only
+    values of other types than the common ones reach this, after NumPy's scalars (np.float64 is a
+    float) and stateful objects were taken; an OrderedDict is a common type, kept as one."""
+    base = next((b for b in _BASES if isinstance(obj, b)), None)
+    if base is not None:
+        how = "dict(value)" if base is dict else f"{base.__name__}(value), or an enum member's .value"
+        raise UnsupportedStateError(
+            f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {key or '<root>'!r}: a subclass of "
+            f"{base.__name__}, it would load as a plain {base.__name__}; convert it first: {how}")
 
 
 _PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # no dispatch of their own: their memory is their data

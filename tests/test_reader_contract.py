@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import enum
 import errno
 import json
 import os
@@ -417,6 +418,56 @@ def test_ordered_dict_and_metadata_round_trip(tmp_path):
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), bn)
     fresh.load_state_dict(out["model"])
     assert seen == {"version": 2}
+
+
+class _Color(enum.IntEnum):
+    RED = 1
+
+
+class _Mode(str, enum.Enum):
+    FAST = "fast"
+
+
+class _Tagged(dict):
+    pass
+
+
+class _Ordered(collections.OrderedDict):
+    pass
+
+
+class _Meters(float):
+    pass
+
+
+class _Raw(bytes):
+    pass
+
+
+@pytest.mark.parametrize("value, base", [
+    (_Color.RED, "int"), (_Mode.FAST, "str"), (_Meters(1.5), "float"), (_Raw(b"x"), "bytes"),
+    (collections.defaultdict(int, a=1), "dict"), (collections.Counter("ab"), "dict"), (_Tagged(a=1), "dict"),
+    (_Ordered(a=1), "dict")], ids=["IntEnum", "str Enum", "float", "bytes", "defaultdict", "Counter", "dict",
+                                   "OrderedDict"])
+def test_subclasses_of_plain_values_and_dicts_are_refused_naming_the_key(tmp_path, value, base):
+    """Nothing in the file could say what the subclass was: it would load, silently, as its base
+    type (an IntEnum as an int, a defaultdict without its factory). Refused before anything is
+    written, as list and tuple subclasses are; bool, NumPy's scalars (np.float64 is a float) and
+    an OrderedDict are values of their own and keep loading as themselves."""
+    p = tmp_path / "s.gdsckpt"
+    with pytest.raises(gdsckpt.UnsupportedStateError, match=f"at 'cfg/v/0': a subclass of {base}") as info:
+        gdsckpt.save({"w": torch.ones(2), "cfg": {"v": [value]}}, p)
+    assert f"{base}(value)" in str(info.value)
+    assert not p.exists()
+
+
+def test_bool_numpy_scalars_and_ordered_dicts_keep_their_types(tmp_path):
+    import numpy as np
+    p = tmp_path / "t.gdsckpt"
+    state = {"b": True, "f": np.float64(1.5), "od": collections.OrderedDict(a=1), "s": "x", "i": 3}
+    gdsckpt.save(state, p)
+    out = gdsckpt.load(p)
+    assert out == state and {k: type(v) for k, v in out.items()} == {k: type(v) for k, v in state.items()}
 
 
 def test_malformed_metadata_is_refused_at_save_and_in_a_file(tmp_path):
