@@ -17,7 +17,7 @@ import errno
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
@@ -63,7 +63,7 @@ def _blocks(ranges: list[tuple[int, int]], block: int) -> list[tuple[int, int]]:
 class _Ahead:
     """One plan: the records in the order the ring takes them, the blocks that hold them, and
     a window of `window` block buffers, each block read as soon as its buffer is free (the ring
-    has taken every record in the block that last held it)."""
+    has taken every record in the block that last held it, and that block's read is done)."""
 
     def __init__(self, ranges: list[tuple[int, int]], block: int, threads: int, read: Callable, pinned: bool):
         self.ranges = ranges
@@ -119,9 +119,14 @@ class _Ahead:
                 break  # the file ended inside this block
         self.next += 1
         keep = self.spans[self.next][0] if self.next < len(self.ranges) else len(self.blocks)
+        t = time.perf_counter()
         for b in range(self.released, keep):
-            del self.futures[b]
+            # A block that no record was waited for in (a gap's read through, a block past the
+            # file's end) may still be being read into buffer b % window: done before the next
+            # block's read into it. The others are done already.
+            wait([self.futures.pop(b)])
             self._submit(b + self.window)
+        timings["read_ahead_wait"] += time.perf_counter() - t
         self.released = max(self.released, keep)
         return got
 

@@ -6,6 +6,7 @@ checkpoint through it into device memory (tests/test_gpu.py)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,34 @@ def test_records_waited_for_out_of_order_are_refused(data_file):
         assert fa.get() == 100 and bytes(a.numpy()) == DATA[:100]
     finally:
         f.close()
+
+
+def test_a_block_nobody_waits_for_cannot_overwrite_a_later_block(tmp_path):
+    """Blocks smaller than the gaps read through: the blocks between two records hold no record,
+    and no take waits for them. Their buffers are reused only once their reads are done, else a
+    slow one lands in the buffer after the later block's read and the record gets its bytes."""
+    data = os.urandom(8 * 4096)
+    path = tmp_path / "gap.bin"
+    path.write_bytes(data)
+
+    class SlowGap(ReadAheadFile):
+        def _read_into(self, into, offset):
+            if offset == 4096:  # the gap's first block, read slowly into the buffer block 5 reuses
+                time.sleep(0.3)
+            return super()._read_into(into, offset)
+
+    f = SlowGap(path, _copy, threads=3, block=4096)
+    ranges = [(0, 100), (5 * 4096, 100)]
+    try:
+        f.will_read(ranges)
+        bufs = [torch.empty(n, dtype=torch.uint8) for _, n in ranges]
+        futures = [f.pread(b, n, off) for b, (off, n) in zip(bufs, ranges)]
+        got = [futures[0].get()]
+        time.sleep(0.6)  # the slow read has landed by now
+        got.append(futures[1].get())
+    finally:
+        f.close()
+    assert [bytes(b[:n].numpy()) for b, n in zip(bufs, got)] == [data[off:off + n] for off, n in ranges]
 
 
 def test_a_new_plan_replaces_one_half_read_and_close_stops_the_reads(data_file):
