@@ -13,7 +13,8 @@ one object, RemoteTier:
   reports the queue depth, the upload throughput and the last errors. A step damaged locally is
   reported as such and never retried; the newest older intact step goes instead;
 * remote retention keeps the policy's newest `keep_remote` uploaded steps and never the newest
-  intact one, removing a step's marker before its objects, then the objects of steps with no
+  intact one (its objects the files uploaded, every chunk checked: read in full once before an
+  older step goes, unless this manager's upload read it back), removing a step's marker before its objects, then the objects of steps with no
   marker (an upload or a removal cut short) that are not being uploaded here;
 * the listing of the store ends within the store's timeout: a store that hangs leaves the
   manager on its local steps; close() names the steps never uploaded."""
@@ -85,6 +86,9 @@ class RemoteTier:
         self._in_flight: int | None = None
         self._uploaded: set[int] | None = None  # None: not known yet (the store not reached)
         self._damaged: set[int] = set()  # local steps found damaged: never uploaded, not retried
+        # {(object, its identity): None if read in full and found intact, else the damage found}: by
+        # an upload's read-back, or by retention before it counted the step as the one to keep
+        self._verified: dict[tuple[str, FileIdentity], CheckpointFormatError | None] = {}
         self._stats = {"uploads": 0, "uploaded_bytes": 0, "upload_seconds": 0.0, "verify_seconds": 0.0,
                        "skipped": [], "failures": 0, "last_upload": None}
         self._errors: deque = deque(maxlen=10)
@@ -181,7 +185,8 @@ class RemoteTier:
     def doomed(self) -> list[tuple[int, Marker]]:
         """The uploaded steps remote retention would remove now, with their markers: beyond the
         policy's newest `keep_remote`, and never the newest intact one (its objects still the
-        files uploaded, by their identity), nor anything when no step is intact."""
+        files uploaded, by their identity, and every chunk passing its checksum), nor anything
+        when no step is intact."""
         if self.policy.keep_remote is None:
             return []
         remote = self.remote_steps()
@@ -193,15 +198,34 @@ class RemoteTier:
 
     def _newest_intact(self, remote: dict[int, Marker]) -> int | None:
         for step in sorted(remote, reverse=True):
-            try:
-                files = remote[step].files.items()
-                if all(not want.differences(object_identity(self.store, rel)) for rel, want in files):
-                    return step
-            except (CheckpointFormatError, RemoteNotFoundError):
-                pass
-            log.warning("gdsckpt: step %d on %s is not the step uploaded (its objects changed since): "
-                        "remote retention keeps an older one", step, self.store.url())
+            if self._intact(step, remote[step]):
+                return step
         return None
+
+    def _intact(self, step: int, marker: Marker) -> bool:
+        """Whether step `step` can be restored from the store: its objects still the files uploaded
+        (their identity) and every chunk of them passing its checksum. A chunk damaged since the
+        upload leaves the footer and index, hence the identity, as they were: so before retention
+        counts a step as the one to keep, it is read in full, once per object identity (an upload
+        from here has read it back already)."""
+        try:
+            for rel, want in marker.files.items():
+                self._check_identity(want, object_identity(self.store, rel), self.store.url(rel),
+                                     "the object is not the file uploaded (replaced since?)")
+                if rel.endswith(SUFFIX):
+                    if (rel, want) not in self._verified:
+                        try:
+                            verify_object(self.store, rel, expected_size=want.size)
+                            self._verified[rel, want] = None
+                        except CheckpointFormatError as e:
+                            self._verified[rel, want] = e
+                    if self._verified[rel, want] is not None:
+                        raise self._verified[rel, want]
+        except (CheckpointFormatError, RemoteNotFoundError) as e:
+            self._warn_once(self.layout.name(step), f"step {step} on {self.store.url()} cannot be restored "
+                                                    f"({type(e).__name__}: {e}): remote retention keeps an older step")
+            return False
+        return True
 
     def retain(self) -> None:
         """Remote retention: the doomed steps (marker first: a kill mid-way leaves objects that do
@@ -406,6 +430,7 @@ class RemoteTier:
                     raise
                 self._check_identity(identity, object_identity(self.store, rel), self.store.url(rel),
                                      f"the object read back is not the file {str(local)!r} uploaded")
+                self._verified[rel, identity] = None
             elif self.store.get_bytes(rel) != local.read_bytes():
                 raise CheckpointFormatError("read-back differs from the local file", path=self.store.url(rel))
             verify_s += time.perf_counter() - t

@@ -285,6 +285,53 @@ def test_remote_retention_keeps_the_newest_intact_step(tmp_path, s3_env):
     assert sorted(store.list()) == [_name(3), _name(3) + MARKER]
 
 
+def test_remote_retention_does_not_count_a_newest_step_with_a_damaged_chunk(tmp_path, s3_env, capsys, caplog):
+    """The newest step's object keeps its size, index and footer (its identity) but one chunk
+    differs: retention reads it in full before counting it, so the only restorable step stays."""
+    from gdsckpt.cli import main
+    url = f"s3://{s3_env.new_bucket()}/r"
+    _upload_steps(tmp_path / "a", url, (1, 2))
+    store = open_store(url)
+    bad = tmp_path / "copy"
+    shutil.copy(tmp_path / "a" / _name(2), bad)
+    corrupt_chunk(bad)
+    store.put_bytes(_name(2), bad.read_bytes())
+    shutil.rmtree(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+        assert main(["prune", str(tmp_path / "b"), "--remote", url, "--keep-remote", "1", "--yes"]) == 0
+    assert "remote steps none" in capsys.readouterr().out
+    assert f"step 2 on {url} cannot be restored (ChecksumError" in caplog.text, caplog.text
+    assert sorted(store.list()) == [_name(1), _name(1) + MARKER, _name(2), _name(2) + MARKER]
+    with Checkpointer(tmp_path / "c", remote=url, keep_remote=1, save_options=OPTS) as ck:
+        with pytest.warns(UserWarning):
+            r = ck.restore()
+        assert r.step == 1
+        assert_same(r.state, state_for(1, n=N))
+        ck.save(3, state_for(3, n=N))  # a new step, verified as it is uploaded: now the older ones go
+        ck.wait(uploads=True, timeout=60)
+    assert sorted(store.list()) == [_name(3), _name(3) + MARKER]
+
+
+def test_remote_retention_reads_the_newest_step_in_full_once(tmp_path, s3_env, monkeypatch):
+    import gdsckpt.remote_tier as rt
+    url = f"s3://{s3_env.new_bucket()}/r"
+    _upload_steps(tmp_path / "a", url, (1, 2, 3))
+    calls = []
+    real = rt.verify_object
+    monkeypatch.setattr(rt, "verify_object", lambda store, name, **kw: calls.append(name) or real(store, name, **kw))
+    with Checkpointer(tmp_path / "b", remote=url, keep_remote=2, upload=False) as ck:
+        assert ck.prune(dry_run=True)["remote"] == [1]
+        assert ck.prune(dry_run=True)["remote"] == [1]
+        assert ck.prune()["remote"] == [1]
+    assert calls == [_name(3)]  # the candidate only, and once: its identity has not changed
+    with Checkpointer(tmp_path / "c", remote=url, keep_remote=1, save_options=OPTS) as ck:
+        ck.save(4, state_for(4, n=N))
+        ck.wait(uploads=True, timeout=60)
+    assert calls == [_name(3), _name(4)]  # the upload's read-back; retention reads nothing again
+    assert sorted(open_store(url).list()) == [_name(4), _name(4) + MARKER]
+
+
 # ---------------------------------------------------------------- finding 13: orphan objects
 
 
