@@ -7,7 +7,9 @@ one object, RemoteTier:
   a schema, and each file's identity). A step counts as uploaded only with a valid marker, and
   only while every object the marker lists is there at its size; a marker that does not parse is
   skipped with a warning. Restore from the store checks every object against its identity;
-* an upload that a newer queued step has overtaken while it waited is skipped (coalesced);
+* an upload that a newer queued step has overtaken while it waited is skipped (coalesced), and
+  so is a step the store has already, but only if its objects are the local files (by identity):
+  a step saved again under a number the store has replaces the store's step, marker first;
 * a failed upload (store down, refused credentials, missing bucket) is logged and retried with
   backoff (up to a minute apart) until it succeeds or a newer step overtakes it; `status()`
   reports the queue depth, the upload throughput and the last errors. A step damaged locally is
@@ -359,7 +361,7 @@ class RemoteTier:
                 log.info("gdsckpt: upload of step %d skipped: step %d overtook it", s, step)
             try:
                 self._finish_abandon()  # a rollback's removals come before any upload
-                if step not in self._known_uploaded():
+                if step not in self._known_uploaded() or not self._uploaded_as_here(step):
                     self._upload(step)
                 backoff = 0.0
             except _LocalDamage as d:
@@ -386,6 +388,32 @@ class RemoteTier:
             with self._wake:
                 self._in_flight = None
                 self._wake.notify_all()
+
+    def _uploaded_as_here(self, step: int) -> bool:
+        """Whether the store's step `step` is the local one: the same files, each of the identity its
+        marker records. A step saved again under a number the store has (an older step restored on
+        a new node, and training went on from there) is not: its marker goes first (the store's
+        step stops counting, and a kill leaves objects that do not count), then its objects the
+        new upload will not overwrite; the caller uploads the local step in its place."""
+        if not self.layout.committed(self.layout.path(step)):
+            return True  # nothing here to upload instead (_upload would say so)
+        name = self.layout.name(step)
+        try:
+            marker = load_marker(self.store, name + MARKER)
+            local = {rel: file_identity(path, rel) for path, rel in self.layout.files(step)}
+        except (InvalidMarker, RemoteNotFoundError, CheckpointFormatError):
+            return False  # no valid marker now; or the local step is damaged, which _upload reports
+        if local.keys() == marker.files.keys() and not any(marker.files[r].differences(i) for r, i in local.items()):
+            return True
+        log.warning("gdsckpt: step %d on %s is not the step %d saved in %s (saved again after an older step was "
+                    "restored?): replacing it", step, self.store.url(), step, str(self.layout.directory))
+        self.store.delete(name + MARKER)
+        with self._mutex:
+            self._uploaded.discard(step)
+        for rel in marker.files:
+            if rel not in local:
+                self.store.delete(rel)
+        return False
 
     def _on_local_damage(self, step: int, error: BaseException) -> None:
         """Step `step` is damaged here: it is not uploaded, now or on any retry, and the newest

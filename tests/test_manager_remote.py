@@ -82,6 +82,32 @@ def test_restore_from_the_store_without_a_local_copy(tmp_path, s3_env):
         assert ck.status()["uploaded"] == [5, 6, 7]
 
 
+def test_a_step_saved_again_under_a_number_the_store_has_replaces_it(tmp_path, s3_env, caplog):
+    """A new node resumes from step 5 (the store's step 6 diverged) and saves step 6 again: the
+    store's step 6 is not the local one (by identity), so it is replaced, marker first; local
+    retention lets the local copy go only once the new one is uploaded."""
+    url = f"s3://{s3_env.new_bucket()}/u"
+    raw = {**OPTS, "codec": "raw"}  # the same size for the same shapes: only the identity tells them apart
+    with Checkpointer(tmp_path / "a", keep=2, remote=url, save_options=raw) as ck:
+        for s in (5, 6):
+            ck.save(s, state_for(s, n=2000))
+            ck.wait(uploads=True, timeout=60)
+    shutil.rmtree(tmp_path / "a")
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+        with Checkpointer(tmp_path / "b", remote=url, keep=1, save_options=raw) as ck:
+            ck.restore(state_for(0, n=2000), step=5)
+            ck.save(6, state_for(60, n=2000))
+            ck.wait(uploads=True, timeout=60)
+            st = ck.status()
+            assert st["uploads"] == 1 and st["uploaded"] == [5, 6] and st["errors"] == [], st
+            ck.save(7, state_for(7, n=2000))
+            ck.wait(uploads=True, timeout=60)
+            assert ck.layout.local_steps() == [7]
+    assert f"step 6 on {url} is not the step 6 saved in {tmp_path / 'b'}" in caplog.text, caplog.text
+    with Checkpointer(tmp_path / "c", remote=url) as ck:
+        assert_same(ck.restore(step=6).state, state_for(60, n=2000))  # the step saved again, not the old one
+
+
 def test_every_remote_and_coalescing(tmp_path, s3_env, monkeypatch):
     url = f"s3://{s3_env.new_bucket()}/r"
     gate = threading.Event()
