@@ -146,7 +146,18 @@ def _belongs(name, step_name: str) -> bool:
 def parse_marker(raw: bytes, step: int, step_name: str) -> Marker:
     """The marker of `step` (whose objects are named after `step_name`), validated; InvalidMarker
     says what is wrong. Every file must be one of the step's own objects: a marker never makes
-    retention delete, or restore read, anything else."""
+    retention delete, or restore read, anything else. A value the checks below let through but
+    that does not convert (an "uploaded" of 10**400: float() overflows) is InvalidMarker too:
+    whatever a marker holds, its step only stops counting."""
+    try:
+        return _parse_marker(raw, step, step_name)
+    except InvalidMarker:
+        raise
+    except (ArithmeticError, ValueError, TypeError) as e:
+        raise InvalidMarker(f"a value does not convert ({type(e).__name__}: {e})"[:300]) from None
+
+
+def _parse_marker(raw: bytes, step: int, step_name: str) -> Marker:
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):

@@ -41,8 +41,8 @@ def _upload_steps(directory: Path, url: str, steps, **kw) -> None:
 # ---------------------------------------------------------------- finding 7: markers against a schema
 
 
-def _marker_doc(files) -> bytes:
-    return json.dumps({"format": "gdsckpt-upload-marker", "version": 2, "step": 2, "files": files}).encode()
+def _marker_doc(files, **more) -> bytes:
+    return json.dumps({"format": "gdsckpt-upload-marker", "version": 2, "step": 2, "files": files, **more}).encode()
 
 
 BAD_MARKERS = {
@@ -60,15 +60,23 @@ BAD_MARKERS = {
     "schema-no-checksums": _marker_doc({"step_00000002.gdsckpt": {"size": 10}}),
     "schema-another-steps-object": _marker_doc({"step_00000001.gdsckpt": {"size": 10, "index_checksum": "0" * 16,
                                                                           "footer_checksum": "0" * 16}}),
+    "uploaded-overflows-a-float": _marker_doc({"step_00000002.gdsckpt": {"size": 10, "index_checksum": "0" * 16,
+                                                                         "footer_checksum": "0" * 16}},
+                                              uploaded=10 ** 400),
     "schema-wrong-step": json.dumps({"format": "gdsckpt-upload-marker", "version": 2, "step": 9, "files": {}}).encode(),
 }
 
 
 @pytest.mark.parametrize("bad", sorted(BAD_MARKERS))
-def test_a_malformed_marker_skips_its_step_with_a_warning(tmp_path, s3_env, caplog, bad):
+def test_a_malformed_marker_skips_its_step_with_a_warning(tmp_path, s3_env, caplog, capsys, bad):
+    from gdsckpt.cli import main
     url = f"s3://{s3_env.new_bucket()}/m"
     _upload_steps(tmp_path / "a", url, (1, 2))
     open_store(url).put_bytes(_name(2) + MARKER, BAD_MARKERS[bad])
+    capsys.readouterr()
+    assert main(["ls", url, "--json"]) == 0
+    assert [r["remote_state"] for r in json.loads(capsys.readouterr().out)] == [
+        "ok", "incomplete (no verified-upload marker)"]
     caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
     with Checkpointer(tmp_path / "b", remote=url, save_options=OPTS) as ck:
         assert ck.steps() == [1] and ck.latest_step() == 1 and ck.steps() == [1]
