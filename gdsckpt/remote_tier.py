@@ -16,8 +16,9 @@ one object, RemoteTier:
   reported as such and never retried; the newest older intact step goes instead;
 * remote retention keeps the policy's newest `keep_remote` uploaded steps and never the newest
   intact one (its objects the files uploaded, every chunk checked: read in full once before an
-  older step goes, unless this manager's upload read it back), removing a step's marker before its objects, then the objects of steps with no
-  marker (an upload or a removal cut short) that are not being uploaded here;
+  older step goes, unless this manager's upload read it back), removing a step's marker before
+  its objects, then the objects of steps with no marker (an upload or a removal cut short) that
+  are not being uploaded here;
 * the listing of the store ends within the store's timeout: a store that hangs leaves the
   manager on its local steps; close() names the steps never uploaded."""
 
@@ -40,7 +41,7 @@ from .errors import (
 )
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
-from .store_verify import verify_object
+from .store_verify import REPLACED, check_identity, check_uploaded, verify_object
 from .stores import Store
 from .upload_marker import (
     MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity,
@@ -205,24 +206,11 @@ class RemoteTier:
         return None
 
     def _intact(self, step: int, marker: Marker) -> bool:
-        """Whether step `step` can be restored from the store: its objects still the files uploaded
-        (their identity) and every chunk of them passing its checksum. A chunk damaged since the
-        upload leaves the footer and index, hence the identity, as they were: so before retention
-        counts a step as the one to keep, it is read in full, once per object identity (an upload
-        from here has read it back already)."""
+        """Whether step `step` can be restored from the store (check_uploaded): before retention
+        counts a step as the one to keep, it is read in full, once per object identity (an
+        upload from here has read it back already)."""
         try:
-            for rel, want in marker.files.items():
-                self._check_identity(want, object_identity(self.store, rel), self.store.url(rel),
-                                     "the object is not the file uploaded (replaced since?)")
-                if rel.endswith(SUFFIX):
-                    if (rel, want) not in self._verified:
-                        try:
-                            verify_object(self.store, rel, expected_size=want.size)
-                            self._verified[rel, want] = None
-                        except CheckpointFormatError as e:
-                            self._verified[rel, want] = e
-                    if self._verified[rel, want] is not None:
-                        raise self._verified[rel, want]
+            check_uploaded(self.store, marker, self._verified)
         except (CheckpointFormatError, RemoteNotFoundError) as e:
             self._warn_once(self.layout.name(step), f"step {step} on {self.store.url()} cannot be restored "
                                                     f"({type(e).__name__}: {e}): remote retention keeps an older step")
@@ -456,8 +444,8 @@ class RemoteTier:
                 except CheckpointFormatError:
                     self._verify_local(local)  # the local file's damage, if it is the local file's
                     raise
-                self._check_identity(identity, object_identity(self.store, rel), self.store.url(rel),
-                                     f"the object read back is not the file {str(local)!r} uploaded")
+                check_identity(identity, object_identity(self.store, rel), self.store.url(rel),
+                               f"the object read back is not the file {str(local)!r} uploaded")
                 self._verified[rel, identity] = None
             elif self.store.get_bytes(rel) != local.read_bytes():
                 raise CheckpointFormatError("read-back differs from the local file", path=self.store.url(rel))
@@ -489,12 +477,6 @@ class RemoteTier:
             raise _LocalDamage(e) from None
 
     # ------------------------------------------------------------ restoring
-    @staticmethod
-    def _check_identity(want: FileIdentity, got: FileIdentity, where: str, what: str) -> None:
-        differ = want.differences(got)
-        if differ:
-            raise CheckpointFormatError(f"{what}: its {', '.join(differ)} differ from the upload marker's", path=where)
-
     @contextlib.contextmanager
     def fetched(self, step: int) -> Iterator[tuple[Path, str]]:
         """The step brought from the store (the layout's download): (local path, what to call it)
@@ -508,13 +490,13 @@ class RemoteTier:
         except InvalidMarker as e:
             raise CheckpointFormatError(f"the upload marker of step {step} is not valid: {e}",
                                         path=self.store.url(name + MARKER)) from None
-        what = f"the object is not the file uploaded as step {step} (replaced since?)"
+        what = REPLACED.format(step=step)
         for rel, want in marker.files.items():
-            self._check_identity(want, object_identity(self.store, rel), self.store.url(rel), what)
+            check_identity(want, object_identity(self.store, rel), self.store.url(rel), what)
         with self.layout.fetched(step, self.store) as (path, label):
             for rel, want in marker.files.items():
                 local = path if rel == name else path / rel[len(name) + 1:]
-                self._check_identity(want, file_identity(local, rel), self.store.url(rel), what)
+                check_identity(want, file_identity(local, rel), self.store.url(rel), what)
             yield path, label
 
     def status(self) -> dict:

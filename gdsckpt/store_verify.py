@@ -1,7 +1,8 @@
 """An object in a store checked against gdsckpt's own checksums: the footer and the index
 (validated as any reader validates them), then every chunk record, by ranged reads in parallel.
 An upload counts only once this has passed: the upload call's own success is not trusted (a torn
-or mangled object fails here, and the caller keeps its local copy)."""
+or mangled object fails here, and the caller keeps its local copy). And an uploaded step checked
+as restore checks it, and then in full (check_uploaded): remote retention's and the CLI's checks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from . import format as fmt
 from .checksum import ALGORITHMS
 from .errors import CheckpointFormatError
 from .ring import verify_chunk
+from .steps import SUFFIX
 from .stores import Store
+from .upload_marker import FileIdentity, Marker, object_identity
 
 
 def verify_object(store: Store, name: str, *, expected_size: int | None = None) -> dict:
@@ -46,3 +49,37 @@ def verify_object(store: Store, name: str, *, expected_size: int | None = None) 
             checked += f.result()
     return {"url": url, "bytes": size, "chunks": len(records), "stored_bytes": checked,
             "seconds": time.perf_counter() - t}
+
+
+# What an object no longer the file its marker records is called (restore's and the CLI's checks).
+REPLACED = "the object is not the file uploaded as step {step} (replaced since?)"
+
+
+def check_identity(want: FileIdentity, got: FileIdentity, where: str, what: str) -> None:
+    """CheckpointFormatError naming `where` if `got` is not the identity the marker recorded."""
+    differ = want.differences(got)
+    if differ:
+        raise CheckpointFormatError(f"{what}: its {', '.join(differ)} differ from the upload marker's", path=where)
+
+
+def check_uploaded(store: Store, marker: Marker, verified: dict | None = None) -> None:
+    """CheckpointFormatError (a ChecksumError for a chunk) naming the object, unless the marker's
+    step can be restored from `store`: every object it lists still the file uploaded (its
+    identity, as restore checks it) and every chunk of its gdsckpt objects passing its checksum.
+    A chunk damaged since the upload leaves the footer and index, hence the identity, as they
+    were: only the full read finds it. verified: {(object, identity): None if read in full and
+    intact, else the damage found}, so that each is read once (it is filled in)."""
+    verified = {} if verified is None else verified
+    what = REPLACED.format(step=marker.step)
+    for rel, want in marker.files.items():
+        check_identity(want, object_identity(store, rel), store.url(rel), what)
+        if not rel.endswith(SUFFIX):
+            continue  # its identity is the SHA-256 of all its bytes
+        if (rel, want) not in verified:
+            try:
+                verify_object(store, rel, expected_size=want.size)
+                verified[rel, want] = None
+            except CheckpointFormatError as e:
+                verified[rel, want] = e
+        if verified[rel, want] is not None:
+            raise verified[rel, want]

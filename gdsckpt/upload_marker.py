@@ -192,13 +192,3 @@ def load_marker(store: Store, name: str) -> Marker:
     if parsed is None:
         raise InvalidMarker(f"{name!r} is not a marker's name")
     return parse_marker(store.get_bytes(name), parsed[0], name[:-len(MARKER)])
-
-
-def read_marker(store: Store, name: str) -> dict | None:
-    """The CLI's view of the marker object `name`: {"step", "files": {name: size}, "uploaded",
-    "host"}, or None if it is gone or does not parse."""
-    try:
-        m = load_marker(store, name)
-    except (RemoteStoreError, InvalidMarker):
-        return None
-    return {"step": m.step, "files": m.sizes(), "uploaded": m.uploaded, "host": m.host}

@@ -108,7 +108,7 @@ def test_marker_records_each_files_identity(tmp_path, s3_env):
     assert len(want.index_checksum) == len(want.footer_checksum) == 16
 
 
-def test_an_object_replaced_by_a_valid_checkpoint_of_the_same_size_is_refused(tmp_path, s3_env):
+def test_an_object_replaced_by_a_valid_checkpoint_of_the_same_size_is_refused(tmp_path, s3_env, capsys):
     url = f"s3://{s3_env.new_bucket()}/i"
     _upload_steps(tmp_path / "a", url, (3, 4), save_options=RAW)
     store = open_store(url)
@@ -127,6 +127,17 @@ def test_an_object_replaced_by_a_valid_checkpoint_of_the_same_size_is_refused(tm
         with pytest.raises(gdsckpt.NoCheckpointError, match="not the file uploaded as step 4"):
             ck.restore(step=4)
         assert [p.name for p in (tmp_path / "b").iterdir() if not p.name.startswith(".gdsckpt-manager")] == []
+    # the CLI's checks are restore()'s: step 4 is not intact, step 3 is what restore() uses
+    from gdsckpt.cli import main
+    capsys.readouterr()
+    assert main(["restore-test", url, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["step"], doc["newest"]) == (3, 4), doc
+    assert "not the file uploaded as step 4" in doc["checked"][0]["remote_state"], doc
+    assert main(["ls", url, "--verify", "--json"]) == 0
+    states = [r["remote_state"] for r in json.loads(capsys.readouterr().out)]
+    assert states[0] == "ok" and states[1].startswith("DAMAGED: CheckpointFormatError: ") and \
+        "index_checksum" in states[1] and f"{url}/{_name(4)}" in states[1], states
 
 
 # ---------------------------------------------------------------- finding 8: a store that hangs
@@ -323,11 +334,17 @@ def test_remote_retention_does_not_count_a_newest_step_with_a_damaged_chunk(tmp_
 
 def test_remote_retention_reads_the_newest_step_in_full_once(tmp_path, s3_env, monkeypatch):
     import gdsckpt.remote_tier as rt
+    import gdsckpt.store_verify as sv
     url = f"s3://{s3_env.new_bucket()}/r"
     _upload_steps(tmp_path / "a", url, (1, 2, 3))
     calls = []
-    real = rt.verify_object
-    monkeypatch.setattr(rt, "verify_object", lambda store, name, **kw: calls.append(name) or real(store, name, **kw))
+    real = sv.verify_object
+    def counted(store, name, **kw):
+        calls.append(name)
+        return real(store, name, **kw)
+
+    for module in (rt, sv):  # the upload's read-back; retention's check
+        monkeypatch.setattr(module, "verify_object", counted)
     with Checkpointer(tmp_path / "b", remote=url, keep_remote=2, upload=False) as ck:
         assert ck.prune(dry_run=True)["remote"] == [1]
         assert ck.prune(dry_run=True)["remote"] == [1]

@@ -59,7 +59,8 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
     it lives, its size and whether it is intact (committed and its footer and index valid; deep:
     every chunk checksum verified, which reads every byte)."""
-    from ..upload_marker import MARKER, read_marker
+    from ..errors import RemoteStoreError
+    from ..upload_marker import MARKER, InvalidMarker, load_marker
     from ..stores import is_remote, open_store
     from ..steps import check_step, parse_step_name
     rows: dict[int, dict] = {}
@@ -96,9 +97,10 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
         markers = {}
         for name in listing:
             if name.endswith(MARKER) and parse_step_name(name[:-len(MARKER)]):
-                marker = read_marker(store, name)
-                if marker is not None:
-                    markers[name[:-len(MARKER)]] = marker
+                try:
+                    markers[name[:-len(MARKER)]] = load_marker(store, name)
+                except (RemoteStoreError, InvalidMarker):
+                    pass  # gone meanwhile, or not valid: the step does not count
         for name, size in listing.items():
             top = name.split("/", 1)[0]
             parsed = parse_step_name(top)
@@ -112,13 +114,13 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
                 continue
             top = r["remote"].rsplit("/", 1)[1]
             marker = markers.get(top)
-            r["remote_files"] = sorted(marker["files"]) if marker else []
+            r["remote_files"] = sorted(marker.files) if marker else []
             if marker is None:
                 r["remote_state"] = "incomplete (no verified-upload marker)"
-            elif not all(listing.get(f) == n for f, n in marker["files"].items()):
+            elif not all(listing.get(f) == n for f, n in marker.sizes().items()):
                 r["remote_state"] = "DAMAGED: objects missing or of another size than uploaded"
             elif deep:
-                r["remote_state"] = _check_remote(store, r["remote_files"])
+                r["remote_state"] = _check_remote(store, top)
             else:
                 r["remote_state"] = "ok"
     return [rows[k] for k in sorted(rows)]
@@ -134,15 +136,14 @@ def _memory_state(copy: dict, deep: bool) -> str:
     return check_copy(copy["folder"], copy["record"], deep)
 
 
-def _check_remote(store, files: list[str]) -> str:
-    """"ok" or why not: every chunk checksum of a step's gdsckpt objects."""
-    from ..steps import SUFFIX
-    from ..store_verify import verify_object
+def _check_remote(store, name: str) -> str:
+    """"ok" or why not: what restore() checks of the step `name` on the store (the identity of
+    its objects against its marker's), and every chunk checksum."""
+    from ..store_verify import check_uploaded
+    from ..upload_marker import MARKER, InvalidMarker, load_marker
     try:
-        for f in files:
-            if f.endswith(SUFFIX):
-                verify_object(store, f)
-    except (GdsckptError, OSError) as e:
+        check_uploaded(store, load_marker(store, name + MARKER))
+    except (GdsckptError, OSError, InvalidMarker) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return "ok"
 
@@ -161,7 +162,8 @@ def restore_test(location: str, *, remote: str | None = None, on_step=None) -> t
         if r["local"] is not None:
             r["local_state"] = check_step(Path(r["local"]), deep=True)
         if r["remote"] is not None and r["remote_state"] == "ok":
-            r["remote_state"] = _check_remote(open_store(r["remote"].rsplit("/", 1)[0]), r["remote_files"])
+            root, top = r["remote"].rsplit("/", 1)
+            r["remote_state"] = _check_remote(open_store(root), top)
         checked.append(r)
         if on_step is not None:
             on_step(r)
