@@ -243,18 +243,65 @@ class SilentServer:
         self.stop()
 
 
-@pytest.fixture
-def silent_endpoint(monkeypatch):
-    """The AWS variables pointing at a SilentServer (valid-looking credentials; nothing answers)."""
+class SlowPagesServer:
+    """An S3-like endpoint whose ListObjectsV2 answers each page (one key) in `delay` seconds, for
+    `pages` pages: every request well within a store's timeout, the listing as a whole not."""
+
+    def __init__(self, pages: int, delay: float):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlsplit
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                n = int(parse_qs(urlsplit(self.path).query).get("continuation-token", ["0"])[0])
+                time.sleep(delay)
+                more = n + 1 < pages
+                body = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bkt</Name><Prefix>p/</Prefix>'
+                        f"<KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>{str(more).lower()}</IsTruncated>"
+                        + (f"<NextContinuationToken>{n + 1}</NextContinuationToken>" if more else "")
+                        + f"<Contents><Key>p/other_{n}</Key><LastModified>2024-01-01T00:00:00.000Z</LastModified>"
+                        '<ETag>"x"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass></Contents>'
+                        "</ListBucketResult>").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Type", "application/xml")
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.handle_error = lambda request, address: None  # a client that gave up: a broken pipe
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, name="slow-pages-server", daemon=True).start()
+
+    def __enter__(self) -> "SlowPagesServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def point_at(monkeypatch, endpoint: str) -> None:
+    """The AWS variables pointing at `endpoint`, with valid-looking credentials."""
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
               "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"):
         monkeypatch.delenv(k, raising=False)
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+           "AWS_REGION": REGION, "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def silent_endpoint(monkeypatch):
+    """The AWS variables pointing at a SilentServer (valid-looking credentials; nothing answers)."""
     with SilentServer() as silent:
-        env = {"AWS_ENDPOINT_URL": silent.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-               "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION, "AWS_DEFAULT_REGION": REGION,
-               "AWS_EC2_METADATA_DISABLED": "true"}
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
+        point_at(monkeypatch, silent.endpoint)
         yield silent
 
 

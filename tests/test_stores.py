@@ -281,6 +281,25 @@ def test_every_operation_bounded_against_a_store_that_never_answers(tmp_path, si
     assert not (tmp_path / "d").exists()
 
 
+def test_a_listing_of_many_slow_pages_is_bounded_as_a_whole(tmp_path, monkeypatch, caplog):
+    """Each page within the bound, 8 pages of 0.8 s beyond it: the listing ends at the bound."""
+    from gdsckpt.manager import Checkpointer
+    from s3_server import SlowPagesServer, point_at
+    with SlowPagesServer(pages=8, delay=0.8) as slow:
+        point_at(monkeypatch, slow.endpoint)
+        store = open_store("s3://bkt/p", timeout=2)
+        t = time.monotonic()
+        with pytest.raises(RemoteTimeoutError, match=r"did not answer within 2 s \(the listing of s3://bkt/p/, all its "
+                                                     r"pages") as e:
+            store.list()
+        assert time.monotonic() - t < 2.5 and slow.endpoint in str(e.value) and "'bkt'" in str(e.value)
+        with Checkpointer(tmp_path, remote="s3://bkt/p", remote_options={"timeout": 2}, upload=False) as ck:
+            t = time.monotonic()
+            assert ck.latest_step() is None  # the store ignored, with a warning
+            assert time.monotonic() - t < 2.5
+        assert "cannot list s3://bkt/p" in caplog.text
+
+
 def test_default_bound_is_thirty_seconds(silent_endpoint):
     store = open_store("s3://bkt/p")
     client = store.client.client_options

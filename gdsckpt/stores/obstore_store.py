@@ -18,8 +18,10 @@ import datetime
 import math
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -206,19 +208,37 @@ class ObstoreStore:
         return int(self.call("head", key, obstore.head, self.client, key)["size"])
 
     def list(self, under: str = "") -> dict[str, int]:
+        """Within `timeout` as a whole, not only each page's request: a listing is a request per
+        1000 keys, and a store that answers each page slowly would otherwise hold the caller for
+        pages x timeout. The pages come on a thread of their own, which stops at its next page
+        once the caller has given up."""
         obstore = obstore_module()
         base = self.key(under) if under else self.prefix
         query = base + "/" if base and not base.endswith("/") else base
-        out = {}
+        out, late = {}, threading.Event()
 
         def run():
             for batch in obstore.list(self.client, prefix=query or None):
+                if late.is_set():
+                    return
                 for meta in batch:
                     path = meta["path"]
                     rel = path[len(self.prefix) + 1:] if self.prefix else path
                     out[rel] = int(meta["size"])
 
-        self.call("list", query or None, run)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="gdsckpt-store-list")
+        try:
+            listing = pool.submit(self.call, "list", query or None, run)
+            try:
+                listing.result(timeout=self.timeout)
+            except FutureTimeout:
+                late.set()
+                raise RemoteTimeoutError(f"list: the store at {self.endpoint} did not answer within {self.timeout:g} s "
+                                         f"(the listing of {self.scheme}://{self.bucket}/{query}, all its pages; "
+                                         "the store's `timeout` option)",
+                                         bucket=self.bucket, key=query or None, code="Timeout") from None
+        finally:
+            pool.shutdown(wait=False)
         return out
 
     def delete(self, name: str) -> None:
