@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 import gdsckpt
 from ckpt_tools import flip_chunk_byte
 from gdsckpt.dcp import GdsckptWriter
+from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_cli import run_cli
 
 
@@ -73,6 +74,21 @@ def test_a_folder_that_is_not_a_checkpoint(tmp_path):
         assert rc == 1 and "not a DCP step folder" in err and out == "", (cmd, out, err)
     rc, _, err = run_cli("verify", tmp_path / "missing")
     assert rc == 3 and "No such file or directory" in err
+
+
+def test_verify_of_a_missing_store_object_is_not_found(tmp_path, s3_env):
+    """Exit 3, as for a missing local file: not 1 (damage), and with the object named."""
+    from gdsckpt.stores import open_store
+    bucket = s3_env.new_bucket()
+    url = f"s3://{bucket}/x/step.gdsckpt"
+    for cmd in ("verify", "inspect"):
+        rc, out, err = run_cli(cmd, url)
+        assert rc == 3 and out == "" and "no such object" in err and "'x/step.gdsckpt'" in err, (cmd, rc, out, err)
+    rc, out, _ = run_cli("verify", url, "--json")
+    assert rc == 3 and json.loads(out)["error"]["type"] == "RemoteNotFoundError", out
+    gdsckpt.save({"x": torch.ones(4)}, tmp_path / "a.gdsckpt")
+    open_store(f"s3://{bucket}/x").put_file(tmp_path / "a.gdsckpt", "step.gdsckpt")
+    assert run_cli("verify", url)[0] == 0
 
 
 def test_verify_json_of_a_file(tmp_path):

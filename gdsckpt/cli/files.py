@@ -201,7 +201,9 @@ class _CountedAhead(_CountedChunks):
 
 
 def _verify_one(path: str, args, bar, summary: dict | None, root: str) -> dict:
-    """One file's verify entry: {"path", "ok", "chunks", "tensors", "stored_bytes", "error"}."""
+    """One file's verify entry: {"path", "ok", "chunks", "tensors", "stored_bytes", "error"}. The
+    file named on the command line (a store object: resolve() cannot tell) missing is not found
+    (exit 3), as a missing local file is; a part missing from a DCP folder is damage."""
     entry = {"path": str(path), "ok": False, "chunks": None, "tensors": None, "stored_bytes": None, "error": None}
     try:
         with api.open(path) as ck:
@@ -210,6 +212,10 @@ def _verify_one(path: str, args, bar, summary: dict | None, root: str) -> dict:
             ck.source = _Counted(ck.source, bar.update)
             r = ck.verify(deep=args.deep, isolated=args.isolated)
         entry.update(ok=True, chunks=r["chunks"], tensors=r["tensors"], stored_bytes=r["stored_bytes"])
+    except FileNotFoundError as e:
+        if path == root:
+            raise
+        entry["error"] = describe_error(e)
     except (GdsckptError, OSError) as e:
         entry["error"] = describe_error(e)
     return entry
