@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -99,3 +100,25 @@ def test_clean_removes_only_the_librarys_temporaries(tmp_path):
     odd.write_text("mine too")
     rc, out, _ = run_cli("clean", tmp_path, "--yes")
     assert rc == 0 and user.exists() and odd.exists(), out
+
+
+def test_ls_skips_a_step_that_retention_removes_while_it_lists(tmp_path, monkeypatch):
+    """ls takes no lock: a running Checkpointer may delete a step between the listing and its
+    stat; the step is left out, the rest listed, exit 0."""
+    import gdsckpt.cli.views as views
+    with Checkpointer(tmp_path, keep=3, save_options=OPTS) as ck:
+        for s in (1, 2):
+            ck.save(s, state_for(s, n=2000))
+    real = os.listdir
+
+    def listdir_then_retention(d):  # os.listdir everywhere: only the directory's listing lets step 1 go
+        names = real(d)
+        if Path(d) == tmp_path:
+            assert step_name(1, False) in names
+            (tmp_path / step_name(1, False)).unlink()
+        return names
+
+    monkeypatch.setattr(views.os, "listdir", listdir_then_retention)
+    rc, out, err = run_cli("ls", tmp_path, "--json")
+    assert rc == 0 and err == "", (rc, err)
+    assert [(r["step"], r["local_state"]) for r in json.loads(out)] == [(2, "ok")]

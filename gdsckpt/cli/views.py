@@ -62,7 +62,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     from ..errors import RemoteStoreError
     from ..upload_marker import MARKER, InvalidMarker, load_marker
     from ..stores import is_remote, open_store
-    from ..steps import check_step, parse_step_name
+    from ..steps import parse_step_name
     rows: dict[int, dict] = {}
 
     def row(step):
@@ -84,11 +84,12 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
             if not parsed:
                 continue
             p = d / name
+            found = _local_step(p, deep)
+            if found is None:
+                continue
             r = row(parsed[0])
             r["local"] = str(p)
-            r["local_bytes"] = sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() \
-                else p.stat().st_size
-            r["local_state"] = check_step(p, deep)
+            r["local_bytes"], r["local_state"] = found
     else:
         remote = location
     if remote:
@@ -124,6 +125,18 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
             else:
                 r["remote_state"] = "ok"
     return [rows[k] for k in sorted(rows)]
+
+
+def _local_step(p: Path, deep: bool) -> tuple[int, str] | None:
+    """(bytes, state) of the local step at `p`, or None if it is gone: this view takes no lock, so
+    a running Checkpointer's retention may remove a step between the listing and these reads."""
+    from ..steps import check_step
+    try:
+        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() else p.stat().st_size
+    except FileNotFoundError:
+        return None
+    state = check_step(p, deep)
+    return (size, state) if p.exists() else None
 
 
 def _memory_copies(d: Path) -> list[dict]:
