@@ -8,6 +8,7 @@ sold and as GB/s rates are quoted. Read as GNU coreutils read sizes (dd, truncat
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 __all__ = ["format_bytes", "parse_size", "GB", "GIB"]
 
@@ -38,13 +39,14 @@ def parse_size(text: str) -> int:
     if m is None:
         raise ValueError(f"{text!r} is not a size: a byte count with an optional unit, such as 512, 64KiB, "
                          "64K (= 64KiB), 4GB (4 x 10^9) or 4GiB (4 x 2^30)")
-    number, prefix, suffix = float(m["number"]), m["prefix"], m["suffix"]
+    # exact: "4.1GB" is 4.1 x 10^9 bytes, which a float product misses; a large count stays whole
+    number, prefix, suffix = Fraction(m["number"]), m["prefix"], m["suffix"]
     if prefix is None:
         scale = 1
     else:
         base = 1000 if suffix == "B" else 1024  # "kB"/"KB": decimal; "K", "Ki", "KiB": binary
         scale = base ** _POWER[prefix.lower()]
     value = number * scale
-    if value != int(value):
+    if value.denominator != 1:
         raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(value)
+    return value.numerator
