@@ -174,9 +174,14 @@ class StoreObject:
     def __init__(self, url: str):
         self.label = url
         where, _, self._name = url.partition("://")[2].rpartition("/")
-        if not where or not self._name:
+        if not where or self._name in ("", ".", ".."):
             raise ValueError(f"{url!r} names a bucket or a prefix, not an object")
         self._store = open_store(url[:-len(self._name) - 1])
+        # The store's own reading of its root (open_store refuses an empty, "." or ".." segment,
+        # but drops one trailing "/"): "s3://b/p//x" would read the other object "p/x".
+        if self._store.url(self._name) != url:
+            raise ValueError(f"{url!r}: the path has an empty ('//'), '.' or '..' segment (the store would read "
+                             f"{self._store.url(self._name)!r}, another object); name it without them")
         self.size = self._store.size(self._name)
 
     def pread(self, n: int, offset: int) -> bytes:

@@ -144,3 +144,16 @@ def test_a_store_object_reads_ranges_of_the_object(tmp_path, s3_server, s3_env):
     with pytest.raises(ValueError, match="local files only"):
         src.child_file()
     src.close()
+
+
+@pytest.mark.parametrize("tail", ["run//x.gdsckpt", "run/./x.gdsckpt", "run/x.gdsckpt/.", "/run/x.gdsckpt"])
+def test_a_store_object_url_with_an_empty_or_dot_segment_is_refused(tmp_path, s3_server, s3_env, tail):
+    """S3 keys are not paths: "run//x.gdsckpt" is not the object "run/x.gdsckpt" (which exists
+    here), so it is refused as open_store refuses such a prefix, never read as the other one."""
+    url, _ = _upload(tmp_path, s3_server)
+    bucket = url.split("/")[2]
+    with pytest.raises(ValueError, match="empty|'.'|not an object"):
+        sources.StoreObject(f"s3://{bucket}/{tail}")
+    with pytest.raises(ValueError, match="empty"):
+        gdsckpt.open(f"s3://{bucket}/run//x.gdsckpt")
+    assert sources.StoreObject(url).size > 0
