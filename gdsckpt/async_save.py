@@ -103,7 +103,7 @@ from .tree import Leaf, flatten
 
 __all__ = ["save_async", "AsyncStats", "SaveFuture", "SaveInFlightError", "BackgroundSaveError",
            "release_pools", "pools", "default_pool_limit", "check_pool_bytes", "MODES", "memory_of",
-           "optimizer_memory"]
+           "optimizer_memory", "wait_for_saves_to"]
 
 MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE)  # the snapshots save_async takes
 
@@ -132,6 +132,15 @@ class SaveFuture(Future):
 log = logging.getLogger("gdsckpt.save_async")
 _calls = threading.Lock()  # one save_async call at a time
 _tracked: list[tuple[SaveFuture, Snapshot, str]] = []  # (future, mode, path) of calls not known finished
+
+
+def wait_for_saves_to(path) -> None:
+    """Wait for every save_async in flight to `path` (compared by real path; whoever called it),
+    without looking at their outcome: a reader of `path` then finds the newest committed file."""
+    want = os.path.realpath(path)
+    for fut, _, where in list(_tracked):
+        if os.path.realpath(where) == want:
+            Future.exception(fut)  # waits; SaveFuture.exception() would count as its caller's look
 
 
 def default_pool_limit(plan) -> int:

@@ -229,6 +229,32 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
         save_state(acc)
 
 
+def test_load_state_passes_over_a_folder_a_killed_save_left_torn(tmp_path, monkeypatch, caplog):
+    """A save_state killed before its process file leaves checkpoint_2 torn; load_state() with no
+    folder takes checkpoint_1, the newest complete one, and says why."""
+    import gdsckpt
+    from gdsckpt.integrations.accelerate import load_state, save_state
+    acc, model, opt, loader, sched, counter = build("default", tmp_path, automatic_checkpoint_naming=True,
+                                                    total_limit=2)
+    for i in range(2):
+        counter.seen = i
+        save_state(acc)
+    save = gdsckpt.save
+
+    def killed_at_the_process_file(state, path, **kw):
+        if Path(path).name.startswith("process_"):
+            raise KeyboardInterrupt("killed")
+        return save(state, path, **kw)
+    monkeypatch.setattr(gdsckpt, "save", killed_at_the_process_file)
+    with pytest.raises(KeyboardInterrupt):
+        save_state(acc)
+    monkeypatch.setattr(gdsckpt, "save", save)
+    counter.seen = 99
+    with caplog.at_level("WARNING", logger="gdsckpt.integrations.accelerate"):
+        assert load_state(acc) == tmp_path / "checkpoints" / "checkpoint_1" and counter.seen == 1
+    assert "checkpoint_2 torn" in caplog.text
+
+
 def test_refusals(tmp_path):
     import gdsckpt
     from gdsckpt.integrations.accelerate import load_state, save_state

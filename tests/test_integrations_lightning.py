@@ -273,6 +273,30 @@ def test_async_save_waits_before_load_and_remove(tmp_path):
     assert not (tmp_path / "b.ckpt").exists() and (tmp_path / "a.ckpt").exists()
 
 
+def test_a_load_by_another_instance_waits_for_the_save_in_flight(tmp_path, monkeypatch):
+    """The documented recipe `GdsckptCheckpointIO().load_checkpoint(path)` (or a new Trainer's
+    plugin) reads the checkpoint being saved to `path`, not the one it replaces."""
+    pytest.importorskip("lightning")
+    import time
+    import torch
+    from gdsckpt import storage
+    from gdsckpt.integrations.lightning import GdsckptCheckpointIO
+    path = tmp_path / "last.ckpt"
+    io = GdsckptCheckpointIO(async_save=True)
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "global_step": 1}, path)
+    io.teardown()
+    commit = storage.AtomicFile.commit
+
+    def slow(self):  # a slow disk under a large state
+        time.sleep(1.0)
+        return commit(self)
+    monkeypatch.setattr(storage.AtomicFile, "commit", slow)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 2}, path)
+    loaded = GdsckptCheckpointIO().load_checkpoint(path)
+    io.teardown()
+    assert loaded["global_step"] == 2 and torch.equal(loaded["state_dict"]["w"], torch.ones(4))
+
+
 def test_fabric_save_and_load(tmp_path):
     """Fabric's save / load go through the same CheckpointIO: a module, an optimizer and a plain value."""
     _needs("lightning")

@@ -33,6 +33,7 @@ refused (NotImplementedError); save FSDP2 models through torch.distributed.check
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -47,6 +48,8 @@ __all__ = ["save_state", "load_state", "STATE_FILE", "process_file"]
 
 STATE_FILE = "accelerator_state.gdsckpt"
 _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+
+log = logging.getLogger("gdsckpt.integrations.accelerate")
 
 
 def process_file(index: int) -> str:
@@ -78,7 +81,8 @@ def save_state(accelerator, output_dir: str | os.PathLike | None = None, **save_
 def load_state(accelerator, input_dir: str | os.PathLike | None = None, *, strict: bool = True,
                **load_options: Any) -> Path:
     """Restore what `save_state` saved into `accelerator`'s prepared objects; returns the folder.
-    input_dir=None with automatic_checkpoint_naming: the newest folder. strict=False: keys missing on
+    input_dir=None with automatic_checkpoint_naming: the newest complete folder (every process's file
+    there; a folder a killed save_state left torn is passed over, with a warning). strict=False: keys missing on
     either side are left alone (nn.Module.load_state_dict(strict=False)). load_options (atomic=True,
     trusted=False, ...) reach gdsckpt.load_into. Call it on every process."""
     _check_supported(accelerator)
@@ -180,10 +184,20 @@ def _folder_to_load(accelerator, input_dir) -> Path:
         return folder
     if not accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-    folders = _numbered(Path(accelerator.project_dir) / "checkpoints")
+    root = Path(accelerator.project_dir) / "checkpoints"
+    folders = _numbered(root)
     if not folders:
-        raise FileNotFoundError(f"no checkpoint folder in {Path(accelerator.project_dir) / 'checkpoints'}")
-    return folders[-1]
+        raise FileNotFoundError(f"no checkpoint folder in {root}")
+    files = [STATE_FILE] + [process_file(i) for i in range(accelerator.num_processes)]
+    complete = [f for f in folders if all((f / name).is_file() for name in files)]
+    if not complete:
+        raise FileNotFoundError(f"no complete checkpoint folder in {root} (each needs {', '.join(files)}): "
+                                f"{', '.join(f.name for f in folders)} are torn")
+    torn = folders[folders.index(complete[-1]) + 1:]
+    if torn:  # a save_state killed part-way: the older folders it had not pruned yet are intact
+        log.warning("gdsckpt: %s torn (a save_state that did not finish): loading %s", ", ".join(map(str, torn)),
+                    complete[-1])
+    return complete[-1]
 
 
 def _numbered(root: Path) -> list[Path]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import gdsckpt
+from gdsckpt.async_save import wait_for_saves_to
 from gdsckpt.errors import UnsupportedStateError
 from gdsckpt.save import Snapshot, check_save_options
 
@@ -48,7 +49,7 @@ class GdsckptCheckpointIO(CheckpointIO):
     async_save=True: each save goes through `gdsckpt.save_async` and returns once the checkpoint's
     tensors are compressed into host memory (on the GPU: the compressed snapshot, see the README's
     save_async), the write and fsync continuing in the background. A load or removal of a path
-    with a save in flight waits for it; `teardown` (end of fit) waits for every save, and a
+    with a save in flight waits for it (whichever instance in the process saves it); `teardown` (end of fit) waits for every save, and a
     failed background save is raised there or by the next call. Lightning's `AsyncCheckpointIO`
     instead runs a whole synchronous save on a thread after cloning every tensor.
 
@@ -65,7 +66,7 @@ class GdsckptCheckpointIO(CheckpointIO):
                            (Snapshot.HOST, Snapshot.DEVICE))
         self.async_save = async_save
         self.save_options = save_options
-        self._in_flight: list[tuple[Path, Any]] = []  # (resolved path, SaveFuture), oldest first
+        self._in_flight: list[Any] = []  # its SaveFutures not known finished, oldest first
         self._lock = threading.Lock()  # AsyncCheckpointIO saves from its own thread
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
@@ -80,7 +81,7 @@ class GdsckptCheckpointIO(CheckpointIO):
             if self.async_save:
                 fut = gdsckpt.save_async(checkpoint, path, **options)
                 with self._lock:
-                    self._in_flight.append((_resolved(path), fut))
+                    self._in_flight.append(fut)
             else:
                 gdsckpt.save(checkpoint, path, **options)
         except UnsupportedStateError as e:
@@ -116,20 +117,24 @@ class GdsckptCheckpointIO(CheckpointIO):
         self._wait(None)
 
     def _wait(self, resolved: Path | None) -> None:
-        """Wait for the saves in flight to `resolved` (None: all), then raise the first failure of
-        any finished save."""
-        with self._lock:
-            waiting = [f for p, f in self._in_flight if resolved is None or p == resolved]
-        for fut in waiting:
-            fut.exception()
+        """Wait for the saves in flight to `resolved`, this instance's or any other's in the process
+        (a new Trainer's plugin, `GdsckptCheckpointIO().load_checkpoint(path)`), or for all of
+        this instance's (None); then raise the first failure of any of its finished saves."""
+        if resolved is not None:
+            wait_for_saves_to(resolved)
+        else:
+            with self._lock:
+                waiting = list(self._in_flight)
+            for fut in waiting:
+                fut.exception()
         self._reap()
 
     def _reap(self) -> None:
         """Forget finished saves; raise the first one that failed (the others were looked at too,
         so save_async does not raise them again as unseen)."""
         with self._lock:
-            done = [f for _, f in self._in_flight if f.done()]
-            self._in_flight = [(p, f) for p, f in self._in_flight if not f.done()]
+            done = [f for f in self._in_flight if f.done()]
+            self._in_flight = [f for f in self._in_flight if not f.done()]
         errors = [e for e in (f.exception() for f in done) if e is not None]
         if errors:
             raise errors[0]
