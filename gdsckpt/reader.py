@@ -237,9 +237,10 @@ class Checkpoint:
         timings = Timings()
         reached: list[int] = []  # chunks whose bytes went to their tensors (ring.read_chunks, decode_verified)
         delivered: list[int] = []  # chunks the child decoded and handed over
-        device_index = _cuda_index() if kind == "gpu" else None
         with make_backend(kind, io=self._io, io_threads=self._io_threads,
                           read_task_bytes=self.source.read_task_bytes) as be:
+            # Asked once the backend is made: without a usable GPU, make_backend's BackendUnavailableError.
+            device_index = _cuda_index() if kind == "gpu" else None
             self._check_decoders(be, chunk_ids)
 
             def scatter(c: int, data: torch.Tensor) -> None:  # a chunk the child decoded

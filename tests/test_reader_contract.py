@@ -368,6 +368,18 @@ def test_io_gds_on_the_cpu_backend_is_gds_unavailable(tmp_path, small):
         gdsckpt.load(small, io="gds", backend="cpu")
 
 
+@pytest.mark.skipif(CUDA, reason="needs a machine with no GPU")
+def test_backend_gpu_without_a_gpu_is_backend_unavailable(tmp_path, small):
+    """backend="gpu" where there is no GPU: BackendUnavailableError on load as on save, not torch's
+    error from asking for the current CUDA device."""
+    with pytest.raises(gdsckpt.BackendUnavailableError):
+        gdsckpt.save({"w": torch.ones(3)}, tmp_path / "g.gdsckpt", backend="gpu")
+    with pytest.raises(gdsckpt.BackendUnavailableError):
+        gdsckpt.load(small, backend="gpu")
+    with pytest.raises(gdsckpt.BackendUnavailableError):
+        gdsckpt.load_into(small, {"w": torch.zeros(10), "n": {"b": torch.zeros(2)}}, backend="gpu")
+
+
 # ---------------------------------------------------------------- 6. loose ends
 
 
