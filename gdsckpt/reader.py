@@ -136,8 +136,10 @@ class Checkpoint:
         filled once. A target memory named by keys of two different stored tensors (tied here,
         stored apart, as a format 1.0 file of tied weights is) is filled from the first of them.
 
-        If the read fails part-way, the error says which targets were already overwritten (wholly
-        or in part) and carries their keys as `.overwritten`; every other target is untouched.
+        A target must be a dense cpu or cuda tensor whose elements are distinct memory (not an
+        expand()ed view): else a StateMismatchError naming it, before anything is read. If the read,
+        or a copy after it, fails part-way, the error says which targets were already overwritten
+        (wholly or in part) and carries their keys as `.overwritten`; every other target is untouched.
         atomic=True first checks every chunk's checksum (and, on the CPU, its zstd frame headers),
         so that damage is found before the first byte reaches a target. Where the GPU has room for
         the stored bytes (defaults.READ_ONCE_GPU_FRACTION of its free memory) they are read once
@@ -149,14 +151,7 @@ class Checkpoint:
         owner: dict[tuple, int] = {}  # target memory -> the stored tensor that fills it
         for key, tgt in targets.items():
             i = self._entry(key)
-            t = plan.tensors[i]
-            if not isinstance(tgt, torch.Tensor):
-                raise StateMismatchError(f"{self.path}: the target of {key!r} is a {type(tgt).__name__}, not a tensor")
-            if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
-                raise StateMismatchError(f"{self.path}: tensor {key!r} is {t.dtype}{list(t.shape)} in the "
-                                         f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
-            if not (tgt.is_cpu or tgt.is_cuda) or tgt.layout != torch.strided:
-                raise StateMismatchError(f"{self.path}: the target of {key!r} is not a dense cpu or cuda tensor")
+            self._check_target(key, tgt, plan.tensors[i])
             mem = _memory(tgt)
             if mem in owner:
                 continue  # filled already, by this stored tensor or (tied here, apart there) by another
@@ -165,15 +160,17 @@ class Checkpoint:
                 primary[i] = tgt
             else:
                 extra.setdefault(i, []).append(tgt)
+        written: list[torch.Tensor] | None = None  # the targets written to, wholly or in part, by a failure
         try:
             self._read(primary, atomic=atomic)
+            written = list(primary.values())  # all read; then the other targets of a stored tensor
+            _copy([(t, t, primary[i]) for i, more in extra.items() for t in more], written)
         except BaseException as e:
-            touched = {_memory(primary[i]) for i in getattr(e, "_gdsckpt_touched", ())}
+            if written is None:  # the read stopped: it says which destinations it had written
+                written = [primary[i] for i in getattr(e, "_gdsckpt_touched", ())]
+            touched = set(map(_memory, written))
             _note_overwritten(e, [k for k, tgt in targets.items() if _memory(tgt) in touched])
             raise
-        for i, more in extra.items():
-            for tgt in more:
-                tgt.copy_(primary[i])
         return self.last_stats
 
     def load(self, device=None):
@@ -186,6 +183,21 @@ class Checkpoint:
         called, plain values written back (restore.restore_into; `read_into` for aliases, failures
         and atomic)."""
         return restore_into(self, state, strict=strict, atomic=atomic)
+
+    def _check_target(self, key: str, tgt, t) -> None:
+        """read_into's target for stored tensor entry `t`, checked before anything is read: a
+        dense cpu or cuda tensor of its dtype and shape, whose elements are distinct memory."""
+        if not isinstance(tgt, torch.Tensor):
+            raise StateMismatchError(f"{self.path}: the target of {key!r} is a {type(tgt).__name__}, not a tensor")
+        if name_of(tgt.dtype) != t.dtype or tuple(tgt.shape) != t.shape:
+            raise StateMismatchError(f"{self.path}: tensor {key!r} is {t.dtype}{list(t.shape)} in the "
+                                     f"checkpoint but {name_of(tgt.dtype)}{list(tgt.shape)} in the target")
+        if not (tgt.is_cpu or tgt.is_cuda) or tgt.layout != torch.strided:
+            raise StateMismatchError(f"{self.path}: the target of {key!r} is not a dense cpu or cuda tensor")
+        if _may_self_overlap(tgt):
+            raise StateMismatchError(f"{self.path}: the target of {key!r} has elements that share memory (an "
+                                     "expand()ed or stride-0 view, or an as_strided one): it cannot hold the "
+                                     "saved tensor's values; load into a tensor of its own, e.g. .clone()")
 
     def _entry(self, key: str) -> int:
         try:
@@ -215,7 +227,8 @@ class Checkpoint:
         """Fill `out[i]` (tensor i's destination) from the chunks that hold them.
 
         On failure the exception carries `_gdsckpt_touched`: the i whose destination the read had
-        written to, wholly or in part, when it stopped (read_into reports them by key)."""
+        written to, wholly or in part, when it stopped (read_into reports them by key), the copies
+        back into non-contiguous destinations included."""
         t_start = time.perf_counter()
         plan, records = self.index.plan, self.index.records
         # Decode into contiguous memory; a non-contiguous target gets a temporary, copied back at the end.
@@ -296,9 +309,12 @@ class Checkpoint:
                     io_path = file.io_path
                     timings.stages.update(file.stages)
                 file.close()
-            for i, v in work.items():
-                if v is not out[i]:
-                    out[i].copy_(v)
+            filled = [i for i, v in work.items() if v is out[i]]  # decoded in place: written
+            try:
+                _copy([(i, out[i], v) for i, v in work.items() if v is not out[i]], filled)
+            except BaseException as e:
+                e._gdsckpt_touched = set(filled)
+                raise
             stored = sum(records[c].stored for c in chunk_ids)
             self.last_stats = Stats("load", str(self.path), be.name, io_path,
                                     sum(plan.chunks[c].length for c in chunk_ids), stored, stored, len(chunk_ids),
@@ -412,6 +428,31 @@ def _memory(t: torch.Tensor) -> tuple:
     if not t.numel():
         return ("object", id(t))
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _copy(pairs, written: list) -> None:
+    """dst.copy_(src) for each (tag, dst, src), outside autograd: a target may be an nn.Parameter,
+    a leaf that requires grad, whose in-place copy autograd refuses. Each tag goes into `written`
+    as its copy starts, so that a failure names the target it may have written in part."""
+    with torch.no_grad():
+        for tag, dst, src in pairs:
+            written.append(tag)
+            dst.copy_(src)
+
+
+def _may_self_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` may be one memory location (an expand()ed, stride-0 or
+    as_strided view): a copy into it cannot keep each element's value. No where its strides,
+    smallest first, each step past every element the smaller ones reach (a contiguous tensor, a
+    transpose, a slice); conservative: a rare as_strided view that does not overlap is refused too."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False
+    reach = 1  # elements from the first to the last one the dimensions so far reach, inclusive
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _note_overwritten(e: BaseException, keys: list[str]) -> None:

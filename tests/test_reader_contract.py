@@ -124,6 +124,58 @@ def test_load_into_failure_does_not_list_non_contiguous_targets_not_yet_copied(t
     assert ei.value.overwritten == _changed(target) == ["a"]
 
 
+def test_load_into_parameter_targets_copied_after_the_read(tmp_path):
+    """nn.Parameter targets (leaves that require grad) that get a copy after the read: the second
+    untied target of a tied file, and a non-contiguous target's copy back from its temporary."""
+    w = torch.randn(4, 3)
+    p = tmp_path / "tied.gdsckpt"
+    gdsckpt.save({"wte": w, "lm_head": w, "step": 3, "b": torch.arange(6.0).reshape(2, 3)}, p)
+    param = lambda *shape: torch.nn.Parameter(torch.zeros(*shape))  # noqa: E731
+    state = {"wte": param(4, 3), "lm_head": param(4, 3), "step": 0, "b": param(3, 2).t()}
+    gdsckpt.load_into(p, state)
+    assert torch.equal(state["wte"], w) and torch.equal(state["lm_head"], w) and state["step"] == 3
+    assert torch.equal(state["b"], torch.arange(6.0).reshape(2, 3)) and state["lm_head"].requires_grad
+
+
+def test_load_into_refuses_a_target_whose_elements_share_memory(tmp_path):
+    """An expand()ed (stride-0) or self-overlapping as_strided target cannot hold distinct values:
+    a StateMismatchError naming it before anything is read. Transposes and slices are fine."""
+    p = tmp_path / "x.gdsckpt"
+    gdsckpt.save({"a": torch.arange(4.0), "b": torch.arange(6.0).reshape(2, 3)}, p)
+    for b in (torch.zeros(3).expand(2, 3), torch.zeros(10).as_strided((2, 3), (2, 1))):
+        target = {"a": torch.zeros(4), "b": b}
+        with pytest.raises(gdsckpt.StateMismatchError, match="'b'.*share memory"):
+            gdsckpt.load_into(p, target)
+        assert not target["a"].any() and not b.any()
+    for b in (torch.zeros(3, 2).t(), torch.zeros(2, 6)[:, ::2], torch.zeros(6).as_strided((2, 3), (1, 2))):
+        gdsckpt.load_into(p, {"a": torch.zeros(4), "b": b})
+        assert torch.equal(b, torch.arange(6.0).reshape(2, 3)), b
+
+
+def test_load_into_failure_in_a_copy_after_the_read_lists_what_it_wrote(tmp_path):
+    """A copy after the read that fails (here into an inference tensor, whose in-place update
+    outside inference mode raises, after writing it): the error lists every target the read
+    filled and the copies made, the failing one included, and no other."""
+    p = tmp_path / "c.gdsckpt"
+    w = torch.randn(2, 3)
+    gdsckpt.save({"a": torch.arange(4.0), "w": w, "u": w, "z": torch.ones(3)}, p, codec="raw")
+    with torch.inference_mode():
+        frozen, frozen_too = torch.full((3, 2), -12345.0), torch.full((2, 3), -12345.0)
+    # non-contiguous: copied back from its temporary after the read
+    target = {"a": torch.full((4,), -12345.0), "w": frozen.t(), "u": torch.full((2, 3), -12345.0),
+              "z": torch.full((3,), -12345.0)}
+    with pytest.raises(RuntimeError, match="inference") as ei:
+        gdsckpt.load_into(p, target)
+    assert ei.value.overwritten == _changed(target) == ["a", "w", "z"], ei.value.overwritten
+    assert "already overwritten 3 target" in str(ei.value.__notes__)
+    # an untied second target of a tied file: copied from the first after the read
+    target = {"a": torch.full((4,), -12345.0), "w": torch.full((2, 3), -12345.0), "u": frozen_too,
+              "z": torch.full((3,), -12345.0)}
+    with pytest.raises(RuntimeError, match="inference") as ei:
+        gdsckpt.load_into(p, target)
+    assert ei.value.overwritten == _changed(target) == ["a", "w", "u", "z"], ei.value.overwritten
+
+
 # ---------------------------------------------------------------- 3. shared tensors
 
 
