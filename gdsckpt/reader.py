@@ -231,8 +231,9 @@ class Checkpoint:
         back into non-contiguous destinations included."""
         t_start = time.perf_counter()
         plan, records = self.index.plan, self.index.records
-        # Decode into contiguous memory; a non-contiguous target gets a temporary, copied back at the end.
-        work = {i: (v if v.is_contiguous() else torch.empty_like(v, memory_format=torch.contiguous_format))
+        # Decode into contiguous memory; a non-contiguous target (or a conjugate or negative view,
+        # whose bytes are not its values) gets a temporary, copied back at the end.
+        work = {i: (v if _plain_memory(v) else torch.empty_like(v, memory_format=torch.contiguous_format))
                 for i, v in out.items()}
         views = [None] * len(plan.tensors)
         for i, v in work.items():
@@ -424,10 +425,17 @@ class Checkpoint:
 
 def _memory(t: torch.Tensor) -> tuple:
     """Identifies a tensor's memory as a view: equal for the same memory seen the same way
-    (model.state_dict() gives tied parameters as two detach()es of one), by object if empty."""
+    (model.state_dict() gives tied parameters as two detach()es of one; a conjugate or negative
+    view is another way), by object if empty."""
     if not t.numel():
         return ("object", id(t))
-    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
+
+
+def _plain_memory(t: torch.Tensor) -> bool:
+    """Whether `t`'s bytes are its values in order: contiguous, and no conjugate or negative view
+    (whose values torch computes from the bytes as it reads them)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def _copy(pairs, written: list) -> None:

@@ -137,6 +137,18 @@ def test_load_into_parameter_targets_copied_after_the_read(tmp_path):
     assert torch.equal(state["b"], torch.arange(6.0).reshape(2, 3)) and state["lm_head"].requires_grad
 
 
+def test_load_into_conjugate_and_negative_view_targets(tmp_path):
+    """A conjugate (or negative) view's bytes are not its values: it is filled as a non-contiguous
+    target is, through a temporary copied back, and reads as the saved tensor."""
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    p = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"c": c, "n": torch.arange(3.0)}, p)
+    target = {"c": torch.zeros(2, dtype=torch.complex64).conj(), "n": torch._neg_view(torch.zeros(3))}
+    gdsckpt.load_into(p, target)
+    assert target["c"].is_conj() and torch.equal(target["c"].resolve_conj(), c)
+    assert target["n"].is_neg() and torch.equal(target["n"].resolve_neg(), torch.arange(3.0))
+
+
 def test_load_into_refuses_a_target_whose_elements_share_memory(tmp_path):
     """An expand()ed (stride-0) or self-overlapping as_strided target cannot hold distinct values:
     a StateMismatchError naming it before anything is read. Transposes and slices are fine."""
