@@ -137,7 +137,8 @@ class Checkpoint:
         stored apart, as a format 1.0 file of tied weights is) is filled from the first of them.
 
         A target must be a dense cpu or cuda tensor whose elements are distinct memory (not an
-        expand()ed view): else a StateMismatchError naming it, before anything is read. If the read,
+        expand()ed view), and overlap no other unless as the same view: else a StateMismatchError
+        naming it, before anything is read. If the read,
         or a copy after it, fails part-way, the error says which targets were already overwritten
         (wholly or in part) and carries their keys as `.overwritten`; every other target is untouched.
         atomic=True first checks every chunk's checksum (and, on the CPU, its zstd frame headers),
@@ -149,6 +150,7 @@ class Checkpoint:
         primary: dict[int, torch.Tensor] = {}
         extra: dict[int, list[torch.Tensor]] = {}
         owner: dict[tuple, int] = {}  # target memory -> the stored tensor that fills it
+        distinct: list[tuple[str, torch.Tensor]] = []  # the first key of each target memory
         for key, tgt in targets.items():
             i = self._entry(key)
             self._check_target(key, tgt, plan.tensors[i])
@@ -156,10 +158,12 @@ class Checkpoint:
             if mem in owner:
                 continue  # filled already, by this stored tensor or (tied here, apart there) by another
             owner[mem] = i
+            distinct.append((key, tgt))
             if i not in primary:
                 primary[i] = tgt
             else:
                 extra.setdefault(i, []).append(tgt)
+        _refuse_overlaps(self.path, distinct)
         written: list[torch.Tensor] | None = None  # the targets written to, wholly or in part, by a failure
         try:
             self._read(primary, atomic=atomic)
@@ -461,6 +465,32 @@ def _may_self_overlap(t: torch.Tensor) -> bool:
             return True
         reach += (size - 1) * stride
     return False
+
+
+def _refuse_overlaps(path, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Targets of distinct memories whose byte ranges overlap (a tensor and its slice, transpose or
+    conjugate, interleaved views): filled one after the other, a later one would overwrite part of
+    an earlier one. A StateMismatchError naming both, as save refuses them (tree._refuse_overlaps):
+    by byte range, so interleaved views that share no byte are refused too."""
+    spans = sorted((t.get_device(), t.data_ptr(), t.data_ptr() + _bytes_spanned(t), key)
+                   for key, t in named if t.numel())
+    device, end, owner = None, 0, None
+    for dev, start, stop, key in spans:
+        if dev == device and start < end:
+            raise StateMismatchError(f"{path}: the targets of {owner!r} and {key!r} share memory as different "
+                                     "views (overlapping, not identical: e.g. a tensor and its transpose or a "
+                                     "slice of it): filling one would change the other; load into tensors of "
+                                     "their own, e.g. a .clone() of one of them")
+        if dev != device or stop > end:
+            device, end, owner = dev, stop, key
+
+
+def _bytes_spanned(t: torch.Tensor) -> int:
+    """Bytes from a non-empty tensor's first element to the end of its last (tree._span's sum, in
+    bytes: a private name there)."""
+    if t.is_contiguous():
+        return t.nbytes
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.itemsize
 
 
 def _note_overwritten(e: BaseException, keys: list[str]) -> None:
