@@ -29,17 +29,19 @@ from .tree import TYPED, placements, rebuild
 
 _CPU = torch.device("cpu")
 _ALL_PLACEMENTS = ("tensor",) + TYPED
+_LEAVES = _ALL_PLACEMENTS + ("value",)  # what a saved subtree holds: tensors and plain values
 
 
 @collector.paused()  # the plan's objects (a target per tensor, their actions) meet one young collection
 def restore_into(ck, state, *, strict: bool = True, atomic: bool = False):
     """Restore the checkpoint `ck` (an open Checkpoint) into `state`; returns read_into's Stats.
 
-    strict=True: the keys must match (every tensor the checkpoint holds has its place in `state`,
-    and everything `state` names is in the checkpoint; an nn.Module's keys exactly), else a
-    StateMismatchError before anything is read. strict=False: what is missing on either side is
-    left alone (nn.Module.load_state_dict(strict=False)). A plain value at the root, or in a tuple
-    at the root, has no place to be written back to and is left alone."""
+    strict=True: the keys must match (every tensor and plain value the checkpoint holds has its
+    place in `state`, and everything `state` names is in the checkpoint; an nn.Module's keys
+    exactly), else a StateMismatchError before anything is read. strict=False: what is missing on
+    either side is left alone (nn.Module.load_state_dict(strict=False)). A plain value at the root,
+    or in a tuple at the root, has no place to be written back to and is left alone (strict: a
+    plain value at the root where the checkpoint holds a container or a tensor is a mismatch)."""
     plan = _Plan(ck, strict)
     plan.into(state, ck.index.skeleton, "", 0)
     if strict and (plan.missing or plan.unknown):
@@ -80,7 +82,7 @@ class _Plan:
         self.ck, self.strict = ck, strict
         self.targets: dict[str, torch.Tensor] = {}  # key path -> the tensor read_into fills there
         self.actions: list[Callable[[], None]] = []  # phase 3, in tree order
-        self.missing: list[str] = []  # the checkpoint's tensor keys that `state` has no place for
+        self.missing: list[str] = []  # the checkpoint's keys (tensors, plain values) `state` has no place for
         self.unknown: list[str] = []  # keys `state` names that the checkpoint does not have
         self._new: dict[tuple, torch.Tensor] = {}  # (stored tensor, device) -> its new tensor: aliases stay one
 
@@ -111,8 +113,7 @@ class _Plan:
                     self.actions.append(lambda k=k, put=put: target.__setitem__(k, put()))
             for k, n in saved.items():
                 if k not in target:
-                    self.missing.extend(p for p, _ in placements(n, _child_key(key, depth, k), depth + 1,
-                                                                 _ALL_PLACEMENTS))
+                    self._missing(n, _child_key(key, depth, k), depth + 1)
             return None
         if isinstance(target, list) or type(target) is tuple:
             if _kind(node) not in ("list", "tuple"):
@@ -120,8 +121,7 @@ class _Plan:
             saved = _items(node)
             self.unknown.extend(_child_key(key, depth, i) for i in range(len(saved), len(target)))
             for i in range(len(target), len(saved)):
-                self.missing.extend(p for p, _ in placements(saved[i], _child_key(key, depth, i), depth + 1,
-                                                             _ALL_PLACEMENTS))
+                self._missing(saved[i], _child_key(key, depth, i), depth + 1)
             puts = [self.into(target[i], saved[i], _child_key(key, depth, i), depth + 1)
                     for i in range(min(len(target), len(saved)))]
             if isinstance(target, list):
@@ -136,8 +136,15 @@ class _Plan:
         if node is None:
             self.unknown.append(key or "<root>")
             return None
+        if not depth:  # nowhere to write it back to: nothing to read
+            return self._conflict(key, "a plain value", node) if _kind(node) != "value" else None
         self._choose(node, None, key, depth, None)
         return lambda: rebuild(node, self._leaf, key, depth)
+
+    def _missing(self, node, key: str, depth: int) -> None:
+        """A saved subtree at `key` that the target has no place for: its tensors and plain values
+        (or the key itself, an empty container's)."""
+        self.missing.extend([p for p, _ in placements(node, key, depth, _LEAVES)] or [key])
 
     def _conflict(self, key: str, what: str, node) -> None:
         if node is None:
@@ -193,8 +200,7 @@ class _Plan:
         saved = {k for k, _ in items}
         for k, n in items:
             if k not in like:
-                self.missing.extend(p for p, _ in placements(n, _child_key(key, depth, k), depth + 1,
-                                                             _ALL_PLACEMENTS))
+                self._missing(n, _child_key(key, depth, k), depth + 1)
         self.unknown.extend(_child_key(key, depth, k) for k in like if k not in saved)
         kept = [[k, n] for k, n in items if k in like]
         if len(kept) == len(items):

@@ -394,6 +394,33 @@ def test_strict_false_leaves_what_is_missing(tmp_path):
         gdsckpt.load_into(p, {"model": bigger, "step": 0})
 
 
+def test_strict_counts_plain_values_and_the_root(tmp_path):
+    """strict=True: a saved plain value (or a dict or list of them) the target has no place for is
+    missing, as a tensor is; a plain value at the root, where the checkpoint holds a dict, is a
+    mismatch, before anything is read. strict=False leaves them alone and reads nothing for them."""
+    p = tmp_path / "v.gdsckpt"
+    gdsckpt.save({"w": torch.ones(2), "step": 5, "cfg": {"lr": 0.1, "empty": {}}, "hist": [1, 2]}, p)
+    for target, missing in [({"w": torch.zeros(2), "cfg": {"lr": 0, "empty": {}}, "hist": [0, 0]}, "'step'"),
+                            ({"w": torch.zeros(2), "step": 0, "cfg": {}, "hist": [0, 0]}, "'cfg/lr', 'cfg/empty'"),
+                            ({"w": torch.zeros(2), "step": 0, "cfg": {"lr": 0, "empty": {}}, "hist": [0]}, "'hist/1'")]:
+        with pytest.raises(gdsckpt.StateMismatchError, match=f"missing from the target \\[{missing}\\]"):
+            gdsckpt.load_into(p, target)
+        assert not target["w"].any()
+    w = torch.zeros(2)
+    state = {"w": w, "step": 0, "cfg": {"lr": 0, "empty": {}}, "hist": [0, 0]}
+    gdsckpt.load_into(p, state)
+    assert state == {"w": w, "step": 5, "cfg": {"lr": 0.1, "empty": {}}, "hist": [1, 2]} and w.eq(1).all()
+    state = {"w": torch.zeros(2)}
+    gdsckpt.load_into(p, state, strict=False)
+    assert list(state) == ["w"] and state["w"].eq(1).all()
+    for root in (None, 0):
+        with pytest.raises(gdsckpt.StateMismatchError, match="'<root>' is a plain value in the target but a dict"):
+            gdsckpt.load_into(p, root)
+        assert gdsckpt.load_into(p, root, strict=False).logical_bytes == 0  # nothing to write back: nothing read
+    gdsckpt.save(7, p)
+    gdsckpt.load_into(p, 0)  # a plain value into a plain value at the root: left alone, as before
+
+
 # ---------------------------------------------------------------- the format
 
 
