@@ -24,7 +24,7 @@ from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, Ver
 from .restore import restore_into
 from .ring import ReadsAhead, Timings, decode_verified, in_place, read_chunks, read_room, read_verified, verify_chunk
 from .stats import Stats, stream_stats
-from .tree import unflatten
+from .tree import span, unflatten
 
 
 def _device(device) -> torch.device | None:
@@ -486,11 +486,8 @@ def _refuse_overlaps(path, named: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _bytes_spanned(t: torch.Tensor) -> int:
-    """Bytes from a non-empty tensor's first element to the end of its last (tree._span's sum, in
-    bytes: a private name there)."""
-    if t.is_contiguous():
-        return t.nbytes
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.itemsize
+    """Bytes from a non-empty tensor's first element to the end of its last."""
+    return t.nbytes if t.is_contiguous() else span(t) * t.itemsize
 
 
 def _note_overwritten(e: BaseException, keys: list[str]) -> None:

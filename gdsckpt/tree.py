@@ -310,7 +310,7 @@ def _refuse_overlaps(leaves: list[Leaf], numels: list[int], devs: list[int], ptr
     tensors = [l.tensor for l in leaves]
     sizes = list(map(mul, numels, map(_itemsize, tensors)))
     if not all(map(torch.Tensor.is_contiguous, tensors)):
-        sizes = [b if t.is_contiguous() else _span(t) * t.itemsize for b, t in zip(sizes, tensors)]
+        sizes = [b if t.is_contiguous() else span(t) * t.itemsize for b, t in zip(sizes, tensors)]
     ends = list(map(add, ptrs, sizes))
     groups = [range(len(leaves))] if len(set(devs)) == 1 else [
         [k for k in range(len(leaves)) if devs[k] == d] for d in set(devs)]
@@ -327,8 +327,8 @@ def _refuse_overlaps(leaves: list[Leaf], numels: list[int], devs: list[int], ptr
                 end, owner = ends[k], k
 
 
-def _span(t: torch.Tensor) -> int:
-    """Elements from a strided tensor's first to its last, inclusive."""
+def span(t: torch.Tensor) -> int:
+    """Elements from a strided tensor's first to its last, inclusive (the memory it reaches)."""
     return sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
 
 
