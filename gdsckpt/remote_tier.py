@@ -430,7 +430,11 @@ class RemoteTier:
         t0 = time.perf_counter()
         total = 0
         verify_s = 0.0
-        for local, rel in self.layout.files(step):
+        try:
+            parts = self.layout.files(step)
+        except CheckpointFormatError as e:  # a DCP step lacking a file its .metadata names: never uploaded
+            raise _LocalDamage(e) from None
+        for local, rel in parts:
             try:
                 identity = file_identity(local, rel)
             except CheckpointFormatError as e:  # its footer: names the local file

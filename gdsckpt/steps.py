@@ -56,13 +56,20 @@ def step_damage(path: Path, deep: bool) -> str | None:
     """Why the step at `path`, a file or a DCP directory, is not intact, or None: the footer and
     index of each of its gdsckpt files checked against their checksums, and a DCP step's
     .metadata read (deep: every chunk checksum too, which reads every byte)."""
+    files = [path]
     if path.is_dir():
         if not (path / DCP_METADATA).is_file():
             return "incomplete (no .metadata)"
-        why = metadata_damage(path)
-        if why is not None:
-            return f"DAMAGED: {why}"
-    files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
+        try:
+            names = dcp_files(path)
+        except VersionError:
+            raise
+        except DAMAGE as e:
+            return f"DAMAGED: {type(e).__name__}: {e}"
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            return f"DAMAGED: {', '.join(missing)}, named by its {DCP_METADATA}, missing"
+        files = [path / n for n in names]
     try:
         for f in files:
             with api.open(f) as ck:
@@ -71,6 +78,26 @@ def step_damage(path: Path, deep: bool) -> str | None:
     except (GdsckptError, OSError) as e:
         return f"DAMAGED: {type(e).__name__}: {e}"
     return None
+
+
+def dcp_files(path: Path) -> list[str]:
+    """The rank files the DCP step directory `path` is made of, as its .metadata's storage_data
+    names them (sorted): a step lacking one is incomplete, whichever files the directory holds.
+    CheckpointFormatError naming the .metadata if it cannot be read or names something other
+    than a gdsckpt file in the directory; VersionError raised as it is."""
+    from .dcp.metadata import read_metadata
+    meta = path / DCP_METADATA
+    try:
+        metadata = read_metadata(meta)
+    except FileNotFoundError as e:
+        raise CheckpointFormatError(f"incomplete: {type(e).__name__}: {e}", path=meta) from None
+    names = set()
+    for v in (metadata.storage_data or {}).values():
+        name = v.get("file") if isinstance(v, dict) else None
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise CheckpointFormatError(f"an item's storage data names no gdsckpt file in the step ({v!r})", path=meta)
+        names.add(name)
+    return sorted(names)
 
 
 def metadata_damage(path: Path) -> str | None:
@@ -382,10 +409,15 @@ class DcpSteps(_Steps):
         fsync_dir(self.directory)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
+        """The rank files its .metadata names, then the .metadata (DCP's commit point); a step
+        lacking one of them is CheckpointFormatError naming it (never uploaded incomplete)."""
         p, name = self.path(step), self.name(step)
-        parts = sorted(f.name for f in p.iterdir() if f.is_file() and not f.name.startswith(".tmp"))
-        parts.sort(key=lambda n: n == DCP_METADATA)  # DCP's commit point goes last
-        return [(p / part, f"{name}/{part}") for part in parts]
+        parts = dcp_files(p)
+        for part in parts:
+            if not (p / part).is_file():
+                raise CheckpointFormatError(f"step {step} is incomplete: {part}, named by its {DCP_METADATA}, "
+                                            "is missing", path=p / part)
+        return [(p / part, f"{name}/{part}") for part in parts + [DCP_METADATA]]
 
     def leftovers(self) -> list[Path]:
         # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's

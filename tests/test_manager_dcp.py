@@ -5,7 +5,9 @@ step that only the store still has."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
 from ckpt_tools import end_rank  # noqa: E402
+from gdsckpt.steps import step_name  # noqa: E402
 
 WORLD = 2
 
@@ -41,6 +44,35 @@ def same_local(a: dict, b: dict) -> None:
         y = y.to_local() if isinstance(y, DTensor) else y
         assert torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x,
                            y.view(torch.uint8) if y.dtype == torch.bfloat16 else y), k
+
+
+def _scenario_rank(rank: int, root: str, scenario, env: dict, pg_timeout: float) -> None:
+    os.environ.update(env)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    root = Path(root)
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / f"store-{scenario.__name__}"), WORLD), rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        scenario(rank, root, init_device_mesh("cpu", (WORLD,)))
+    finally:
+        dist.destroy_process_group()
+    end_rank()
+
+
+def run_ranks(tmp_path: Path, scenario, env: dict | None = None, timeout: float = 120, pg_timeout: float = 60) -> None:
+    """`scenario(rank, root, mesh)` on every rank (spawned); a rank's error is raised here, and a
+    hang (a collective one rank never joins) fails within `timeout` seconds, the ranks killed."""
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(_scenario_rank, args=(str(tmp_path), scenario, env or {}, pg_timeout), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{scenario.__name__}: the ranks hung for {timeout}s")
 
 
 def _rank_main(rank: int, root: str, url: str, env: dict) -> None:
@@ -170,3 +202,42 @@ def _snapshot_rank_main(rank: int, root: str) -> None:
 def test_two_ranks_snapshot_options(tmp_path):
     import torch.multiprocessing as mp
     mp.start_processes(_snapshot_rank_main, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="spawn")
+
+
+def _missing_rank_file(rank: int, root: Path, mesh) -> None:
+    """A DCP step lacking one rank's file (its .metadata names it) is damaged, not intact:
+    retention keeps the older intact step, restore falls back to it, and it is never uploaded."""
+    from gdsckpt import Checkpointer
+    from gdsckpt.errors import CheckpointFormatError
+    d = root / "ck"
+    ck = Checkpointer(d, keep=2, save_options={"chunk_bytes": 64 << 10})
+    ck.save(1, sharded(full_state(1), mesh))
+    ck.save(2, sharded(full_state(2), mesh))
+    dist.barrier()
+    if rank == 0:
+        (d / step_name(2, True) / "__1_0.gdsckpt").unlink()
+    dist.barrier()
+    why = ck.layout.damage(2, deep=True)
+    assert why is not None and "__1_0.gdsckpt" in why and "missing" in why, why
+    assert ck.layout.damage(1, deep=True) is None
+    with pytest.raises(CheckpointFormatError, match="step 2 is incomplete: __1_0.gdsckpt"):
+        ck.layout.files(2)  # what the remote tier uploads
+    assert [rel for _, rel in ck.layout.files(1)] == [f"{step_name(1, True)}/{n}" for n in
+                                                      ("__0_0.gdsckpt", "__1_0.gdsckpt", ".metadata")]
+    ck.close()
+    dist.barrier()
+    ck = Checkpointer(d, keep=1, save_options={"chunk_bytes": 64 << 10})
+    ck.prune()
+    dist.barrier()
+    assert 1 in ck.layout.local_steps(), ck.layout.local_steps()  # the only intact step stays
+    target = sharded(full_state(0), mesh)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        r = ck.restore(target)
+    assert r.step == 1 and r.source == "local", r
+    same_local(target, sharded(full_state(1), mesh))
+    ck.close()
+
+
+def test_two_ranks_step_missing_a_rank_file(tmp_path):
+    run_ranks(tmp_path, _missing_rank_file)
