@@ -85,6 +85,8 @@ class Rollbacks:
                 raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
                                         + (f" or {self.remote.url()}" if self.remote is not None else ""))
             self._fork_lineage()
+            if self.memory is not None and not self._owner:  # every rank's own tier; the owner's: below
+                gone = self.memory.drop_newer_than(step)
             if self._owner:
                 prev = self._rollback.store_to if self._rollback is not None else None
                 store_to = min(step, prev) if prev is not None else (step if self.remote is not None else None)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 from ckpt_tools import end_rank  # noqa: E402
-from test_manager_dcp import WORLD, full_state, same_local, sharded  # noqa: E402
+from test_manager_dcp import WORLD, full_state, run_ranks, same_local, sharded  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
 
@@ -106,3 +106,34 @@ def test_two_ranks_memory_tier(tmp_path):
                            start_method="spawn")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def memory_env():
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
+    try:
+        yield {"GDSCKPT_MEMORY_ROOT": str(root)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _rollback(rank: int, root: Path, mesh) -> None:
+    from gdsckpt import Checkpointer
+    ck = Checkpointer(root / "ck", memory=True, every_local=2, save_options=OPTS)
+    for s in (1, 2, 3, 4):  # 1, 3: DCP checkpoints; 2, 4: memory only
+        ck.save(s, sharded(full_state(s), mesh))
+    assert ck.memory.steps() == [2, 4]
+    gone = ck.rollback(2)
+    assert set(gone) >= {4} and (rank != 0 or 3 in gone), gone
+    assert ck.memory.steps() == [2] and ck.layout.local_steps() == [1] and ck.steps() == [1, 2]  # on every rank
+    ck.save(3, sharded(full_state(30), mesh))  # save(step + 1) works, on every rank
+    target = sharded(full_state(0), mesh)
+    r = ck.restore(target)
+    assert r.step == 3, r
+    same_local(target, sharded(full_state(30), mesh))
+    ck.release_memory()
+    ck.close()
+
+
+def test_two_ranks_rollback_drops_every_ranks_memory_copies(tmp_path, memory_env):
+    run_ranks(tmp_path, _rollback, env=memory_env, pg_timeout=30)
