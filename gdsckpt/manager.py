@@ -40,8 +40,9 @@ One manager per directory: a lock file (DIR/.gdsckpt-manager.lock, flock) makes 
 Checkpointer on the same directory, in this process or another, fail with CheckpointLockedError.
 A directory this process cannot write is opened read-only: steps(), latest_step() and
 restore() work; save, save_async and prune raise ReadOnlyCheckpointerError.
-Under torch.distributed the directory is shared by the ranks: rank 0 holds the lock, deletes and
-uploads; every rank saves and restores.
+Under torch.distributed the directory is shared by the ranks: rank 0 holds the lock, deletes,
+uploads and finishes a rollback recorded there (opening is a collective: every rank constructs
+its Checkpointer); every rank saves and restores, the step rank 0 chooses.
 """
 
 from __future__ import annotations
@@ -180,10 +181,18 @@ class Checkpointer(Rollbacks):
         """What a manager finds to finish in its directory, before its first upload."""
         if self._lock is not None:
             self._remove_leftovers()
-        pending = self._journal.read()
-        if pending is not None:  # a rollback killed part-way, or whose store could not be reached
-            with self._deleting:
-                self._resume_rollback(pending)
+        pending, failed = None, None
+        try:  # the owner's alone: the other ranks learn of it from the owner (share_rollback)
+            pending = self._journal.read() if self._owner else None
+            if pending is not None:  # a rollback killed part-way, or whose store could not be reached
+                with self._deleting:
+                    self._resume_rollback(pending)
+        except Exception as e:
+            failed = e
+        if self.distributed:
+            self._share_rollback(pending, failed)
+        if failed is not None:
+            raise failed
         if self.remote is not None and self.remote.uploading:
             newest = self.layout.local_steps()
             if newest:  # a restarted run: its newest step may never have reached the store
@@ -433,9 +442,14 @@ class Checkpointer(Rollbacks):
         if step is not None:
             step = whole_number("step", step, 0)
         self.wait()
-        memory = set(self.memory.restorable()) if self.memory is not None else set()
-        local = set(self._local_steps())
-        remote = self._remote_or_nothing()
+        memory = set(self.memory.restorable()) if self.memory is not None else set()  # every rank's
+        if self.distributed:  # rank 0's view: every rank tries the same steps, so all restore the same one
+            import torch.distributed as dist
+            seen = [(set(self._local_steps()), dict.fromkeys(self._remote_or_nothing())) if self._owner else None]
+            dist.broadcast_object_list(seen, src=0)
+            local, remote = seen[0]
+        else:
+            local, remote = set(self._local_steps()), self._remote_or_nothing()
         if step is not None:
             candidates = [step]
         else:

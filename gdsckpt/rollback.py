@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import CheckpointFormatError, NoCheckpointError
+from .errors import CheckpointFormatError, GdsckptError, NoCheckpointError
 from .policy import whole_number
 from .storage import fsync_dir
 
@@ -94,6 +94,26 @@ class Rollbacks:
                 gone = self._resume_rollback(PendingRollback(local_to=step, store_to=store_to))
         self.layout.barrier()
         return gone
+
+    def _share_rollback(self, found: PendingRollback | None, failed: BaseException | None) -> None:
+        """Under torch.distributed, at open: the rollback record the owner found and acted on
+        reaches every rank (a collective: every rank opens the directory). Each drops its own
+        memory copies newer than it, and keeps the directory's part pending only while the
+        owner does (a read-only owner, which cannot finish it); the store's part is the owner's.
+        GdsckptError on every rank if the owner could not read or act on the record."""
+        import torch.distributed as dist
+        box = [(found, self._rollback, None if failed is None else f"{type(failed).__name__}: {failed}")
+               if self._owner else None]
+        dist.broadcast_object_list(box, src=0)
+        if self._owner:
+            return
+        found, left, error = box[0]
+        if error is not None:
+            raise GdsckptError(f"rank 0 could not finish the rollback recorded in {str(self._journal.path)!r}: "
+                               f"{error}")
+        if found is not None and found.local_to is not None and self.memory is not None:
+            self.memory.drop_newer_than(found.local_to)
+        self._rollback = None if left is None or left.local_to is None else PendingRollback(left.local_to, None)
 
     def _resume_rollback(self, pending: PendingRollback) -> list[int]:
         """Do what `pending` still has to: the directory's part at once, the store's through the

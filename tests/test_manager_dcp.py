@@ -241,3 +241,37 @@ def _missing_rank_file(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_step_missing_a_rank_file(tmp_path):
     run_ranks(tmp_path, _missing_rank_file)
+
+
+def _rollback_record_at_open(rank: int, root: Path, mesh) -> None:
+    """A rollback record found at open is rank 0's to finish; no other rank keeps it pending
+    (it would hide the steps saved after it on that rank alone), and every rank restores the step
+    rank 0 chooses, whatever its own view of the directory."""
+    from gdsckpt import Checkpointer
+    from gdsckpt.rollback import PendingRollback, RollbackJournal
+    d = root / "ck"
+    ck = Checkpointer(d, keep=5, save_options={"chunk_bytes": 64 << 10})
+    for s in (1, 2, 3):
+        ck.save(s, sharded(full_state(s), mesh))
+    ck.close()
+    dist.barrier()
+    if rank == 0:  # a rollback to step 2 killed after its record was written, before any removal
+        RollbackJournal(d).write(PendingRollback(local_to=2, store_to=None))
+    dist.barrier()
+    ck = Checkpointer(d, keep=5, save_options={"chunk_bytes": 64 << 10})  # the restart, every rank at once
+    assert ck._rollback is None and ck.steps() == [1, 2], (ck._rollback, ck.steps())
+    assert not RollbackJournal(d).path.exists()
+    for s in (3, 4):  # training goes on from step 2
+        ck.save(s, sharded(full_state(10 + s), mesh))
+    assert ck.steps() == [1, 2, 3, 4]
+    if rank == 1:  # a rank whose own view differs: it restores rank 0's choice all the same
+        ck._local_steps = lambda: [1]
+    target = sharded(full_state(0), mesh)
+    r = ck.restore(target)
+    assert (r.step, r.source) == (4, "local"), r
+    same_local(target, sharded(full_state(14), mesh))
+    ck.close()
+
+
+def test_two_ranks_rollback_record_at_open(tmp_path):
+    run_ranks(tmp_path, _rollback_record_at_open)
