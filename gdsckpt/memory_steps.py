@@ -159,26 +159,48 @@ class MemorySteps:
 
     def load(self, step: int, state, device, strict: bool) -> tuple[object, str, object]:
         """(state, label, stats) of `step` restored from memory; DAMAGE where it cannot be (under
-        torch.distributed: on every rank, when any rank cannot)."""
+        torch.distributed: on every rank, when any rank cannot). Under torch.distributed every
+        rank first verifies its copy (every chunk's checksum) and all agree before any rank's
+        state is written: a copy damaged on one rank leaves every rank's state as it was."""
         if not self.distributed:
             with self.reading(step) as source:
                 out, stats = self.layout.load(source, state, device, strict)
                 return out, source.label, stats
-        import torch.distributed as dist
-        label, stats, mine = f"memory copy of step {step}", None, None
-        try:
+        from . import api
+        label, stats = f"memory copy of step {step}", None
+        with self._agreed(step, label, "") as mine:
             with self.reading(step) as source:
-                label = source.label
+                label = mine.label = source.label
+                with api.open(source) as ck:
+                    ck.verify()
+        # every rank's copy is intact: a failure now (the state does not match) may leave the
+        # state of the ranks that did not fail filled with this step
+        with self._agreed(step, label, "; the state of rank(s) {filled} holds step {step} now") as mine:
+            with self.reading(step) as source:
                 stats = memory_dcp().load_rank(source, state, strict)
-        except (*DAMAGE, StateMismatchError, KeyError) as e:
-            mine = f"{type(e).__name__}: {e}"
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        failed = {r: why for r, why in enumerate(every) if why is not None}
-        if failed:
-            raise CheckpointFormatError(f"rank(s) {sorted(failed)} could not restore step {step} from memory: "
-                                        f"{next(iter(failed.values()))}", path=label)
         return state, label, stats
+
+    @contextlib.contextmanager
+    def _agreed(self, step: int, label: str, filled: str) -> Iterator:
+        """Every rank runs the block, then all learn whether any failed (DAMAGE, a state that does
+        not match): CheckpointFormatError on every rank naming the failed ranks, the first
+        failure, and `filled` (formatted with the ranks that did not fail)."""
+        import types
+        import torch.distributed as dist
+        mine = types.SimpleNamespace(label=label)
+        why = None
+        try:
+            yield mine
+        except (*DAMAGE, StateMismatchError, KeyError) as e:
+            why = f"{type(e).__name__}: {e}"
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, why)
+        failed = {r: w for r, w in enumerate(every) if w is not None}
+        if failed:
+            ok = [r for r in range(len(every)) if r not in failed]
+            raise CheckpointFormatError(f"rank(s) {sorted(failed)} could not restore step {step} from memory: "
+                                        f"{next(iter(failed.values()))}" + (filled.format(filled=ok, step=step) if ok else ""),
+                                        path=mine.label)
 
     @contextlib.contextmanager
     def reading(self, step: int) -> Iterator[MemorySource]:

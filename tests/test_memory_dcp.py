@@ -137,3 +137,34 @@ def _rollback(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_rollback_drops_every_ranks_memory_copies(tmp_path, memory_env):
     run_ranks(tmp_path, _rollback, env=memory_env, pg_timeout=30)
+
+
+def _restore_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
+    """A memory copy damaged on rank 1 alone, nothing to fall back to: every rank's copy is
+    verified before any state is written, so rank 0's state is left as it was too."""
+    from gdsckpt import Checkpointer, NoCheckpointError
+    from gdsckpt.steps import step_name
+    d = root / "ck"
+    ck = Checkpointer(d, memory=True, every_local=2, save_options=OPTS)
+    for s in (1, 2):  # 1: a DCP checkpoint; 2: memory only
+        ck.save(s, sharded(full_state(s), mesh))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(d / step_name(1, True))
+    if rank == 1:
+        copy = ck.memory.tier.copy(2)
+        with ck.memory.reading(2) as src:
+            import gdsckpt
+            off = gdsckpt.open(src).index.records[0].file_offset
+        copy.slot.tensor[off + 3] ^= 1
+    dist.barrier()
+    target = sharded(full_state(0), mesh)
+    with pytest.raises(NoCheckpointError, match=r"rank\(s\) \[1\] could not restore step 2 from memory"):
+        ck.restore(target)
+    same_local(target, sharded(full_state(0), mesh))  # untouched, on every rank
+    ck.release_memory()
+    ck.close()
+
+
+def test_two_ranks_memory_restore_failing_on_one_rank(tmp_path, memory_env):
+    run_ranks(tmp_path, _restore_fails_on_one_rank, env=memory_env, pg_timeout=30)
