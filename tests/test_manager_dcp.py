@@ -275,3 +275,40 @@ def _rollback_record_at_open(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_rollback_record_at_open(tmp_path):
     run_ranks(tmp_path, _rollback_record_at_open)
+
+
+def _stage_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
+    """A staging that fails on rank 1 alone (its pinned pool cannot grow): the save fails on every
+    rank, at once, nothing is committed, and the next save works on every rank (rank 0 is not
+    left in DCP's collectives for the process group's timeout)."""
+    from gdsckpt import Checkpointer
+    from gdsckpt.dcp import writer as W
+    d = root / "ck"
+    ck = Checkpointer(d, keep=1, save_options={"chunk_bytes": 64 << 10})
+    ck.save(1, sharded(full_state(1), mesh))
+    real = W.stage_compressed
+    if rank == 1:
+        def boom(*a, **k):
+            raise MemoryError("pinned host memory exhausted (injected)")
+        W.stage_compressed = boom
+    t0 = time.monotonic()
+    try:
+        ck.save_async(2, sharded(full_state(2), mesh))  # the failure is the save's, not the call's
+        W.stage_compressed = real
+        with pytest.raises(BaseException, match="pinned host memory exhausted"):
+            ck.wait()
+    finally:
+        W.stage_compressed = real
+    ck.save_async(3, sharded(full_state(3), mesh))
+    ck.wait()
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0  # the process group's timeout: 60 s
+    dist.barrier()
+    assert ck.layout.local_steps() == [3] and not (d / step_name(2, True) / ".metadata").exists()
+    target = sharded(full_state(0), mesh)
+    assert ck.restore(target).step == 3
+    same_local(target, sharded(full_state(3), mesh))
+    ck.close()
+
+
+def test_two_ranks_staging_fails_on_one_rank(tmp_path):
+    run_ranks(tmp_path, _stage_fails_on_one_rank)

@@ -140,6 +140,9 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         self.use_collectives = True
         self.last_stats: Stats | None = None  # this rank's save Stats from the last write_data
         self._staged: list[Staged | None] = [None]  # snapshot "host"/"overlap": the staging write_data writes
+        # a staging that failed on this rank: write_data raises it, inside DCP's collectives, so
+        # DCP reports it on every rank (raised in stage(), it would leave the others in a collective)
+        self._stage_error: BaseException | None = None
         weakref.finalize(self, _drop_staged, self._staged)
 
     # -- StorageWriter
@@ -181,6 +184,9 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             fsync_dir(self.path)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        error, self._stage_error = self._stage_error, None
+        if error is not None:
+            raise error
         prefix = plan.storage_data
         if not isinstance(prefix, str):
             raise DCPPlanError(f"the save plan has no file prefix from GdsckptWriter (got {prefix!r}): was "
@@ -307,6 +313,31 @@ class GdsckptWriter(StorageWriter, AsyncStager):
 
     # -- AsyncStager (dcp.async_save)
     def stage(self, state_dict):
+        """The staged state dict (or its future). A staging that fails (the pinned pool cannot
+        grow, ...) stages `state_dict` itself as a placeholder, which DCP only plans from: the
+        error is raised by write_data, so every rank's save fails alike instead of one rank
+        leaving the others in DCP's collectives."""
+        self._stage_error = None
+        try:
+            staged = self._stage(state_dict)
+        except Exception as e:
+            self._stage_error = e
+            return state_dict
+        if isinstance(staged, ConcurrentFuture):  # a background staging: its failure too
+            placeholder: ConcurrentFuture = ConcurrentFuture()
+            placeholder.set_running_or_notify_cancel()
+
+            def settle_placeholder(f):
+                if f.exception() is None:
+                    placeholder.set_result(f.result())
+                else:
+                    self._stage_error = f.exception()
+                    placeholder.set_result(state_dict)
+            staged.add_done_callback(settle_placeholder)
+            return placeholder
+        return staged
+
+    def _stage(self, state_dict):
         if self.snapshot is Snapshot.CPU:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             stager = DefaultStager(StagingOptions(False, False, False, False))
