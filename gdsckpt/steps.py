@@ -123,8 +123,21 @@ def _identity(path: Path) -> tuple:
     return tuple(out)
 
 
-def relayed(fut: Future) -> Future:
-    """A SaveFuture (which knows whether its outcome was looked at) with `fut`'s outcome."""
+def save_failure(e: BaseException, step: int, path: Path) -> GdsckptError:
+    """DCP's CheckpointException of a failed save (a BaseException, which `except Exception`
+    misses) as a GdsckptError naming the step, its directory, the ranks that failed and the
+    first one's error; the CheckpointException is its cause."""
+    failures = dict(sorted(getattr(e, "failures", {}).items()))
+    rank, (first, _) = next(iter(failures.items()), (None, (e, None)))
+    err = GdsckptError(f"saving step {step} to {str(path)!r} failed on rank(s) {sorted(failures)}: "
+                       f"rank {rank}: {type(first).__name__}: {first}")
+    err.__cause__ = e
+    return err
+
+
+def relayed(fut: Future, convert=None) -> Future:
+    """A SaveFuture (which knows whether its outcome was looked at) with `fut`'s outcome (an
+    error through `convert`, if given)."""
     out = SaveFuture()
     out.set_running_or_notify_cancel()
 
@@ -136,7 +149,7 @@ def relayed(fut: Future) -> Future:
         if err is None:
             out.set_result(f.result())
         else:
-            out.set_exception(err)
+            out.set_exception(convert(err) if convert is not None else err)
     fut.add_done_callback(relay)
     return out
 
@@ -341,8 +354,12 @@ class DcpSteps(_Steps):
     def save(self, step: int, state) -> object:
         import torch.distributed.checkpoint as dcp
         from .dcp import CachedSavePlanner, GdsckptWriter
-        dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **self.sync_options),
-                 planner=CachedSavePlanner())
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:
+            dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **self.sync_options),
+                     planner=CachedSavePlanner())
+        except CheckpointException as e:  # raised on every rank alike
+            raise save_failure(e, step, self.path(step)) from e
         return None
 
     def save_async(self, step: int, state, optimizer) -> Future:
@@ -350,8 +367,10 @@ class DcpSteps(_Steps):
         from .dcp import CachedSavePlanner, GdsckptWriter
         writer = GdsckptWriter(self.path(step), **async_options(self.save_options, optimizer))
         fut = dcp.async_save(dcp_view(state), storage_writer=writer, planner=CachedSavePlanner())
+        from torch.distributed.checkpoint.api import CheckpointException
         fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
-        return relayed(fut)
+        path = self.path(step)
+        return relayed(fut, lambda e: save_failure(e, step, path) if isinstance(e, CheckpointException) else e)
 
     def reserve(self, state, wait: bool) -> Future:
         from .dcp import reserve  # the pool GdsckptWriter's compressed staging takes

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
 from ckpt_tools import end_rank  # noqa: E402
+from gdsckpt.errors import GdsckptError  # noqa: E402
 from gdsckpt.steps import step_name  # noqa: E402
 
 WORLD = 2
@@ -295,8 +296,9 @@ def _stage_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
     try:
         ck.save_async(2, sharded(full_state(2), mesh))  # the failure is the save's, not the call's
         W.stage_compressed = real
-        with pytest.raises(BaseException, match="pinned host memory exhausted"):
-            ck.wait()
+        with pytest.raises(GdsckptError, match=r"saving step 2 to .* failed on rank\(s\) \[1\]: rank 1: "
+                                                 "MemoryError: pinned host memory exhausted"):
+            ck.wait()  # on every rank
     finally:
         W.stage_compressed = real
     ck.save_async(3, sharded(full_state(3), mesh))
@@ -312,3 +314,28 @@ def _stage_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_staging_fails_on_one_rank(tmp_path):
     run_ranks(tmp_path, _stage_fails_on_one_rank)
+
+
+def _write_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
+    """save() whose rank file cannot be written on rank 1: a GdsckptError (an Exception, not DCP's
+    CheckpointException, a BaseException) on every rank naming the step and rank 1; nothing is
+    committed, and the older step is restored."""
+    from gdsckpt import Checkpointer
+    d = root / "ck"
+    ck = Checkpointer(d, keep=1, save_options={"chunk_bytes": 64 << 10})
+    ck.save(1, sharded(full_state(1), mesh))
+    if rank == 1:  # rank 1's file cannot be created: a directory in its place
+        (d / step_name(2, True) / "__1_0.gdsckpt").mkdir(parents=True)
+    dist.barrier()
+    with pytest.raises(GdsckptError, match=r"saving step 2 to .*step_00000002' failed on rank\(s\) \[1\]: rank 1: "):
+        ck.save(2, sharded(full_state(2), mesh))
+    dist.barrier()
+    assert ck.layout.local_steps() == [1]
+    target = sharded(full_state(0), mesh)
+    assert ck.restore(target).step == 1
+    same_local(target, sharded(full_state(1), mesh))
+    ck.close()
+
+
+def test_two_ranks_write_fails_on_one_rank(tmp_path):
+    run_ranks(tmp_path, _write_fails_on_one_rank)
