@@ -306,10 +306,14 @@ def _stage_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
     assert time.monotonic() - t0 < 20, time.monotonic() - t0  # the process group's timeout: 60 s
     dist.barrier()
     assert ck.layout.local_steps() == [3] and not (d / step_name(2, True) / ".metadata").exists()
-    target = sharded(full_state(0), mesh)
-    assert ck.restore(target).step == 3
-    same_local(target, sharded(full_state(3), mesh))
+    _restores_exactly(ck, mesh, 3)
     ck.close()
+
+
+def _restores_exactly(ck, mesh, step: int) -> None:
+    target = sharded(full_state(0), mesh)
+    assert ck.restore(target).step == step
+    same_local(target, sharded(full_state(step), mesh))
 
 
 def test_two_ranks_staging_fails_on_one_rank(tmp_path):
@@ -331,9 +335,7 @@ def _write_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
         ck.save(2, sharded(full_state(2), mesh))
     dist.barrier()
     assert ck.layout.local_steps() == [1]
-    target = sharded(full_state(0), mesh)
-    assert ck.restore(target).step == 1
-    same_local(target, sharded(full_state(1), mesh))
+    _restores_exactly(ck, mesh, 1)
     ck.close()
 
 
