@@ -122,7 +122,7 @@ class HostFile:
 
     def __init__(self, path: Path, mode: str, threads: int = CPU_IO_THREADS, owned=None):
         flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if mode == "w" else os.O_RDONLY
-        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o666)  # less the umask, as torch.save's
         self._owned = owned
         self._dfd = open_direct(path) if mode == "w" and owned is not None and CPU_DIRECT_IO else -1
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-io")

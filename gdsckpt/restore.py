@@ -46,7 +46,8 @@ def restore_into(ck, state, *, strict: bool = True, atomic: bool = False):
     plan.into(state, ck.index.skeleton, "", 0)
     if strict and (plan.missing or plan.unknown):
         raise StateMismatchError(f"{ck.path}: keys differ from the checkpoint's: missing from the target "
-                                 f"{plan.missing[:5]}, not in the checkpoint {plan.unknown[:5]}")
+                                 f"{plan.missing[:5]}, not in the checkpoint {plan.unknown[:5]} (strict=False "
+                                 "leaves what is missing on either side alone, tensors and plain values alike)")
     stats = ck.read_into(plan.targets, atomic=atomic)
     try:
         for action in plan.actions:

@@ -44,16 +44,29 @@ def save_target(path: Path) -> Path:
     """The file a save to `path` replaces, checked before anything is written: `path` with its
     symlinks resolved (a save writes through a link, as torch.save does: the temporary goes beside
     the link's target and the rename replaces the target, so the link stays). Refuses a directory,
-    a missing parent, a parent that is not a directory and a symlink loop, naming `path`."""
+    a missing parent, a parent that is not a directory, a symlink loop and a special file (a
+    device such as /dev/null, a FIFO, a socket: the rename would replace it), naming `path`."""
     real = Path(os.path.realpath(path))
     if real.is_symlink():  # realpath leaves a symlink loop where it is
         raise OSError(errno.ELOOP, "Too many levels of symbolic links", str(path))
     if real.is_dir():
         raise IsADirectoryError(errno.EISDIR, "Is a directory: a checkpoint path must name a file", str(path))
+    if real.exists() and not real.is_file():
+        raise OSError(errno.EINVAL, "Not a regular file (a device, FIFO or socket), which a save would replace "
+                      "with a checkpoint: name a file", str(path))
     if not real.parent.exists():
         raise FileNotFoundError(errno.ENOENT, f"No such directory {str(real.parent)!r} to save into", str(path))
     if not real.parent.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"{str(real.parent)!r} is not a directory", str(path))
+    return real
+
+
+def export_target(src, dst, op: str) -> Path:
+    """save_target of `dst` for a tool that writes another file from the checkpoint `src`: not
+    `src` itself (the rename would replace the source by its export), a ValueError naming both."""
+    real = save_target(user_path(dst, op))
+    if real == Path(os.path.realpath(user_path(src, op))):
+        raise ValueError(f"{op}: {str(dst)!r} is the source checkpoint {str(src)!r}; write the export elsewhere")
     return real
 
 

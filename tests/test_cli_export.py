@@ -103,4 +103,13 @@ def test_failures_leave_nothing(saved, tmp_path):
     assert rc == 3
     rc, _, _ = run_cli("export", tmp_path / "missing.gdsckpt", tmp_path / "m.pt", "--to", "torch")
     assert rc == 3
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["c.gdsckpt", "s.gdsckpt"]
+    m = tmp_path / "m.gdsckpt"  # safetensors reserves the key for its header's metadata
+    gdsckpt.save({"w": torch.ones(3), "__metadata__": torch.arange(4)}, m)
+    rc, _, err = run_cli("export", m, tmp_path / "m.safetensors", "--to", "safetensors")
+    assert rc == 2 and "tensor '__metadata__'" in err
+    source = p.read_bytes()
+    for to in ("torch", "safetensors"):  # an export over its own source would replace it
+        rc, _, err = run_cli("export", p, p, "--to", to)
+        assert rc == 2 and "is the source checkpoint" in err
+    assert p.read_bytes() == source
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["c.gdsckpt", "m.gdsckpt", "s.gdsckpt"]

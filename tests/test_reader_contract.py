@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import stat
+from pathlib import Path
 import subprocess
 import sys
 import time
@@ -326,13 +327,28 @@ def test_saving_over_a_file_keeps_its_mode_and_new_files_follow_the_umask(tmp_pa
     os.chmod(p, 0o600)
     gdsckpt.save({"w": torch.zeros(3)}, p)
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
-    old = os.umask(0o027)
-    try:
-        q = tmp_path / "new.gdsckpt"
-        gdsckpt.save({"w": torch.ones(3)}, q)
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE(os.stat(q).st_mode) == 0o640
+    for mask, mode in ((0o027, 0o640), (0o002, 0o664)):  # 0666 less the umask, save and save_async alike
+        old = os.umask(mask)
+        try:
+            q, r = tmp_path / f"new{mask}.gdsckpt", tmp_path / f"async{mask}.gdsckpt"
+            gdsckpt.save({"w": torch.ones(3)}, q)
+            gdsckpt.save_async({"w": torch.ones(3)}, r).result()
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(os.stat(q).st_mode) == stat.S_IMODE(os.stat(r).st_mode) == mode
+
+
+def test_a_save_over_a_fifo_or_device_refuses_it_and_leaves_it(tmp_path):
+    """The rename would put a checkpoint in place of a special file (/dev/null, as root)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for save in (gdsckpt.save, lambda s, p: gdsckpt.save_async(s, p).result()):
+        for path in (fifo, Path("/dev/null")):
+            with pytest.raises(OSError, match="Not a regular file") as e:
+                save({"w": torch.ones(3)}, path)
+            assert e.value.filename == str(path)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert os.listdir(tmp_path) == ["pipe"]
 
 
 def test_save_writes_through_a_symlink(tmp_path):

@@ -29,7 +29,7 @@ from ..dtypes import BY_NAME
 from ..errors import UnsupportedStateError
 from ..format import Index
 from ..save import NewFile, SaveOptions, save_flat
-from ..storage import AtomicFile, pwrite_all, save_target, temp_path_for, user_path
+from ..storage import AtomicFile, export_target, pwrite_all, save_target, temp_path_for, user_path
 from ..tree import Leaf
 from ..units import format_bytes
 from .exitcodes import ExitCode
@@ -148,6 +148,9 @@ def export_safetensors(src, dst, *, bar=None) -> dict:
     with api.open(src) as ck:
         keys = ck.keys()
         infos = {k: ck.info(k) for k in keys}
+        if "__metadata__" in infos:
+            raise UnsupportedStateError("tensor '__metadata__': safetensors reserves that key for its header's "
+                                        "metadata; export it --to torch")
         for k, i in infos.items():
             if i["dtype"] not in SAFETENSORS_DTYPES:
                 raise UnsupportedStateError(f"tensor {k!r} is {i['dtype']}, which safetensors cannot hold; "
@@ -164,7 +167,7 @@ def export_safetensors(src, dst, *, bar=None) -> dict:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-(8 + len(text)) % 8)  # data starts 8-byte aligned, as safetensors pads it
         start = 8 + len(text)
-        f = AtomicFile(save_target(user_path(dst, "export")))
+        f = AtomicFile(export_target(src, dst, "export"))
         f.create()
         f.adopt_mode()
         try:

@@ -26,7 +26,7 @@ import torch
 
 from .. import api
 from ..dtypes import BY_NAME
-from ..storage import AtomicFile, save_target, user_path
+from ..storage import AtomicFile, export_target
 from ..tree import TYPED, unflatten
 
 __all__ = ["export_torch", "TORCH_HELP"]
@@ -66,7 +66,7 @@ def export_torch(src, dst, *, bar=None) -> dict:
         with FakeTensorMode():
             fakes = [torch.empty(shape, dtype=BY_NAME[dtype]) for _, _, dtype, shape, _ in tensors]
         obj = unflatten(_typed_as_tensors(ck.index.skeleton), fakes)
-        f = AtomicFile(save_target(user_path(dst, "export")))
+        f = AtomicFile(export_target(src, dst, "export"))
         f.create()
         f.adopt_mode()
         try:
