@@ -12,7 +12,7 @@ from .cpu_backend import CpuBackend
 from .errors import BackendUnavailableError, GDSUnavailableError
 
 __all__ = ["CpuBackend", "IO_CHOICES", "check_gds", "check_io", "choose", "gpu_status", "kvikio_settings",
-           "make_backend", "nvcomp_version", "set_direct_io"]
+           "gpu_io_path", "make_backend", "nvcomp_version", "set_direct_io"]
 
 IO_CHOICES = ("auto", "gds", "compat")
 
@@ -66,6 +66,15 @@ def make_backend(kind: str, *, io: str = "auto", io_threads: int | None = None, 
         raise BackendUnavailableError(f"the GPU backend is not available: {why}")
     from .gpu.backend import GpuBackend
     return GpuBackend(io=io, io_threads=io_threads, read_task_bytes=read_task_bytes)
+
+
+def gpu_io_path(io: str) -> str | None:
+    """The path the GPU backend's file I/O takes with io=`io` ("gds" or "compat"); None where there
+    is no usable GPU. io="gds" where cuFile has no GDS: GDSUnavailableError, as make_backend."""
+    if not gpu_status()[0]:
+        return None
+    from .gpu.io import io_path
+    return io_path(io)
 
 
 def nvcomp_version() -> str | None:

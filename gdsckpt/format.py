@@ -13,6 +13,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import checksum as _ck
 from . import collector
@@ -173,9 +174,13 @@ def _tensors_json(tensors: list[TensorEntry], devices: list[str]) -> bytes:
 # ---------------------------------------------------------------- reading
 
 
-def read_index(pread, file_size: int, path) -> Index:
-    """The validated index of a file of `file_size` bytes read through `pread(n, offset)`."""
+def read_index(pread, file_size: int, path, on_footer: Callable[[int], None] | None = None) -> Index:
+    """The validated index of a file of `file_size` bytes read through `pread(n, offset)`.
+    on_footer(index offset): called once the footer is checked, before the index is read (the
+    records lie below that offset)."""
     off, length, index_ck, version = _read_footer(pread, file_size, path)
+    if on_footer is not None:
+        on_footer(off)
     return parse_index(pread(length, off), index_ck, off, path, checksum_algorithm(*version))
 
 

@@ -63,19 +63,17 @@ def _blocks(ranges: list[tuple[int, int]], block: int) -> list[tuple[int, int]]:
 class _Ahead:
     """One plan: the records in the order the ring takes them, the blocks that hold them, and
     a window of `window` block buffers, each block read as soon as its buffer is free (the ring
-    has taken every record in the block that last held it, and that block's read is done)."""
+    has taken every record in the block that last held it, and that block's read is done).
+    `window` None: as many as the widest record's blocks, plus one a thread."""
 
-    def __init__(self, ranges: list[tuple[int, int]], block: int, threads: int, read: Callable, pinned: bool):
-        self.ranges = ranges
+    def __init__(self, ranges: list[tuple[int, int]], block: int, threads: int, read: Callable, pinned: bool,
+                 window: int | None = None):
+        self.blocks = _blocks(ranges, block)
+        self._block, self._threads = block, threads
+        self.ranges, self.spans = ranges, self._spans(ranges)
         self.asked = 0  # ranges a pread has asked for
         self.next = 0  # ranges taken (copied out): in the order asked
-        self.blocks = _blocks(ranges, block)
-        starts = [o for o, _ in self.blocks]
-        # each range's first and last block
-        self.spans = [(bisect.bisect_right(starts, off) - 1, bisect.bisect_right(starts, off + n - 1) - 1)
-                      for off, n in ranges]
-        widest = max(last - first + 1 for first, last in self.spans)
-        self.window = min(len(self.blocks), widest + threads)
+        self.window = min(len(self.blocks), window or self._needs(self.spans))
         # Each buffer is allocated by the first read into it, on a reader thread, beside the other
         # reads (page-locking 64 MiB takes milliseconds); as large as the largest block.
         self.host: list[torch.Tensor | None] = [None] * self.window
@@ -85,6 +83,28 @@ class _Ahead:
         self.released = 0  # blocks below this are done with; block b may be read once b < released + window
         for b in range(self.window):
             self._submit(b)
+
+    def _spans(self, ranges) -> list[tuple[int, int]]:
+        """Each range's first and last block."""
+        starts = [o for o, _ in self.blocks]
+        return [(bisect.bisect_right(starts, off) - 1, bisect.bisect_right(starts, off + n - 1) - 1)
+                for off, n in ranges]
+
+    def _needs(self, spans) -> int:
+        """The window that reads `spans` at full speed: the widest record's blocks, and one a thread."""
+        return max(last - first + 1 for first, last in spans) + self._threads
+
+    def adopt(self, ranges: list[tuple[int, int]]) -> bool:
+        """Take `ranges` as the records this plan's preads ask for, keeping the reads in flight,
+        where none was asked for yet, the blocks that hold them are this plan's, and the window
+        suits them; else False (nothing changed)."""
+        if self.asked or _blocks(ranges, self._block) != self.blocks:
+            return False
+        spans = self._spans(ranges)
+        if min(len(self.blocks), self._needs(spans)) > self.window:
+            return False
+        self.ranges, self.spans = ranges, spans
+        return True
 
     def _submit(self, b: int) -> None:
         if b < len(self.blocks):
@@ -145,17 +165,18 @@ class _Ahead:
 
 class ReadAheadFile:
     """A checkpoint file opened for the ring's reads (ring.ReadsAhead): see the module's doc.
-    `copy(dst, src)` moves bytes from host memory into the ring's buffers (the backend's copy);
+    `copy(dst, src)` moves bytes from host memory into the ring's buffers (the backend's copy: set
+    before the first pread, by the source once it knows the ring's backend);
     pinned: the window page-locked, which a copy into GPU memory reads at the DMA engines' rate;
     `label` names the file in errors (`path` may be /proc/self/fd/N)."""
 
-    def __init__(self, path: Path, copy: Callable[[Bytes, Bytes], None], *, threads: int, block: int,
+    def __init__(self, path: Path, copy: Callable[[Bytes, Bytes], None] | None = None, *, threads: int, block: int,
                  pinned: bool = False, label=None):
         self.label = path if label is None else label  # names the file in errors
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._dfd = open_direct(path, os.O_RDONLY)
         self.direct = self._dfd >= 0  # False once the file system refused O_DIRECT, at open or at a read
-        self._copy, self._threads, self._block, self._pinned = copy, threads, block, pinned
+        self.copy, self._threads, self._block, self._pinned = copy, threads, block, pinned
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-read-ahead")
         self._ahead: _Ahead | None = None
         # seconds the ring's preads waited for blocks to be read, and copied them out: in the read's stats
@@ -167,16 +188,30 @@ class ReadAheadFile:
 
     def will_read(self, ranges: list[tuple[int, int]]) -> None:
         """The records (offset, stored bytes) the next preads ask for, in that order; replaces any
-        earlier plan. Read ahead only where their offsets increase, as a checkpoint's records do."""
+        earlier plan (an `expect`ed one whose blocks these are goes on, its reads kept). Read ahead
+        only where their offsets increase, as a checkpoint's records do."""
+        ranges = list(ranges)
+        if self._ahead is not None and ranges and self._ahead.adopt(ranges):
+            return
         self._stop()
         if ranges and all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:])):
-            self._ahead = _Ahead(list(ranges), self._block, self._threads, self._read_block, self._pinned)
+            self._ahead = _Ahead(ranges, self._block, self._threads, self._read_block, self._pinned)
+
+    def expect(self, start: int, end: int, widest: int) -> None:
+        """Bytes [start, end) hold records of at most `widest` bytes that a plan still to be made
+        will ask for, all and in file order (a whole restore, whose index is being parsed): read
+        them ahead now, in the blocks such a plan reads, within the window it would take."""
+        self._stop()
+        if end > start:
+            window = -(-(widest + self._block - ALIGN) // self._block) + self._threads
+            self._ahead = _Ahead([(start, end - start)], self._block, self._threads, self._read_block,
+                                 self._pinned, window)
 
     def pread(self, buf: Bytes, nbytes: int, offset: int) -> Completion:
         ahead = self._ahead
         if ahead is not None and ahead.asked < len(ahead.ranges) and ahead.ranges[ahead.asked] == (offset, nbytes):
             j, ahead.asked = ahead.asked, ahead.asked + 1
-            return Completion(lambda: ahead.take(j, buf, self._copy, self.stages))
+            return Completion(lambda: ahead.take(j, buf, self.copy, self.stages))
         # Not in the plan: this record alone, read now into its own buffer
         start = offset - offset % ALIGN
         host = _aligned(-(-(offset + nbytes - start) // ALIGN) * ALIGN)
@@ -184,7 +219,7 @@ class ReadAheadFile:
 
         def finish() -> int:
             got = max(0, min(nbytes, fut.result() - (offset - start)))
-            self._copy(buf[:got], host[offset - start:offset - start + got])
+            self.copy(buf[:got], host[offset - start:offset - start + got])
             return got
         return Completion(finish)
 

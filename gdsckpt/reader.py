@@ -54,10 +54,13 @@ class Checkpoint:
     Only the footer and index are read on open; `get_tensor` reads just the chunks
     that hold that tensor. `source` is where the bytes come from (gdsckpt/sources.py: a local
     file, held open until close(), or an object in a store); `path` names it in errors and stats.
+    read_all=True: the caller is to read every tensor (load, load_into), so a local file that will
+    be read ahead into a GPU starts reading its records as soon as the footer is checked, beside
+    the index's parse and the restore's plan.
     """
 
     def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,
-                 io_threads: int | None = None, trusted: bool = True):
+                 io_threads: int | None = None, trusted: bool = True, read_all: bool = False):
         where = sources.locate(path)
         check_io(io, io_threads)
         if not isinstance(ring_depth, int) or isinstance(ring_depth, bool) or ring_depth < 1:
@@ -71,15 +74,18 @@ class Checkpoint:
         # GETs only); the footer and index are read now, each chunk record when a tensor needs it.
         self.source = sources.open_source(where, trusted=self.trusted)
         self.path = self.source.label
-        try:
-            self.index = fmt.read_index(self.source.pread, self.source.size, self.path)
-        except BaseException:
-            self.source.close()
-            raise
-        self._check_nvcomp()
         # I/O path and workers: the caller's, else those that suit the source (a memory copy's), else the backend's.
         self._backend_choice, self._io = backend, self.source.io if io == "auto" else io
         self._io_threads = io_threads if io_threads is not None else self.source.io_threads
+        # A whole restore of a local file: its reads start with the index's parse, not after the plan.
+        whole = read_all and self.trusted and backend != "cpu" and isinstance(self.source, sources.LocalFile)
+        try:
+            self.index = fmt.read_index(self.source.pread, self.source.size, self.path,
+                                        (lambda end: self.source.read_ahead(end, self._io)) if whole else None)
+            self._check_nvcomp()
+        except BaseException:
+            self.source.close()
+            raise
         # Every key path -> tensor: each stored tensor's key, then the keys of its aliases (tensors
         # saved as one because they shared memory, e.g. tied embeddings), which read and load_into
         # accept like any key.
@@ -530,9 +536,10 @@ def open(path, **options) -> Checkpoint:  # noqa: A001 - mirrors safetensors.saf
 
 
 def load(path, *, device=None, **options):
-    return Checkpoint(path, **options).load(device)
+    with Checkpoint(path, read_all=True, **options) as ck:
+        return ck.load(device)
 
 
 def load_into(path, state, *, strict: bool = True, atomic: bool = False, **options) -> Stats:
-    with Checkpoint(path, **options) as ck:
+    with Checkpoint(path, read_all=True, **options) as ck:
         return ck.load_into(state, strict=strict, atomic=atomic)

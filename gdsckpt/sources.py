@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .defaults import KVIKIO_READ_TASK_BYTES, READ_AHEAD_BLOCK_BYTES, READ_AHEAD_PINNED, READ_AHEAD_THREADS
+from .backend import gpu_io_path
+from .defaults import CHUNK_BYTES, KVIKIO_READ_TASK_BYTES, READ_AHEAD_BLOCK_BYTES, READ_AHEAD_PINNED, READ_AHEAD_THREADS
 from .errors import CheckpointFormatError, GdsckptError
+from .format import HEADER_SIZE
 from .read_ahead import ReadAheadFile
 # The object-store seam: the one place the reader depends on it.
 from .stores import is_remote, open_store, scheme_of
@@ -117,6 +119,16 @@ class LocalFile:
             raise
         self.identity = (st.st_dev, st.st_ino)
         self.size = st.st_size
+        self._ahead: ReadAheadFile | None = None  # read_ahead's, until open_chunks takes it
+
+    def read_ahead(self, end: int, io: str) -> None:
+        """A whole restore is to read every record, those below `end` (the index's offset), once its
+        index is parsed and its plan made: where the ring will read them ahead into a GPU (its backend
+        with io=`io` in compat mode), begin now, beside the parse and the plan. A ring on another
+        backend, or a plan that reads other records, drops these reads (at most a window's worth)."""
+        if self._ahead is None and READ_AHEAD_THREADS and io != "gds" and gpu_io_path(io) == "compat":
+            self._ahead = self._read_ahead_file()
+            self._ahead.expect(HEADER_SIZE, end, CHUNK_BYTES["gpu"])
 
     def pread(self, n: int, offset: int) -> bytes:
         if self._closer.alive:
@@ -129,10 +141,13 @@ class LocalFile:
             os.close(fd)
 
     def open_chunks(self, backend: Backend) -> ChunkFile:
+        ahead, self._ahead = self._ahead, None
         if backend.name == "gpu" and backend.io_path == "compat" and READ_AHEAD_THREADS:
-            file = ReadAheadFile(self._reopen_path(), backend.copy, threads=READ_AHEAD_THREADS,
-                                 block=READ_AHEAD_BLOCK_BYTES, pinned=READ_AHEAD_PINNED, label=self.label)
+            file = ahead or self._read_ahead_file()
+            file.copy = backend.copy
         else:
+            if ahead is not None:
+                ahead.close()
             file = backend.open(self._reopen_path(), "r")
         try:
             self._check_same(file.fd)
@@ -146,7 +161,14 @@ class LocalFile:
         return ChildFile(f"/proc/self/fd/{fd}" if fd is not None else str(self.label), fd, self.identity)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         self._closer()
+
+    def _read_ahead_file(self) -> ReadAheadFile:
+        return ReadAheadFile(self._reopen_path(), threads=READ_AHEAD_THREADS, block=READ_AHEAD_BLOCK_BYTES,
+                             pinned=READ_AHEAD_PINNED, label=self.label)
 
     def _reopen_path(self) -> Path:
         """The file opened, by a path a concurrent save's rename cannot redirect (/proc/self/fd on

@@ -238,6 +238,44 @@ def test_a_file_is_read_ahead_into_the_gpu_in_compat_mode_and_exactly(tmp_path, 
         gdsckpt.load(p)
 
 
+def test_a_whole_restore_reads_ahead_from_its_open_each_byte_once(tmp_path, monkeypatch):
+    """load_into and load start reading a local file's records into the read-ahead's window as soon
+    as the footer is checked (Checkpoint(read_all=True)), beside the index's parse and the plan;
+    the ring's plan takes those reads over, so each block is read once, and the state is exact."""
+    from gdsckpt import read_ahead, sources
+    from gdsckpt.format import HEADER_SIZE
+    from gdsckpt.gpu.io import gds_available
+    from gdsckpt.reader import Checkpoint
+    if gds_available():
+        pytest.skip("this host has GDS: cuFile reads the file")
+    monkeypatch.setattr(sources, "READ_AHEAD_BLOCK_BYTES", 1 << 20)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    state = {f"w{i}": torch.randn(900_000 + 4093 * i, device="cuda", generator=g) for i in range(6)}
+    p = tmp_path / "w.gdsckpt"
+    gdsckpt.save(state, p, chunk_bytes=4 << 20)
+    with Checkpoint(p, read_all=True) as ck:
+        records_end = -(-max(r.file_offset + r.stored for r in ck.index.records) // 4096) * 4096
+        assert isinstance(ck.source._ahead, read_ahead.ReadAheadFile)  # reading since the footer
+    with Checkpoint(p) as ck:
+        assert ck.source._ahead is None  # an open that may read a few tensors reads nothing ahead
+    reads: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd, bufs, offset):
+        reads.append(preadv(fd, bufs, offset))
+        return reads[-1]
+    monkeypatch.setattr(read_ahead.os, "preadv", counted)
+    for atomic in (False, True):
+        reads.clear()
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert gdsckpt.load_into(p, out, atomic=atomic).io_path == "read-ahead-direct"
+        assert_same(out, state)
+        assert sum(reads) == records_end - HEADER_SIZE  # every block once: the plan kept the early reads
+    reads.clear()
+    assert_same(gdsckpt.load(p), state)
+    assert sum(reads) == records_end - HEADER_SIZE
+
+
 def test_gpt2_small_adamw_state_roundtrips_and_compresses(tmp_path, capsys):
     """Issue 2's bar: GPT-2-small AdamW state bit-exact on the GPU; typed ANS saves >= 15% overall
     and >= 30% on the bf16 weights; `inspect` shows the per-stream ratios."""

@@ -210,3 +210,88 @@ def test_a_verify_counting_its_bytes_keeps_the_read_ahead_plan(tmp_path):
     assert stats.io_path.startswith("read-ahead-") and stats.stages["read_ahead_copy"] > 0
     assert outer_seconds(stats.stages) <= stats.seconds  # the read-ahead's stages are inside read_wait
     assert sum(counted) == sum(r.stored for r in ck.index.records)
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+    """The bytes of every read the read-ahead's threads make, as they make them."""
+    from gdsckpt import read_ahead
+    got: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd, bufs, offset):
+        n = preadv(fd, bufs, offset)
+        got.append(n)
+        return n
+    monkeypatch.setattr(read_ahead.os, "preadv", counted)
+    return got
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_whole_read_expected_at_open_keeps_the_reads_begun_before_its_plan(tmp_path, monkeypatch, atomic):
+    """`expect` starts reading a file's records before the plan is made (a whole restore, while its
+    index is parsed); the ring's plan of every record then takes those reads over: each byte is
+    read once, and the records come back exact."""
+    from gdsckpt.format import HEADER_SIZE
+    p, state = _saved(tmp_path)
+    with open_checkpoint(p) as ck, make_backend("cpu") as be:
+        index = ck.index
+        ids = [c.index for c in index.plan.chunks]
+        end = max(r.file_offset + r.stored for r in index.records)
+        reads = _counting_reads(monkeypatch)
+        f = ReadAheadFile(p, threads=3, block=16 << 10)
+        try:
+            f.expect(HEADER_SIZE, -(-end // 4096) * 4096, widest=max(r.stored for r in index.records))
+            time.sleep(0.05)  # the window's reads run before the plan comes
+            assert sum(reads) > 0
+            f.copy = be.copy
+            if atomic:
+                stored = read_verified(index, ids, be, f, Timings(), p)
+                assert [bytes(s.numpy()) for s in stored] == [
+                    p.read_bytes()[r.file_offset:r.file_offset + r.stored] for r in index.records]
+            else:
+                out = {t.key: torch.empty(state[t.key].shape) for t in index.plan.tensors}
+                read_chunks(index, ids, [out[t.key].view(torch.uint8) for t in index.plan.tensors], be, f, 2,
+                            Timings(), p)
+                assert all(torch.equal(out[k], state[k]) for k in state)
+        finally:
+            f.close()
+    assert sum(reads) == -(-end // 4096) * 4096 - HEADER_SIZE  # every block once: none read again
+
+
+@pytest.mark.parametrize("case", ["some records", "wider records than expected"])
+def test_a_plan_unlike_the_expected_one_replaces_it_and_reads_exactly(tmp_path, case):
+    from gdsckpt.format import HEADER_SIZE
+    p, state = _saved(tmp_path)
+    with open_checkpoint(p) as ck, make_backend("cpu") as be:
+        index = ck.index
+        ids = [c.index for c in index.plan.chunks][::2] if case == "some records" else [
+            c.index for c in index.plan.chunks]
+        end = max(r.file_offset + r.stored for r in index.records)
+        f = ReadAheadFile(p, be.copy, threads=2, block=8 << 10)
+        try:
+            # "wider": a window sized for records of 4 KiB cannot hold the plan's widest record beside
+            # its threads' reads; the plan starts its own
+            f.expect(HEADER_SIZE, -(-end // 4096) * 4096, widest=4096 if case != "some records" else 64 << 10)
+            stored = read_verified(index, ids, be, f, Timings(), p)
+        finally:
+            f.close()
+        whole = p.read_bytes()
+        assert [bytes(s.numpy()) for s in stored] == [
+            whole[index.records[i].file_offset:index.records[i].file_offset + index.records[i].stored] for i in ids]
+
+
+def test_a_whole_restore_whose_ring_reads_otherwise_drops_the_reads_begun_at_open(tmp_path, monkeypatch):
+    """load_into starts reading a local file at open where the ring will read it ahead into a GPU;
+    here the ring runs on the CPU backend (a file of zstd chunks into host tensors), so those reads
+    are dropped and their threads stopped, and the restore reads exactly through the backend's own
+    file. (Where the GPU reads it, tests/test_gpu.py.)"""
+    import threading
+    from gdsckpt import sources
+    p, state = _saved(tmp_path)
+    monkeypatch.setattr(sources, "gpu_io_path", lambda io: "compat")  # as on a GPU host without GDS
+    before = {t.ident for t in threading.enumerate()}
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    stats = gdsckpt.load_into(p, target, atomic=True)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert stats.io_path == "cpu"
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("gdsckpt-read-ahead")]

@@ -19,6 +19,8 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 
     --paths save,pool-state --size 20GB --loops 3 --kvikio-read --no-atomic --load-options 'ring_depth=4'
 
+`--from-plan` also reads each load_into's way with its reads ahead begun once its plan is made
+(gdsckpt before 2026-11-28) instead of at the open, the two in an order turned each loop.
 `--read-ahead '0;4x64;4x64p'` also reads the file (load_into, atomic=True too unless --no-atomic) with the read-ahead of
 compat mode (gdsckpt/read_ahead.py) at that many threads x MiB blocks instead of the defaults'
 (defaults.READ_AHEAD_*), a trailing p: its window pinned; 0 threads: KvikIO reads each record as
@@ -99,11 +101,19 @@ class Phases:
                 self.marks["reads_end"] = time.perf_counter()
         reader.Checkpoint.__init__, reader.read_chunks = init, read
 
-    def load(self, path: Path, state, **kw):
+    def load(self, path: Path, state, from_open: bool = True, **kw):
+        """load_into; from_open=False: its reads ahead start at the plan, as before 2026-11-28, not
+        at the open (Checkpoint(read_all=False))."""
+        from gdsckpt.reader import Checkpoint
         self.marks.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        stats = gdsckpt.load_into(path, state, **kw)
+        if from_open:
+            stats = gdsckpt.load_into(path, state, **kw)
+        else:
+            atomic = kw.pop("atomic", False)
+            with Checkpoint(path, **kw) as ck:
+                stats = ck.load_into(state, atomic=atomic)
         torch.cuda.synchronize()
         end = time.perf_counter()
         m = self.marks
@@ -167,6 +177,8 @@ def main() -> None:
     ap.add_argument("--paths", default="save,save-16t,pool-1GiB,pool-state")
     ap.add_argument("--kvikio-read", action="store_true")
     ap.add_argument("--no-atomic", action="store_true")
+    ap.add_argument("--from-plan", action="store_true",
+                    help="each load_into also with its reads ahead started at the plan, not the open")
     ap.add_argument("--load-options", default="",
                     help="more atomic=False restores, each with these Checkpoint options: "
                          "'ring_depth=4;io_threads=8;ring_depth=4,io_threads=8'")
@@ -221,10 +233,13 @@ def main() -> None:
             with task_size(mib):
                 if args.kvikio_read:
                     row[f"kvikio_read{tag}_gbps"] = round(kvikio_read(p), 3)
-                for atomic in atomics if mib is None else (False,):
-                    name = f"load_into_atomic_{atomic}" if mib is None else f"load_into{tag}"
+                starts = (True, False) if mib is None and args.from_plan else (True,)
+                starts = starts[loop % len(starts):] + starts[:loop % len(starts)]
+                for atomic, from_open in [(a, f) for a in (atomics if mib is None else (False,)) for f in starts]:
+                    name = (f"load_into_atomic_{atomic}" if mib is None else f"load_into{tag}") + \
+                        ("" if from_open else "_from_plan")
                     drop_page_cache(p)
-                    seconds, stats, marks = phases.load(p, state, atomic=atomic)
+                    seconds, stats, marks = phases.load(p, state, from_open, atomic=atomic)
                     row[f"{name}_stored_gbps"] = round(size / seconds / 1e9, 3)
                     row[f"{name}_stages"] = {k: round(v, 3) for k, v in stats.stages.items()} | marks
                     row["io_path"] = stats.io_path

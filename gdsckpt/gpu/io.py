@@ -36,6 +36,24 @@ def set_direct_io(enabled: bool) -> None:
     kvikio.defaults.set({"auto_direct_io_write": enabled, "auto_direct_io_read": enabled})
 
 
+def io_path(requested: str) -> str:
+    """The path KvikIO's reads and writes take here with io=`requested`: "gds" or "compat"."""
+    # The GDS probe opens cuFile's driver: 0.22 s the first time in a process on the H100 host, so
+    # it runs only where the answer matters (io="compat" never asks: a memory copy's restore).
+    if requested == "gds":
+        if not gds_available():
+            raise GDSUnavailableError(
+                "io='gds' asked for GPUDirect Storage, but cuFile reports is_gds_available=False on this host "
+                "(no nvidia-fs driver, or the file system does not support it). Use io='auto' to fall back to "
+                "KvikIO's compat mode, which gdsckpt reports as io_path='compat'")
+        return "gds"
+    if requested == "compat" or (requested == "auto" and not gds_available()):
+        return "compat"
+    if requested == "auto":
+        return "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
+    raise ValueError(f"io must be 'auto', 'gds' or 'compat', not {requested!r}")
+
+
 def io_settings(requested: str, io_threads: int | None, read_task_bytes: int | None = None):
     """(io path that will run, context manager applying the KvikIO settings for it).
     read_task_bytes: KvikIO's task and bounce buffer size for reading a file (None: KvikIO's)."""
@@ -48,23 +66,9 @@ def io_settings(requested: str, io_threads: int | None, read_task_bytes: int | N
         for key in ("task_size", "bounce_buffer_size"):
             if f"KVIKIO_{key.upper()}" not in os.environ:
                 settings[key] = read_task_bytes
-    # The GDS probe opens cuFile's driver: 0.22 s the first time in a process on the H100 host, so
-    # it runs only where the answer matters (io="compat" never asks: a memory copy's restore).
-    if requested == "gds":
-        if not gds_available():
-            raise GDSUnavailableError(
-                "io='gds' asked for GPUDirect Storage, but cuFile reports is_gds_available=False on this host "
-                "(no nvidia-fs driver, or the file system does not support it). Use io='auto' to fall back to "
-                "KvikIO's compat mode, which gdsckpt reports as io_path='compat'")
-        settings["compat_mode"] = kvikio.CompatMode.OFF
-        path = "gds"
-    elif requested == "compat" or (requested == "auto" and not gds_available()):
-        settings["compat_mode"] = kvikio.CompatMode.ON
-        path = "compat"
-    elif requested == "auto":
-        path = "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
-    else:
-        raise ValueError(f"io must be 'auto', 'gds' or 'compat', not {requested!r}")
+    path = io_path(requested)
+    if requested != "auto" or not gds_available():  # else KvikIO's own choice, as io_path reports it
+        settings["compat_mode"] = kvikio.CompatMode.OFF if path == "gds" else kvikio.CompatMode.ON
     # KvikIO rebuilds its thread pool whenever num_threads changes, so the pool is resized only
     # when asked for a different size, and left at that size afterwards (not reverted per save).
     threads = io_threads or KVIKIO_THREADS
