@@ -179,6 +179,7 @@ class ReadAheadFile:
         self.copy, self._threads, self._block, self._pinned = copy, threads, block, pinned
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdsckpt-read-ahead")
         self._ahead: _Ahead | None = None
+        self._expected_at: float | None = None  # when `expect` began reading, until a plan takes it over
         # seconds the ring's preads waited for blocks to be read, and copied them out: in the read's stats
         self.stages: dict[str, float] = defaultdict(float)
 
@@ -192,6 +193,9 @@ class ReadAheadFile:
         only where their offsets increase, as a checkpoint's records do."""
         ranges = list(ranges)
         if self._ahead is not None and ranges and self._ahead.adopt(ranges):
+            if self._expected_at is not None:  # how long the disk had been read before the plan came
+                self.stages["read_ahead_before_plan"] += time.perf_counter() - self._expected_at
+                self._expected_at = None
             return
         self._stop()
         if ranges and all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:])):
@@ -203,6 +207,7 @@ class ReadAheadFile:
         them ahead now, in the blocks such a plan reads, within the window it would take."""
         self._stop()
         if end > start:
+            self._expected_at = time.perf_counter()
             window = -(-(widest + self._block - ALIGN) // self._block) + self._threads
             self._ahead = _Ahead([(start, end - start)], self._block, self._threads, self._read_block,
                                  self._pinned, window)
@@ -257,6 +262,7 @@ class ReadAheadFile:
         return done
 
     def _stop(self) -> None:
+        self._expected_at = None
         if self._ahead is not None:
             self._ahead.stop()
             self._ahead = None

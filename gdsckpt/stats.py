@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = ["Stats", "AsyncStats", "stream_stats", "INNER_STAGES", "outer_seconds"]
 
-# Stages timed inside another one (read_ahead.py's, within the ring's read_wait or atomic_read):
-# reported, never added to the others.
-INNER_STAGES = frozenset({"read_ahead_wait", "read_ahead_copy"})
+# Stages timed inside another one (read_ahead.py's, within the ring's read_wait or atomic_read), or
+# before the read began (a whole restore's reads ahead since its open): reported, never added to the others.
+INNER_STAGES = frozenset({"read_ahead_wait", "read_ahead_copy", "read_ahead_before_plan"})
 
 
 def outer_seconds(stages: dict) -> float:

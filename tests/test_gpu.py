@@ -246,6 +246,7 @@ def test_a_whole_restore_reads_ahead_from_its_open_each_byte_once(tmp_path, monk
     from gdsckpt.format import HEADER_SIZE
     from gdsckpt.gpu.io import gds_available
     from gdsckpt.reader import Checkpoint
+    from gdsckpt.stats import outer_seconds
     if gds_available():
         pytest.skip("this host has GDS: cuFile reads the file")
     monkeypatch.setattr(sources, "READ_AHEAD_BLOCK_BYTES", 1 << 20)
@@ -268,7 +269,9 @@ def test_a_whole_restore_reads_ahead_from_its_open_each_byte_once(tmp_path, monk
     for atomic in (False, True):
         reads.clear()
         out = {k: torch.zeros_like(v) for k, v in state.items()}
-        assert gdsckpt.load_into(p, out, atomic=atomic).io_path == "read-ahead-direct"
+        stats = gdsckpt.load_into(p, out, atomic=atomic)
+        assert stats.io_path == "read-ahead-direct" and stats.stages["read_ahead_before_plan"] > 0
+        assert outer_seconds(stats.stages) <= stats.seconds
         assert_same(out, state)
         assert sum(reads) == records_end - HEADER_SIZE  # every block once: the plan kept the early reads
     reads.clear()

@@ -256,6 +256,7 @@ def test_a_whole_read_expected_at_open_keeps_the_reads_begun_before_its_plan(tmp
         finally:
             f.close()
     assert sum(reads) == -(-end // 4096) * 4096 - HEADER_SIZE  # every block once: none read again
+    assert f.stages["read_ahead_before_plan"] >= 0.05  # the reads ran from `expect` until the plan came
 
 
 @pytest.mark.parametrize("case", ["some records", "wider records than expected"])
@@ -275,6 +276,7 @@ def test_a_plan_unlike_the_expected_one_replaces_it_and_reads_exactly(tmp_path, 
             stored = read_verified(index, ids, be, f, Timings(), p)
         finally:
             f.close()
+        assert "read_ahead_before_plan" not in f.stages
         whole = p.read_bytes()
         assert [bytes(s.numpy()) for s in stored] == [
             whole[index.records[i].file_offset:index.records[i].file_offset + index.records[i].stored] for i in ids]
