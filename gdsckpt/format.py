@@ -174,14 +174,15 @@ def _tensors_json(tensors: list[TensorEntry], devices: list[str]) -> bytes:
 # ---------------------------------------------------------------- reading
 
 
-def read_index(pread, file_size: int, path, on_footer: Callable[[int], None] | None = None) -> Index:
+def read_index(pread, file_size: int, path, on_index: Callable[[int], None] | None = None) -> Index:
     """The validated index of a file of `file_size` bytes read through `pread(n, offset)`.
-    on_footer(index offset): called once the footer is checked, before the index is read (the
-    records lie below that offset)."""
+    on_index(index offset): called once the footer is checked and the index read, before the index
+    is parsed (the records lie below that offset)."""
     off, length, index_ck, version = _read_footer(pread, file_size, path)
-    if on_footer is not None:
-        on_footer(off)
-    return parse_index(pread(length, off), index_ck, off, path, checksum_algorithm(*version))
+    raw = pread(length, off)
+    if on_index is not None:
+        on_index(off)
+    return parse_index(raw, index_ck, off, path, checksum_algorithm(*version))
 
 
 def read_footer(pread, file_size: int, path) -> tuple[int, int, int]:

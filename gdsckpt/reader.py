@@ -55,8 +55,8 @@ class Checkpoint:
     that hold that tensor. `source` is where the bytes come from (gdsckpt/sources.py: a local
     file, held open until close(), or an object in a store); `path` names it in errors and stats.
     read_all=True: the caller is to read every tensor (load, load_into), so a local file that will
-    be read ahead into a GPU starts reading its records as soon as the footer is checked, beside
-    the index's parse and the restore's plan.
+    be read ahead into a GPU starts reading its records as soon as its index is read, beside the
+    index's parse and the restore's plan.
     """
 
     def __init__(self, path, *, backend: str | None = None, io: str = "auto", ring_depth: int = RING_DEPTH,

@@ -240,7 +240,7 @@ def test_a_file_is_read_ahead_into_the_gpu_in_compat_mode_and_exactly(tmp_path, 
 
 def test_a_whole_restore_reads_ahead_from_its_open_each_byte_once(tmp_path, monkeypatch):
     """load_into and load start reading a local file's records into the read-ahead's window as soon
-    as the footer is checked (Checkpoint(read_all=True)), beside the index's parse and the plan;
+    as the index is read (Checkpoint(read_all=True)), beside the index's parse and the plan;
     the ring's plan takes those reads over, so each block is read once, and the state is exact."""
     from gdsckpt import read_ahead, sources
     from gdsckpt.format import HEADER_SIZE
@@ -256,7 +256,7 @@ def test_a_whole_restore_reads_ahead_from_its_open_each_byte_once(tmp_path, monk
     gdsckpt.save(state, p, chunk_bytes=4 << 20)
     with Checkpoint(p, read_all=True) as ck:
         records_end = -(-max(r.file_offset + r.stored for r in ck.index.records) // 4096) * 4096
-        assert isinstance(ck.source._ahead, read_ahead.ReadAheadFile)  # reading since the footer
+        assert isinstance(ck.source._ahead, read_ahead.ReadAheadFile)  # reading since the index was read
     with Checkpoint(p) as ck:
         assert ck.source._ahead is None  # an open that may read a few tensors reads nothing ahead
     reads: list[int] = []
