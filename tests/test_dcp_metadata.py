@@ -278,3 +278,19 @@ def test_plain_non_tensor_values_still_round_trip(tmp_path):
     now = torch.serialization.get_safe_globals()
     added = [g[0] if isinstance(g, tuple) else g for g in now if g not in allowed]
     assert not [g for g in added if getattr(g, "__module__", "").startswith("numpy")]
+
+
+def test_a_value_no_restore_could_load_is_refused_at_the_save_naming_it(tmp_path):
+    """A non-tensor value whose pickle torch.load(weights_only=True) refuses (a Path, an Enum) would
+    be refused by every load of the step (the test above): the writer refuses it at the save,
+    naming it, and writes no step."""
+    import pathlib
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(BaseException) as info:  # DCP wraps the rank's error (CheckpointException)
+            dcp.save({"w": torch.ones(3), "meta": {"dir": pathlib.PurePosixPath("/data")}},
+                     storage_writer=GdsckptWriter(tmp_path / "ck"), no_dist=True)
+    err = _failure(info)
+    assert isinstance(err, gdsckpt.UnsupportedStateError)
+    assert "'meta.dir' cannot be restored" in str(err) and "PurePosixPath" in str(err)
+    assert not (tmp_path / "ck" / ".metadata").exists()

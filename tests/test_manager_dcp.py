@@ -6,6 +6,7 @@ step that only the store still has."""
 from __future__ import annotations
 
 import datetime
+import enum
 import os
 import time
 import warnings
@@ -341,3 +342,29 @@ def _write_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_write_fails_on_one_rank(tmp_path):
     run_ranks(tmp_path, _write_fails_on_one_rank)
+
+
+class Mode(enum.Enum):  # a value DCP pickles, which a restore's torch.load(weights_only=True) refuses
+    A = 1
+
+
+def _value_a_restore_would_refuse(rank: int, root: Path, mesh) -> None:
+    """save() of a state holding a non-tensor value that no restore could load (an Enum: loading
+    never unpickles a class): refused at the save on every rank, naming the value, nothing
+    committed; before, the step was saved and every restore then skipped it as damaged (a run that
+    resumes would have silently started from an older step, or from nothing)."""
+    from gdsckpt import Checkpointer
+    d = root / "ck"
+    ck = Checkpointer(d, keep=2)
+    ck.save(1, sharded(full_state(1), mesh))
+    state = sharded(full_state(2), mesh) | {"mode": Mode.A}
+    with pytest.raises(GdsckptError, match=r"saving step 2 .*'mode' cannot be restored: .*Mode"):
+        ck.save(2, state)
+    dist.barrier()
+    assert ck.layout.local_steps() == [1]
+    _restores_exactly(ck, mesh, 1)
+    ck.close()
+
+
+def test_two_ranks_value_a_restore_would_refuse(tmp_path):
+    run_ranks(tmp_path, _value_a_restore_would_refuse)

@@ -4,15 +4,12 @@ Loading reads each rank file's index once and only the chunks of the tensors the
 read item that covers a whole stored tensor is decoded straight into the target shard's memory
 (its GPU memory for GPU shards), others are read into a temporary on the target's device and
 the requested slice copied in. `.metadata` is read without running anything from it
-(metadata.py), and so are the pickles of non-tensor values (`_checked_pickle`)."""
+(metadata.py), and so are the pickles of non-tensor values (byte_values.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import io
 import os
-import threading
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -31,6 +28,7 @@ from ..device_copy import cuda_device_of, on_device, settle
 from ..dtypes import name_of
 from ..errors import CheckpointFormatError
 from ..stats import Stats
+from .byte_values import RefusedPickle, load_plain
 from .layout import local_dir_id, metadata_path
 from .metadata import read_metadata as read_metadata_file
 
@@ -177,61 +175,18 @@ def _checked_pickle(data: bytes, path: Path, key: str, fqn: str) -> io.BytesIO:
     """A byte item's pickle (DCP's torch.save of a non-tensor value), for planner.load_bytes.
 
     DCP's planner unpickles it with torch.load(weights_only=False), which runs whatever the pickle
-    asks for, and anyone can write a valid gdsckpt file. So it is loaded here first with
-    weights_only=True (torch's allowlist: plain values, containers, tensors, and NumPy's arrays and
-    scalars, `_numpy_allowed`), and the planner gets the pickle of what that built, never the
-    file's own bytes. Anything else is a CheckpointFormatError naming the file and key, and
-    nothing of it was run."""
+    asks for, and anyone can write a valid gdsckpt file. So it is loaded here first without running
+    anything (byte_values.load_plain), and the planner gets the pickle of what that built, never
+    the file's own bytes. Anything else is a CheckpointFormatError naming the file and key."""
     try:
-        with _numpy_allowed():
-            value = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a refused global, or whatever a damaged pickle raises
-        raise CheckpointFormatError(
-            f"the non-tensor value {fqn!r} is a pickle that torch.load(weights_only=True) refuses "
-            f"({_why(e)}): refused, nothing of it was run", path=path, key=key) from None
+        value = load_plain(data)
+    except RefusedPickle as e:
+        raise CheckpointFormatError(f"the non-tensor value {fqn!r} is a pickle that torch.load(weights_only=True) "
+                                    f"refuses ({e}): refused, nothing of it was run", path=path, key=key) from None
     out = io.BytesIO()
     torch.save(value, out)
     out.seek(0)
     return out
-
-
-def _why(e: Exception) -> str:
-    """The line of torch's weights-only refusal that names what was refused (its first line otherwise)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    named = next((ln for ln in lines if ln.startswith("WeightsUnpickler error:")), lines[0] if lines else "")
-    return f"{type(e).__name__}: {named}"
-
-
-_NUMPY_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _numpy_allowed():
-    """While it lasts, torch.load(weights_only=True) also builds NumPy's arrays, scalars and dtypes:
-    data, no code (an object array's items come through the same allowlist), and RNG() and users'
-    own Statefuls hold them (NumPy's generator state is a tuple with an array). torch keeps its
-    allowlist process-wide: those of them the process has not allowed itself are added, then
-    removed."""
-    with _NUMPY_LOCK:
-        allowed = torch.serialization.get_safe_globals()
-        with torch.serialization.safe_globals([g for g in _numpy_globals() if g not in allowed]):
-            yield
-
-
-@functools.cache
-def _numpy_globals() -> tuple:
-    """What torch.save's pickles of NumPy values name (NumPy 1's module path and NumPy 2's), and
-    the dtype classes that some NumPy versions pickle dtypes as."""
-    try:
-        import numpy as np
-    except ImportError:
-        return ()
-    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
-    names = [(getattr(multiarray, f), f"{module}.{f}") for f in ("_reconstruct", "scalar")
-             for module in ("numpy.core.multiarray", "numpy._core.multiarray")]
-    dtypes = getattr(np, "dtypes", None)
-    classes = [c for n, c in vars(dtypes).items() if n.endswith("DType") and isinstance(c, type)] if dtypes else []
-    return tuple(names + [np.ndarray, np.dtype] + classes)
 
 
 def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import DCPPlanError
+from .byte_values import check_savable
 from .layout import item_key
 from .standins import data_address
 
@@ -56,9 +57,11 @@ _PREPARED_MAX = 8  # plans of this many cache keys at once
 _LOCK = threading.Lock()
 
 
-def byte_tensor(data) -> torch.Tensor:
-    """A BYTE_IO item's resolved data (a BytesIO of its pickle) as a uint8 tensor."""
+def byte_tensor(data, fqn: str) -> torch.Tensor:
+    """A BYTE_IO item's resolved data (a BytesIO of its pickle) as a uint8 tensor, once a restore
+    could load it (byte_values.check_savable: else UnsupportedStateError naming `fqn`)."""
     buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+    check_savable(buf, fqn)
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
 
 

@@ -216,7 +216,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             if key in state:
                 raise DCPPlanError(f"two write items share the key {key!r}")
             if item.type == WriteItemType.BYTE_IO:
-                t = byte_tensor(data)
+                t = byte_tensor(data, item.index.fqn)
             else:
                 if not isinstance(data, torch.Tensor):
                     raise UnsupportedStateError(f"write item {key!r} resolved to {type(data).__name__}, not a tensor")
@@ -282,7 +282,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
             byte_results: list[WriteResult] = []
             for item, data in byte_items:
                 key = item_key(item.index)
-                byte_state[key] = byte_tensor(data)
+                byte_state[key] = byte_tensor(data, item.index.fqn)
                 byte_results.append(WriteResult(index=item.index, size_in_bytes=byte_state[key].numel(),
                                                 storage_data={"file": bytes_name, "key": key}))
             self.last_stats = None
