@@ -168,3 +168,42 @@ def _restore_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_memory_restore_failing_on_one_rank(tmp_path, memory_env):
     run_ranks(tmp_path, _restore_fails_on_one_rank, env=memory_env, pg_timeout=30)
+
+
+class _FailsOnRank1:
+    """A stateful object whose load_state_dict fails on rank 1 alone, with an error of its own."""
+
+    def __init__(self):
+        self.v = torch.zeros(3)
+
+    def state_dict(self):
+        return {"v": self.v}
+
+    def load_state_dict(self, sd):
+        if dist.get_rank() == 1:
+            raise RuntimeError("this object cannot take that state here")
+        self.v.copy_(sd["v"])
+
+
+def _restore_raises_on_one_rank(rank: int, root: Path, mesh) -> None:
+    """A memory restore whose load_state_dict raises its own error on rank 1 (no damage, no
+    mismatch): rank 1 raises it, rank 0 a GdsckptError naming rank 1, both at once; before, rank 0
+    waited in the agreement's gather for the process group's timeout."""
+    from gdsckpt import Checkpointer, GdsckptError
+    ck = Checkpointer(root / "ck", memory=True, every_local=2, save_options=OPTS)
+    for s in (1, 2):  # 1: a DCP checkpoint; 2: memory only
+        ck.save(s, sharded(full_state(s), mesh) | {"obj": _FailsOnRank1()})
+    target = sharded(full_state(0), mesh) | {"obj": _FailsOnRank1()}
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="cannot take that state here"):
+            ck.restore(target)
+    else:
+        with pytest.raises(GdsckptError, match=r"rank\(s\) \[1\] failed restoring step 2 from memory: RuntimeError"):
+            ck.restore(target)
+    dist.barrier()
+    ck.release_memory()
+    ck.close()
+
+
+def test_two_ranks_memory_restore_raising_on_one_rank(tmp_path, memory_env):
+    run_ranks(tmp_path, _restore_raises_on_one_rank, env=memory_env, pg_timeout=30, timeout=60)
