@@ -96,7 +96,7 @@ class SlotView:
 
 def check_copy(folder: Path, rec: dict, deep: bool) -> str:
     """"ok" or why not, for a commit record of `folder` (memory_tier.read_record) read without
-    the tier's lock (the CLI): its segment ends in the committed footer (memory_tier.check_record)
+    the tier's lock (the CLI): its segment ends in the committed footer (memory_folders.check_record)
     and its footer and index are valid; deep: every chunk checksum too."""
     from . import api
     from .memory_folders import check_record

@@ -22,7 +22,7 @@ from typing import ContextManager, Iterator, Protocol
 from . import api
 from .async_save import MODES, SaveFuture, save_async
 from .errors import CheckpointFormatError, GdsckptError, VersionError
-from .save import Snapshot, check_save_options
+from .save import check_save_options
 from .stateful import dcp_view, dcp_write_back
 from .storage import fsync_dir, stale_temporaries, temp_path_for
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from . import format as fmt
 from .checksum import crc64nvme
-from .errors import RemoteStoreError
 from .steps import parse_step_name
 from .storage import pread_exact
 from .stores import Store

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import gdsckpt  # noqa: E402
 from gdsckpt.bench.disk import drop_page_cache  # noqa: E402
+from gdsckpt.stats import outer_seconds  # noqa: E402
 
 SHAPES = {"attn.c_attn.weight": (768, 96), "attn.c_attn.bias": (96,), "attn.c_proj.weight": (32, 96),
           "attn.c_proj.bias": (32,), "ln_1.weight": (768,), "ln_1.bias": (768,), "ln_2.weight": (768,),
