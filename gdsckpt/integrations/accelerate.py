@@ -81,8 +81,9 @@ def save_state(accelerator, output_dir: str | os.PathLike | None = None, **save_
 def load_state(accelerator, input_dir: str | os.PathLike | None = None, *, strict: bool = True,
                **load_options: Any) -> Path:
     """Restore what `save_state` saved into `accelerator`'s prepared objects; returns the folder.
-    input_dir=None with automatic_checkpoint_naming: the newest complete folder (every process's file
-    there; a folder a killed save_state left torn is passed over, with a warning). strict=False: keys missing on
+    input_dir=None with automatic_checkpoint_naming: the newest folder complete for every process
+    (each finds the state file and its own process file there, on its node's disk with
+    save_on_each_node; a folder a killed save_state left torn is passed over, with a warning). strict=False: keys missing on
     either side are left alone (nn.Module.load_state_dict(strict=False)). load_options (atomic=True,
     trusted=False, ...) reach gdsckpt.load_into. Call it on every process."""
     _check_supported(accelerator)
@@ -188,10 +189,17 @@ def _folder_to_load(accelerator, input_dir) -> Path:
     folders = _numbered(root)
     if not folders:
         raise FileNotFoundError(f"no checkpoint folder in {root}")
-    files = [STATE_FILE] + [process_file(i) for i in range(accelerator.num_processes)]
+    # What this process loads: with save_on_each_node on node-local disks, the other nodes' process
+    # files are on their disks, not here. Every process then keeps the folders complete for all.
+    files = [STATE_FILE, process_file(accelerator.process_index)]
     complete = [f for f in folders if all((f / name).is_file() for name in files)]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+        everyone = gather_object([[f.name for f in complete]])
+        complete = [f for f in complete if all(f.name in names for names in everyone)]
     if not complete:
-        raise FileNotFoundError(f"no complete checkpoint folder in {root} (each needs {', '.join(files)}): "
+        raise FileNotFoundError(f"no checkpoint folder in {root} is complete for every process (each needs "
+                                f"{STATE_FILE} and each process's own process_N file): "
                                 f"{', '.join(f.name for f in folders)} are torn")
     torn = folders[folders.index(complete[-1]) + 1:]
     if torn:  # a save_state killed part-way: the older folders it had not pruned yet are intact
