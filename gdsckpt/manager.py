@@ -95,7 +95,9 @@ class Checkpointer(Rollbacks):
     GdsckptWriter under torch.distributed, checked here (a ValueError naming the option, before
     anything is taken). remote_options: keyword arguments of gdsckpt.stores.open_store
     (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
-    torch.distributed is initialized. upload=False: no uploader thread (the CLI's prune).
+    torch.distributed is initialized; then constructing, save, save_async, restore and rollback are
+    collectives (every rank makes the same calls; distributed=False for a one-rank tool).
+    upload=False: no uploader thread (the CLI's prune).
     memory: hold every saved step in shared memory on this host (the memory tier); then
     every_local: write every n-th saved step (the 1st, 1 + n, ...) to the directory, memory_bytes:
     the tier's cap (None: defaults.MEMORY_*, status()['memory']['cap_bytes']), keep_memory: copies
