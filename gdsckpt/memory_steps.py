@@ -160,7 +160,7 @@ class MemorySteps:
     def load(self, step: int, state, device, strict: bool) -> tuple[object, str, object]:
         """(state, label, stats) of `step` restored from memory; DAMAGE where it cannot be (under
         torch.distributed: on every rank, when any rank cannot). Under torch.distributed every
-        rank first verifies its copy (every chunk's checksum) and all agree before any rank's
+        rank first checks its copy (every chunk's checksum, Checkpoint.check) and all agree before any rank's
         state is written: a copy damaged on one rank leaves every rank's state as it was."""
         if not self.distributed:
             with self.reading(step) as source:
@@ -172,7 +172,7 @@ class MemorySteps:
             with self.reading(step) as source:
                 label = mine.label = source.label
                 with api.open(source) as ck:
-                    ck.verify()
+                    ck.check()  # at the read's rate: the GPU's checksum kernel where the load runs there
         # every rank's copy is intact: a failure now (the state does not match) may leave the
         # state of the ranks that did not fail filled with this step
         with self._agreed(step, label, "; the state of rank(s) {filled} holds step {step} now") as mine:

@@ -372,6 +372,28 @@ class Checkpoint:
                 "stored_bytes": sum(r.stored for r in self.index.records), "deep": deep or isolated,
                 "isolated": isolated}
 
+    def check(self) -> None:
+        """Every chunk's checksum (on the CPU its zstd frame headers too), read as a restore of
+        this checkpoint reads it: on the GPU through its checksum kernel where its chunks need
+        nvCOMP, a memory copy's mapping where it lies. Nothing decoded or written; a
+        ChecksumError naming the chunk. For a restore in two steps at the read's rate, not one
+        core's CRC rate (the memory tier's under torch.distributed: every rank checks its copy,
+        all agree, then each loads)."""
+        ids = list(range(len(self.index.records)))
+        with make_backend(self._backend_kind({}), io=self._io, io_threads=self._io_threads,
+                          read_task_bytes=self.source.read_task_bytes) as be:
+            file = self.source.open_chunks(be)
+            try:
+                be.begin()
+                if in_place(file):  # checked where they lie, by several threads
+                    read_verified(self.index, ids, be, file, Timings(), self.path, check=self._header_check,
+                                  workers=_verify_threads(be))
+                else:
+                    self._verify_twice(be, file, ids, ids, [None] * len(self.index.plan.tensors))
+                be.finish()
+            finally:
+                file.close()
+
     def _room_once(self, be, chunk_ids) -> bool:
         """Whether an atomic read may hold every stored byte of `chunk_ids` in the backend's
         memory at once (ring.read_verified): on the GPU, within defaults.READ_ONCE_GPU_FRACTION of

@@ -171,3 +171,32 @@ def test_the_rings_verify_only_pass_checks_every_chunk_and_writes_nothing(tmp_pa
                             verify_only=True)
         finally:
             file.close()
+
+
+@pytest.mark.parametrize("where", ["file", "memory copy"])
+def test_check_reads_every_chunk_as_a_restore_does_and_names_a_damaged_one(tmp_path, where):
+    """Checkpoint.check: every chunk's checksum (and zstd frame headers) with the backend a restore
+    runs on, nothing decoded; a damaged chunk is a ChecksumError naming it. A memory copy's
+    mapping is checked where it lies (the memory tier's check before a distributed restore)."""
+    from ckpt_tools import flip_chunk_byte
+    from gdsckpt.memory_slot import Slot
+    from gdsckpt.memory_source import MemorySource
+    p = tmp_path / "c.gdsckpt"
+    gdsckpt.save(_state(), p, chunk_bytes=16 << 10)
+    last = len(gdsckpt.open(p).index.records) - 1
+    flip_chunk_byte(p, at=100, mask=1, chunk=last)
+
+    def opened():
+        if where == "file":
+            return gdsckpt.open(p)
+        data = p.read_bytes()
+        seg = tmp_path / f"seg{len(list(tmp_path.glob('seg*')))}"
+        slot = Slot(seg, len(data))
+        slot.write(data, 0)
+        return gdsckpt.open(MemorySource(slot, len(data), "memory copy"))
+    with opened() as ck:
+        with pytest.raises(gdsckpt.ChecksumError, match=f"chunk {last}"):
+            ck.check()
+    flip_chunk_byte(p, at=100, mask=1, chunk=last)  # mended
+    with opened() as ck:
+        ck.check()
