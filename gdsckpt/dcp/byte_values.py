@@ -40,7 +40,7 @@ def check_savable(data: bytes, fqn: str) -> None:
     training run saves the same few values (an LR scheduler's, an optimizer's param_groups')
     at every step."""
     data = bytes(data)
-    why = _refusal(data) if len(data) <= _CACHED_BYTES else _refusal.__wrapped__(data)
+    why = _known_refusal(data) if len(data) <= _CACHED_BYTES else _refusal(data)
     if why is not None:
         raise UnsupportedStateError(
             f"the non-tensor value {fqn!r} cannot be restored: torch.load(weights_only=True), which a restore "
@@ -48,16 +48,17 @@ def check_savable(data: bytes, fqn: str) -> None:
             "(int, float, str, bool, None, lists, dicts, tensors, NumPy arrays), e.g. an Enum as its .value")
 
 
-_CACHED_BYTES = 64 << 10  # larger pickles (a data loader's state, say) are checked anew, not kept
-
-
-@functools.lru_cache(maxsize=1024)
 def _refusal(data: bytes) -> str | None:
+    """Why a restore could not load `data`; None where it could."""
     try:
         load_plain(data)
     except RefusedPickle as e:
         return str(e)
     return None
+
+
+_CACHED_BYTES = 64 << 10  # larger pickles (a data loader's state, say) are checked anew, not kept
+_known_refusal = functools.lru_cache(maxsize=1024)(_refusal)
 
 
 def _why(e: Exception) -> str:
