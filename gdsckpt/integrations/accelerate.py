@@ -84,8 +84,8 @@ def load_state(accelerator, input_dir: str | os.PathLike | None = None, *, stric
     input_dir=None with automatic_checkpoint_naming: the newest folder complete for every process
     (each finds the state file and its own process file there, on its node's disk with
     save_on_each_node; a folder a killed save_state left torn is passed over, with a warning).
-    strict=False: keys missing on either side are left alone (nn.Module.load_state_dict(strict=False)). load_options (atomic=True,
-    trusted=False, ...) reach gdsckpt.load_into. Call it on every process."""
+    strict=False: keys missing on either side are left alone (nn.Module.load_state_dict(strict=False)).
+    load_options (atomic=True, trusted=False, ...) reach gdsckpt.load_into. Call it on every process."""
     _check_supported(accelerator)
     folder = _folder_to_load(accelerator, input_dir)
     models = list(accelerator._models)
