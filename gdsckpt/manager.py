@@ -101,13 +101,15 @@ class Checkpointer(Rollbacks):
     memory: hold every saved step in shared memory on this host (the memory tier); then
     every_local: write every n-th saved step (the 1st, 1 + n, ...) to the directory, memory_bytes:
     the tier's cap (None: defaults.MEMORY_*, status()['memory']['cap_bytes']), keep_memory: copies
-    kept where the cap allows.
+    kept where the cap allows. read_only=True: open the directory as one this process cannot
+    write (no lock, nothing in it removed or changed; restore and the listings only), as the CLI's
+    dry runs do.
     """
 
     def __init__(self, directory, *, keep: int = 3, remote: str | None = None, keep_remote: int | None = None,
                  every_remote: int = 1, save_options: dict | None = None, remote_options: dict | None = None,
                  distributed: bool | None = None, upload: bool = True, memory: bool = False, every_local: int = 1,
-                 memory_bytes: int | None = None, keep_memory: int = MEMORY_KEEP):
+                 memory_bytes: int | None = None, keep_memory: int = MEMORY_KEEP, read_only: bool = False):
         self.policy = Policy(keep=keep, keep_remote=keep_remote, every_remote=every_remote)
         every_local = whole_number("every_local", every_local, 1)
         keep_memory = whole_number("keep_memory", keep_memory, 1)
@@ -132,10 +134,12 @@ class Checkpointer(Rollbacks):
         if remote is not None:
             from .stores import open_store
             store = open_store(remote, **(remote_options or {}))
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not read_only:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._owner = self.rank == 0
-        self._lock = try_lock(self.directory) if self._owner else None
-        # A directory this process cannot write: restore only (no lock to take, nothing to guard).
+        self._lock = try_lock(self.directory) if self._owner and not read_only else None
+        # A directory this process cannot write, or asked not to: restore only (no lock to take,
+        # nothing removed, a pending rollback's steps only stop counting).
         self.read_only = self._owner and self._lock is None
         if self.read_only:
             log.info("gdsckpt: %s cannot be written: this Checkpointer restores only", self.directory)

@@ -291,20 +291,30 @@ class RemoteTier:
                         "meanwhile; removed before any upload): %s: %s", step, self.store.url(), type(e).__name__, e)
             return None
 
+    def newer_than(self, step: int) -> list[int]:
+        """The steps after `step` that have anything on the store (a marker, or objects of an
+        upload, finished or not): what a rollback to `step` removes there."""
+        return sorted(self._objects_newer_than(step)[2])
+
+    def _objects_newer_than(self, step: int) -> tuple[list[str], list[str], set[int]]:
+        """(marker names, other object names, their steps) of the steps after `step` on the store."""
+        markers, objects, steps = [], [], set()
+        for name in self.store.list():
+            top = name.split("/", 1)[0]
+            parsed = marker_step(top) or parse_step_name(top)
+            if parsed is None or parsed[1] != self.layout.distributed or parsed[0] <= step:
+                continue
+            steps.add(parsed[0])
+            (markers if name.endswith(MARKER) else objects).append(name)
+        return markers, objects, steps
+
     def _finish_abandon(self) -> list[int]:
         with self._mutex:
             pending = self._abandon
         if pending is None:
             return []
         to, then = pending
-        markers, objects, gone = [], [], set()
-        for name in self.store.list():
-            top = name.split("/", 1)[0]
-            parsed = marker_step(top) or parse_step_name(top)
-            if parsed is None or parsed[1] != self.layout.distributed or parsed[0] <= to:
-                continue
-            gone.add(parsed[0])
-            (markers if name.endswith(MARKER) else objects).append(name)
+        markers, objects, gone = self._objects_newer_than(to)
         for name in markers + objects:  # uncommit first: a kill mid-way leaves objects that do not count
             self.store.delete(name)
         if gone:

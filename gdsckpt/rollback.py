@@ -115,6 +115,15 @@ class Rollbacks:
             self.memory.drop_newer_than(found.local_to)
         self._rollback = None if left is None or left.local_to is None else PendingRollback(left.local_to, None)
 
+    def abandoned(self) -> dict[str, list[int]]:
+        """The steps a pending rollback gives up that are still here and on the store:
+        {"local": [steps], "remote": [steps]}. They do not count; a manager that can write the
+        directory removes them as it opens it."""
+        p = self._rollback
+        local = [s for s in self.layout.local_steps() if p is not None and p.local_to is not None and s > p.local_to]
+        remote = self.remote.newer_than(p.store_to) if p is not None and p.store_to is not None and self.remote else []
+        return {"local": local, "remote": remote}
+
     def _resume_rollback(self, pending: PendingRollback) -> list[int]:
         """Do what `pending` still has to: the directory's part at once, the store's through the
         remote tier (a read-only manager or a rank that does not own the directory: nothing is

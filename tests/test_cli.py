@@ -122,3 +122,51 @@ def test_ls_skips_a_step_that_retention_removes_while_it_lists(tmp_path, monkeyp
     rc, out, err = run_cli("ls", tmp_path, "--json")
     assert rc == 0 and err == "", (rc, err)
     assert [(r["step"], r["local_state"]) for r in json.loads(out)] == [(2, "ok")]
+
+
+# ---------------------------------------------------------------- a pending rollback
+
+def _three_steps(d: Path) -> None:
+    ck = Checkpointer(d, keep=5)
+    for s in (1, 2, 3):
+        ck.save(s, state_for(s))
+    ck.close()
+
+
+def test_prune_without_yes_changes_nothing_and_names_a_pending_rollbacks_steps(tmp_path):
+    """A dry run opens the directory read-only: no lock file, no temporary removed, a pending
+    rollback's steps left where they are but listed among those --yes removes; --yes removes them
+    and says so."""
+    d = tmp_path / "run"
+    _three_steps(d)
+    (d / ".gdsckpt-rollback.json").write_text('{"local_to": 1, "store_to": null}')
+    stale = temp_path_for(d / step_name(4, False))
+    stale.write_bytes(b"x")
+    os.utime(stale, (1, 1))  # a killed save's, days old
+    before = sorted(os.listdir(d))
+    rc, out, _ = run_cli("prune", d, "--keep", "5")
+    assert rc == 0 and sorted(os.listdir(d)) == before, out  # nothing removed, no lock file made
+    assert "a pending rollback gives up local steps [2, 3]" in out and "would remove: local steps [2, 3]" in out
+    rc, out, _ = run_cli("prune", d, "--keep", "5", "--yes", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["local"] == [2, 3] and doc["rollback"] == {"local": [2, 3], "remote": []}
+    assert Checkpointer(d, read_only=True).steps() == [1]
+    assert not (d / ".gdsckpt-rollback.json").exists()
+
+
+def test_ls_and_restore_test_count_a_pending_rollback_as_restore_does(tmp_path):
+    d = tmp_path / "run"
+    _three_steps(d)
+    (d / ".gdsckpt-rollback.json").write_text('{"local_to": 1, "store_to": null}')
+    rc, out, _ = run_cli("ls", d, "--json")
+    states = {r["step"]: r["local_state"] for r in json.loads(out)}
+    assert rc == 0 and states[1] == "ok"
+    assert states[2] == states[3] == "given up by a pending rollback to step 1"
+    rc, out, _ = run_cli("restore-test", d)
+    assert "restore() would use step 1" in out and rc == 1, out  # not the newest listed step
+    ck = Checkpointer(d)
+    assert ck.restore().step == 1  # what restore() does
+    ck.close()
+    (d / ".gdsckpt-rollback.json").write_text("{not json")
+    rc, out, err = run_cli("ls", d)
+    assert rc == 1 and "rollback's record is damaged" in err, (rc, out, err)

@@ -21,7 +21,8 @@ JSON documents, by command (fields are only ever added):
   ls             [{step, memory, memory_bytes, memory_state, local, local_bytes, local_state, remote,
                   remote_bytes, remote_state, remote_files}]
   restore-test   {"location", "remote", "step", "newest", "checked": [ls rows]}
-  prune          {"directory", "removed", "local": [steps], "remote": [steps], "damaged": {step: why}}
+  prune          {"directory", "removed", "local": [steps], "remote": [steps], "rollback": {"local": [steps],
+                  "remote": [steps]} (a pending rollback's, among "local" and "remote"), "damaged": {step: why}}
 """
 
 from __future__ import annotations

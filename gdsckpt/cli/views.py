@@ -58,8 +58,10 @@ def cmd_clean(args) -> int:
 def describe(location: str, *, remote: str | None = None, deep: bool = False) -> list[dict]:
     """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
     it lives, its size and whether it is intact (committed and its footer and index valid; deep:
-    every chunk checksum verified, which reads every byte)."""
+    every chunk checksum verified, which reads every byte). A step a pending rollback gives up (its
+    record in the directory) is `GIVEN_UP` there, as restore() counts it: not at all."""
     from ..errors import RemoteStoreError
+    from ..rollback import RollbackJournal
     from ..upload_marker import MARKER, InvalidMarker, load_marker
     from ..stores import is_remote, open_store
     from ..steps import parse_step_name
@@ -71,8 +73,10 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
                                       "remote": None, "remote_bytes": 0, "remote_state": None,
                                       "remote_files": []})
 
+    pending = None
     if not is_remote(location):
         d = Path(location)
+        pending = RollbackJournal(d).read() if d.is_dir() else None  # a damaged record: CheckpointFormatError
         for c in _memory_copies(d):  # this host's memory tier (Checkpointer(memory=True))
             r = row(c["step"])
             r["memory"] = ",".join(filter(None, [r["memory"], f"rank {c['rank']}"]))
@@ -124,7 +128,16 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
                 r["remote_state"] = _check_remote(store, top)
             else:
                 r["remote_state"] = "ok"
+    if pending is not None:
+        for r in rows.values():
+            for where, to in (("memory", pending.local_to), ("local", pending.local_to), ("remote", pending.store_to)):
+                if r[where] is not None and to is not None and r["step"] > to:
+                    r[where + "_state"] = f"{GIVEN_UP} to step {to}"
     return [rows[k] for k in sorted(rows)]
+
+
+# A step's state where a pending rollback gives it up (removed when a manager next opens the directory).
+GIVEN_UP = "given up by a pending rollback"
 
 
 def _local_step(p: Path, deep: bool) -> tuple[int, str] | None:
@@ -172,7 +185,7 @@ def restore_test(location: str, *, remote: str | None = None, on_step=None) -> t
             copies = [c for c in _memory_copies(Path(location)) if c["step"] == r["step"]]
             states = [_memory_state(c, deep=True) for c in copies]
             r["memory_state"] = next((s for s in states if s != "ok"), "ok")
-        if r["local"] is not None:
+        if r["local"] is not None and not r["local_state"].startswith(GIVEN_UP):
             r["local_state"] = check_step(Path(r["local"]), deep=True)
         if r["remote"] is not None and r["remote_state"] == "ok":
             root, top = r["remote"].rsplit("/", 1)
@@ -235,25 +248,37 @@ def cmd_restore_test(args) -> int:
 
 
 def cmd_prune(args) -> int:
+    """Without --yes nothing is changed: the directory is opened read-only (no lock taken, no
+    temporary removed, a pending rollback only looked at). With --yes, a pending rollback is
+    finished first (its steps are among those removed), then the policy applied."""
     from ..manager import Checkpointer
     if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
         raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
-    ck = Checkpointer(args.directory, keep=args.keep, remote=args.remote, keep_remote=args.keep_remote,
-                      upload=False)
+    options = {"keep": args.keep, "remote": args.remote, "keep_remote": args.keep_remote, "upload": False}
+    ck = Checkpointer(args.directory, read_only=True, **options)
     try:
-        gone = ck.prune(dry_run=not args.yes)
+        abandoned = ck.abandoned()  # a pending rollback's: removed once a writing manager opens the directory
+        gone = ck.prune(dry_run=True)
     finally:
         ck.close(wait_uploads=False)
+    if args.yes:
+        ck = Checkpointer(args.directory, **options)  # finishes the rollback as it opens
+        try:
+            gone = ck.prune()
+        finally:
+            ck.close(wait_uploads=False)
+    local, remote = sorted(abandoned["local"] + gone["local"]), sorted(abandoned["remote"] + gone["remote"])
     if args.json:
-        emit_json({"directory": args.directory, "removed": bool(args.yes), "local": gone["local"],
-                   "remote": gone["remote"], "damaged": {str(k): v for k, v in gone["damaged"].items()}})
+        emit_json({"directory": args.directory, "removed": bool(args.yes), "local": local, "remote": remote,
+                   "rollback": abandoned, "damaged": {str(k): v for k, v in gone["damaged"].items()}})
         return ExitCode.OK
     for step, why in gone["damaged"].items():
         print(f"local step {step} is damaged (kept; it does not count toward --keep): {why}")
+    if abandoned["local"] or abandoned["remote"]:
+        print(f"a pending rollback gives up local steps {abandoned['local'] or 'none'}; "
+              f"remote steps {abandoned['remote'] or 'none'}")
     verb = "removed" if args.yes else "would remove"
-    print(f"{verb}: local steps {gone['local'] or 'none'}; remote steps {gone['remote'] or 'none'}")
-    if not args.yes and (gone["local"] or gone["remote"]):
+    print(f"{verb}: local steps {local or 'none'}; remote steps {remote or 'none'}")
+    if not args.yes and (local or remote):
         print("re-run with --yes to remove them")
     return ExitCode.OK
-
-
