@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from . import reader
+from .async_save import wait_for_saves_to
 from .defaults import RING_DEPTH
 from .reader import Checkpoint
 from .ring import ChunkFile
@@ -27,13 +28,18 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     """Save `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
 
     Durable on return: the file is fsync'd and renamed over `path`, and the directory
-    fsync'd; an existing checkpoint at `path` is replaced only by a complete one.
+    fsync'd; an existing checkpoint at `path` is replaced only by a complete one. A save_async to
+    `path` still in flight is waited for first (calls to one path commit in call order).
     codec: "auto" (typed or byte-plane ANS per stream on the GPU, zstd on the CPU), "ans",
     "ans-planes", "bitcomp", "zstd", "raw", or {dtype name: codec}.
     io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend).
     """
     started = time.perf_counter()
-    destination = NewFile(user_path(path, "save"))  # a bad path: refused before anything else
+    target = user_path(path, "save")  # a bad path: refused before anything else
+    # A save_async to the same path still in flight commits first: else its older state would be
+    # renamed over this one after this call said it was durable.
+    wait_for_saves_to(target)
+    destination = NewFile(target)
     options = SaveOptions(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
                           io_threads=io_threads, backend=backend)
     skeleton, leaves = flatten(state)

@@ -512,6 +512,28 @@ def test_snapshots_queue_behind_writes_and_commit_in_call_order(tmp_path, monkey
     gdsckpt.save_async(_state(23), q, wait=False, **SMALL).result(30)  # nothing in flight now
 
 
+def test_a_save_to_a_path_waits_for_a_save_async_to_it_in_flight(tmp_path, monkeypatch):
+    """save_async(p) then save(p) of a newer state (a preemption handler's last save): the save
+    waits for the older snapshot's commit, so p holds the newer state; the older commit used to be
+    renamed over the file the save had called durable. A save to another path does not wait."""
+    held = HeldWriter(monkeypatch)
+    p = tmp_path / "last.gdsckpt"
+    state = _state(30)
+    fut = gdsckpt.save_async(state, p, **SMALL)
+    _mutate(state)
+    newer = _clone(state)
+    gdsckpt.save(state, tmp_path / "other.gdsckpt", backend="cpu")  # another path: no wait
+    done = threading.Event()
+    saver = threading.Thread(target=lambda: (gdsckpt.save(state, p, backend="cpu"), done.set()))
+    saver.start()
+    assert not done.wait(0.5)  # held behind the save_async's commit
+    held.release()
+    saver.join(30)
+    assert done.is_set() and fut.done()
+    fut.result()
+    assert_same(gdsckpt.load(p), newer)
+
+
 def test_calls_from_two_threads_are_serialized(tmp_path, monkeypatch):
     held = HeldWriter(monkeypatch, hold=False)
     p = tmp_path / "p.gdsckpt"
