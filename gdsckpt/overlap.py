@@ -9,6 +9,7 @@ One overlapped snapshot runs at a time per process (it owns the save ring and th
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # before the shutdown hook below: see there
 import contextlib
 import threading
 import time
@@ -46,6 +47,18 @@ def wait_for_snapshot(timeout: float | None = None) -> bool:
         return False
     _remove_hooks()
     return True
+
+
+# At the interpreter's exit, threading runs these hooks in reverse order of registration, then
+# joins the non-daemon threads (the snapshot's, the background writer). concurrent.futures' own
+# hook, registered as it was imported above, makes every thread pool refuse new work: a snapshot
+# still running then failed in its codec pool, and a save_async whose caller exited without
+# result() was lost. This one, registered after it, runs first: the snapshot ends (its file goes
+# to the writer, which the interpreter waits for) before the pools stop.
+try:
+    threading._register_atexit(wait_for_snapshot)
+except RuntimeError:  # imported while the interpreter exits: no snapshot of this module's to wait for
+    pass
 
 
 def run_overlapped(snapshot: Callable[[], Any], gpu: int | None, optimizer, finish: Callable[[Any, BaseException | None], None],

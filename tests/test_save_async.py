@@ -17,6 +17,7 @@ import stat
 import threading
 import time
 from concurrent.futures import wait as wait_futures
+from pathlib import Path
 
 import pytest
 import torch
@@ -532,6 +533,34 @@ def test_a_save_to_a_path_waits_for_a_save_async_to_it_in_flight(tmp_path, monke
     assert done.is_set() and fut.done()
     fut.result()
     assert_same(gdsckpt.load(p), newer)
+
+
+_EXITS_AFTER_SAVE_ASYNC = r"""
+import sys, torch, gdsckpt
+mode, path, reference = sys.argv[1:]
+torch.manual_seed(0)
+m = torch.nn.Linear(512, 512)
+opt = torch.optim.AdamW(m.parameters())
+m(torch.randn(4, 512)).sum().backward(); opt.step()
+gdsckpt.save({"m": m, "o": opt}, reference)
+gdsckpt.save_async({"m": m, "o": opt}, path, snapshot=mode, **({"optimizer": opt} if mode == "overlap" else {}))
+"""  # ... and the script ends, its future never looked at
+
+
+@pytest.mark.parametrize("mode", ["overlap", "device", "host"])
+def test_a_save_async_the_process_exits_after_is_committed(tmp_path, mode):
+    """A script whose last line is save_async (no result()): the interpreter finishes the save
+    before it exits, in every snapshot mode. The overlap and device modes' snapshot runs on a
+    thread of its own, which failed in its codec pool once the interpreter's exit had stopped the
+    thread pools: the file was never written, and the exit code was 0."""
+    import subprocess
+    import sys
+    p, ref = tmp_path / "p.gdsckpt", tmp_path / "ref.gdsckpt"
+    env = dict(os.environ, PYTHONPATH=str(Path(gdsckpt.__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", _EXITS_AFTER_SAVE_ASYNC, mode, str(p), str(ref)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert_same(gdsckpt.load(p), gdsckpt.load(ref))
 
 
 def test_calls_from_two_threads_are_serialized(tmp_path, monkeypatch):
