@@ -58,7 +58,8 @@ from pathlib import Path
 
 from .defaults import MEMORY_KEEP
 from .dirlock import try_lock
-from .errors import GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError
+from .errors import (CheckpointFormatError, GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError,
+                     VersionError)
 from .memory_steps import MemorySteps
 from .memory_folders import renew_directory_id
 from .policy import Policy, whole_number
@@ -154,6 +155,7 @@ class Checkpointer(Rollbacks):
         self._pending: tuple[int, Future, threading.Event | None] | None = None  # step, future, its commit handled
         self._saves = 0
         self._reported: set[int] = set()  # damaged local steps already logged
+        self._unrestorable: dict[int, str] = {}  # local steps restore() found damaged: {step: why}
         self._journal = RollbackJournal(self.directory)
         self._rolling = threading.RLock()  # the record's updates: here, and the uploader's once the store's part is done
         self._rollback: PendingRollback | None = None
@@ -250,12 +252,25 @@ class Checkpointer(Rollbacks):
     def _check(self, step: int) -> int:
         self._writable(f"save step {step!r}")
         step = whole_number("step", step, 0)
-        local = sorted(set(self.layout.local_steps()) | set(self._memory_steps()))
+        # A damaged step does not count: a run that restored an older step because the newest was
+        # damaged saves that step's number again (else every restart stopped there), in its place.
+        found = self.layout.local_steps()
+        damaged = {s: why for s, why in self._unrestorable.items() if s in found}  # every rank's alike
+        if not self.distributed:  # retention's findings too (the owner's alone under torch.distributed)
+            damaged = self.layout.known_damage() | damaged
+        local = sorted((set(found) - set(damaged)) | set(self._memory_steps()))
         if local and step <= local[-1]:
             raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
                              f"{str(self.directory)!r}{' or its memory tier' if self.memory else ''} "
                              f"(rollback(n) with n < {step} removes the newer steps; or use a new directory)")
         self._fork_lineage()
+        if step in damaged:
+            if self._owner:
+                log.warning("gdsckpt: step %d is saved again in place of its damaged copy %s (%s)", step,
+                            self.layout.path(step), damaged[step])
+                with self._deleting:
+                    self.layout.delete(step)
+            self.layout.barrier()  # no rank writes the step before its damaged copy is gone
         return step
 
     def _fork_lineage(self) -> None:
@@ -476,6 +491,8 @@ class Checkpointer(Rollbacks):
                     skipped.append((s, where, f"{type(e).__name__}: {e}"))
                     if where == "memory":
                         self.memory.damaged(s, f"{type(e).__name__}: {e}")
+                    elif where == "local" and isinstance(e, CheckpointFormatError):  # not a passing I/O error
+                        self._unrestorable[s] = f"{type(e).__name__}: {e}"
                     continue
                 if skipped:
                     warnings.warn(f"gdsckpt: restored step {s} ({where}), not the newer " +

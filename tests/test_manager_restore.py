@@ -44,6 +44,34 @@ def test_fallback_leaves_exactly_the_restored_step(tmp_path, damage):
         assert torch.equal(target["extra"], untouched)  # not a byte of step 3 in it
 
 
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_a_run_that_fell_back_past_a_damaged_step_saves_that_step_again(tmp_path, how):
+    """The README's resume loop: step 30 damaged, a new process restores step 20 and trains on; its
+    save of step 30 replaces the damaged copy (it was refused as 'not newer than step 30', so every
+    restart stopped there), and the next restore takes the new step 30. An intact step still
+    refuses its number."""
+    with Checkpointer(tmp_path, keep=5, save_options=OPTS) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, state_for(s))
+    flip_chunk_byte(tmp_path / step_name(30, False), 100, 0x10, chunk=0)
+    with Checkpointer(tmp_path, keep=5, save_options=OPTS) as ck:
+        with pytest.warns(UserWarning, match="restored step 20"):
+            assert ck.restore(state_for(0)).step == 20
+        with pytest.raises(ValueError, match="step 20 is not newer than step 20"):
+            ck.save(20, state_for(99))
+        again = state_for(31)
+        if how == "save":
+            ck.save(30, again)
+        else:
+            ck.save_async(30, again).result()
+        assert ck.steps() == [10, 20, 30]
+    with Checkpointer(tmp_path, keep=5, save_options=OPTS) as ck:
+        target = state_for(0)
+        r = ck.restore(target)
+        assert r.step == 30 and r.skipped == []
+        assert_same(target, state_for(31))
+
+
 # ---------------------------------------------------------------- DCP steps (2 CPU ranks over gloo)
 
 WORLD = 2
