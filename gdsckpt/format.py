@@ -457,10 +457,14 @@ def _check_skeleton(node, tensors: list, version: tuple[int, int], bad) -> dict[
                 body = body["items"]
             if not isinstance(body, list):
                 raise bad(f"skeleton {kind} body is not a list")
+            keys = set()  # a dict's keys are distinct: a repeated one would lose the other's value on load
             for item in reversed(body):  # reversed onto the stack: popped in tree order
                 if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
                         and not isinstance(item[0], bool)):
                     raise bad(f"skeleton {kind} item is not a [key, node] pair")
+                if (type(item[0]), item[0]) in keys:
+                    raise bad(f"skeleton {kind} has the key {item[0]!r} twice")
+                keys.add((type(item[0]), item[0]))
                 seg = str(item[0])
                 stack.append((item[1], depth + 1, (chain, seg, depth > 0),
                               length + len(seg) + (depth > 0)))

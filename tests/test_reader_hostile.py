@@ -204,6 +204,11 @@ def _nest(depth):
 
 
 field("skeleton-deeper-than-limit", ("skeleton",), lambda: _nest(300), match="deeper")
+# a key twice in one dict: a load kept one of the two (a tensor lost, no error; export crashed)
+field("skeleton-dict-key-twice", ("skeleton",), {"dict": [["a", {"list": [{"tensor": i} for i in range(7)]}],
+                                                          ["a", {"value": 1}]]}, match="key 'a' twice")
+field("skeleton-odict-key-twice", ("skeleton",), {"odict": {"items": [[3, {"value": 1}], [3, {"value": 2}]]}},
+      match="key 3 twice")
 
 # format version in the index
 field("index-format-newer", ("format",), [2, 0], match="newer")
