@@ -113,3 +113,22 @@ def test_failures_leave_nothing(saved, tmp_path):
         assert rc == 2 and "is the source checkpoint" in err
     assert p.read_bytes() == source
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c.gdsckpt", "m.gdsckpt", "s.gdsckpt"]
+
+
+def test_a_key_that_is_not_valid_unicode_is_refused_for_safetensors_and_shown_escaped(tmp_path):
+    """A key with a lone surrogate (os.fsdecode of a file name that is not UTF-8): export --to
+    safetensors refuses it (exit 2, naming it) instead of writing a header safetensors cannot
+    parse; inspect shows it escaped where stdout's encoding is strict, not exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    p = tmp_path / "s.gdsckpt"
+    gdsckpt.save({"w\udc80x": torch.ones(3), "ok": torch.zeros(2)}, p)
+    out = tmp_path / "s.safetensors"
+    rc, _, err = run_cli("export", p, out, "--to", "safetensors")
+    assert rc == 2 and "not valid Unicode" in err and not out.exists()
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict", PYTHONPATH=str(Path(gdsckpt.__file__).parents[1]))
+    r = subprocess.run([sys.executable, "-m", "gdsckpt", "inspect", str(p)], capture_output=True, text=True,
+                       env=env, timeout=120, errors="replace")
+    assert r.returncode == 0 and "w\\udc80x" in r.stdout, (r.returncode, r.stdout, r.stderr)

@@ -155,6 +155,11 @@ def export_safetensors(src, dst, *, bar=None) -> dict:
             if i["dtype"] not in SAFETENSORS_DTYPES:
                 raise UnsupportedStateError(f"tensor {k!r} is {i['dtype']}, which safetensors cannot hold; "
                                             "export it --to torch")
+            try:  # safetensors' header is UTF-8 JSON: a lone surrogate there makes a file nothing opens
+                k.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UnsupportedStateError(f"tensor key {k!r} is not valid Unicode (a lone surrogate), which a "
+                                            "safetensors header cannot hold; export it --to torch") from None
         # by alignment, then name, as safetensors' own writer orders them: every offset stays aligned
         order = sorted(keys, key=lambda k: (-torch.empty(0, dtype=BY_NAME[infos[k]["dtype"]]).element_size(), k))
         header, offset = {}, 0

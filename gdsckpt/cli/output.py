@@ -77,7 +77,8 @@ class _PipeGuard:
 
 @contextlib.contextmanager
 def quiet_pipe() -> Iterator[None]:
-    """Guard sys.stdout for the block (only where it is a real file: tests' StringIO are left)."""
+    """Guard sys.stdout for the block (only where it is a real file: tests' StringIO are left):
+    a reader that goes away, and text its encoding cannot show."""
     stream = sys.stdout
     try:
         stream.fileno()
@@ -86,8 +87,15 @@ def quiet_pipe() -> Iterator[None]:
         return
     guard = _PipeGuard(stream)
     sys.stdout = guard
+    # A key this terminal's encoding cannot show (a lone surrogate, from a file name that was not
+    # UTF-8) is shown escaped, not a UnicodeEncodeError that ended the command as a usage error.
+    errors = getattr(stream, "errors", None)
+    if errors is not None and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="backslashreplace")
     try:
         yield
     finally:
         guard.flush()
+        if errors is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=errors)
         sys.stdout = stream
