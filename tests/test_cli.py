@@ -170,3 +170,10 @@ def test_ls_and_restore_test_count_a_pending_rollback_as_restore_does(tmp_path):
     (d / ".gdsckpt-rollback.json").write_text("{not json")
     rc, out, err = run_cli("ls", d)
     assert rc == 1 and "rollback's record is damaged" in err, (rc, out, err)
+
+
+def test_prune_keep_remote_without_remote_is_a_usage_error(tmp_path):
+    d = tmp_path / "run"
+    _three_steps(d)
+    rc, out, err = run_cli("prune", d, "--keep", "1", "--keep-remote", "1", "--yes")
+    assert rc == 2 and "--remote" in err and Checkpointer(d, read_only=True).steps() == [1, 2, 3]

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
     p.add_argument("--remote", help="the directory's s3://bucket/prefix")
     p = command("prune", cmd_prune, "apply the Checkpointer's retention now (never a step's only copy); "
-                "takes the directory's lock")
+                "with --yes it takes the directory's lock, without it changes nothing")
     p.add_argument("directory")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--remote", help="the directory's s3://bucket/prefix")

@@ -254,6 +254,8 @@ def cmd_prune(args) -> int:
     from ..manager import Checkpointer
     if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
         raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
+    if args.keep_remote is not None and args.remote is None:
+        raise ValueError("--keep-remote applies to the store's steps: name the store with --remote")
     options = {"keep": args.keep, "remote": args.remote, "keep_remote": args.keep_remote, "upload": False}
     ck = Checkpointer(args.directory, read_only=True, **options)
     try:
