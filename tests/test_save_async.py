@@ -537,11 +537,11 @@ def test_a_save_to_a_path_waits_for_a_save_async_to_it_in_flight(tmp_path, monke
 
 _EXITS_AFTER_SAVE_ASYNC = r"""
 import sys, torch, gdsckpt
-mode, path, reference = sys.argv[1:]
+mode, path, reference, device = sys.argv[1:]
 torch.manual_seed(0)
-m = torch.nn.Linear(512, 512)
+m = torch.nn.Linear(512, 512, device=device)
 opt = torch.optim.AdamW(m.parameters())
-m(torch.randn(4, 512)).sum().backward(); opt.step()
+m(torch.randn(4, 512, device=device)).sum().backward(); opt.step()
 gdsckpt.save({"m": m, "o": opt}, reference)
 gdsckpt.save_async({"m": m, "o": opt}, path, snapshot=mode, **({"optimizer": opt} if mode == "overlap" else {}))
 """  # ... and the script ends, its future never looked at
@@ -549,6 +549,18 @@ gdsckpt.save_async({"m": m, "o": opt}, path, snapshot=mode, **({"optimizer": opt
 
 @pytest.mark.parametrize("mode", ["overlap", "device", "host"])
 def test_a_save_async_the_process_exits_after_is_committed(tmp_path, mode):
+    _exits_after_save_async(tmp_path, mode, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["overlap", "device", "host"])
+def test_gpu_a_save_async_the_process_exits_after_is_committed(tmp_path, mode):
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    _exits_after_save_async(tmp_path, mode, "cuda")
+
+
+def _exits_after_save_async(tmp_path, mode: str, device: str) -> None:
     """A script whose last line is save_async (no result()): the interpreter finishes the save
     before it exits, in every snapshot mode. The overlap and device modes' snapshot runs on a
     thread of its own, which failed in its codec pool once the interpreter's exit had stopped the
@@ -556,10 +568,11 @@ def test_a_save_async_the_process_exits_after_is_committed(tmp_path, mode):
     import subprocess
     import sys
     p, ref = tmp_path / "p.gdsckpt", tmp_path / "ref.gdsckpt"
-    env = dict(os.environ, PYTHONPATH=str(Path(gdsckpt.__file__).parents[1]))
-    done = subprocess.run([sys.executable, "-c", _EXITS_AFTER_SAVE_ASYNC, mode, str(p), str(ref)], env=env,
+    path = [str(Path(gdsckpt.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+    done = subprocess.run([sys.executable, "-c", _EXITS_AFTER_SAVE_ASYNC, mode, str(p), str(ref), device], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert_same(gdsckpt.load(p), gdsckpt.load(ref))
 
 
