@@ -289,7 +289,10 @@ def test_shared_tensors_in_the_skeleton_need_format_1_1():
         fmt._check_skeleton(sk, tensors, (1, 0), bad)
     with pytest.raises(gdsckpt.CheckpointFormatError, match="first at another path"):  # first place != key
         fmt._check_skeleton({"list": [{"tensor": 0}, {"tensor": 0}]}, tensors, (1, 1), bad)
-    with pytest.raises(gdsckpt.CheckpointFormatError, match="share this key path"):
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="share this key path"):  # 1 and "1": one path
+        fmt._check_skeleton({"dict": [["a", {"tensor": 0}], [1, {"tensor": 0}], ["1", {"tensor": 0}]]}, tensors,
+                            (1, 1), bad)
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="key 'a' twice"):
         fmt._check_skeleton({"dict": [["a", {"tensor": 0}], ["a", {"tensor": 0}]]}, tensors, (1, 1), bad)
     with pytest.raises(gdsckpt.CheckpointFormatError, match="every tensor"):
         fmt._check_skeleton({"dict": [["a", {"value": 1}]]}, tensors, (1, 1), bad)
@@ -302,7 +305,9 @@ def test_hostile_alias_paths_are_refused_in_a_file(tmp_path):
     gdsckpt.save({"a": torch.ones(3), "b": torch.zeros(3)}, p, codec="raw")
     data = p.read_bytes()
     _, doc, _ = split(data)
-    for skeleton, match in [({"dict": [["a", {"tensor": 0}], ["b", {"tensor": 1}], ["b", {"tensor": 0}]]}, "share"),
+    for skeleton, match in [({"dict": [["a", {"tensor": 0}], ["b", {"tensor": 1}], [2, {"tensor": 0}],
+                                       ["2", {"tensor": 1}]]}, "share"),
+                            ({"dict": [["a", {"tensor": 0}], ["b", {"tensor": 1}], ["b", {"tensor": 0}]]}, "'b' twice"),
                             ({"dict": [["b", {"tensor": 0}], ["a", {"tensor": 1}]]}, "first at another path"),
                             ({"dict": [["a", {"tensor": 0}], ["c", {"tensor": 0}]]}, "every tensor")]:
         d = copy.deepcopy(doc)
