@@ -88,6 +88,11 @@ class RemoteTier:
         self._queue: list[int] = []
         self._in_flight: int | None = None
         self._uploaded: set[int] | None = None  # None: not known yet (the store not reached)
+        # Steps queued here whose copy on the store, if it has one under that number, is not known
+        # to be this directory's file (a step saved again after an older one was restored): they
+        # count as uploaded (close, retention, status) only once the uploader has confirmed or
+        # uploaded them.
+        self._unconfirmed: set[int] = set()
         self._damaged: set[int] = set()  # local steps found damaged: never uploaded, not retried
         # {(object, its identity): None if read in full and found intact, else the damage found}: by
         # an upload's read-back, or by retention before it counted the step as the one to keep
@@ -116,7 +121,12 @@ class RemoteTier:
     def enqueue(self, step: int) -> None:
         with self._wake:
             self._queue.append(step)
+            self._unconfirmed.add(step)
             self._wake.notify_all()
+
+    def _uploaded_here(self) -> set[int] | None:
+        """The steps the store holds as this directory's files, as far as known (None: not yet)."""
+        return None if self._uploaded is None else self._uploaded - self._unconfirmed
 
     # ------------------------------------------------------------ what the store has
     def remote_steps(self) -> dict[int, Marker]:
@@ -147,8 +157,10 @@ class RemoteTier:
             step = names[name]
             try:
                 marker = fut.result()
-            except RemoteStoreError:
+            except RemoteNotFoundError:
                 continue  # removed meanwhile
+            # Any other failure to read it (the store erring or refusing) is raised: the step is
+            # not known to be gone, and a restore must not take an older one without a word.
             except InvalidMarker as e:
                 self._warn_once(name, f"the marker {self.store.url(name)} is not valid ({e}): step {step} "
                                       "does not count on the store")
@@ -178,7 +190,7 @@ class RemoteTier:
             busy = set(self._queue)
             if self._in_flight is not None:
                 busy.add(self._in_flight)
-            return busy, (set(self._uploaded) if self._uploaded is not None else None)
+            return busy, self._uploaded_here()
 
     # ------------------------------------------------------------ remote retention
     def refresh(self) -> None:
@@ -355,12 +367,16 @@ class RemoteTier:
                 self._queue.clear()
                 self._in_flight = step
                 self._stats["skipped"].extend(overtaken)
+                if self._uploaded is not None:  # never to be uploaded: unconfirmed only where the store has the number
+                    self._unconfirmed -= set(overtaken) - self._uploaded
             for s in overtaken:
                 log.info("gdsckpt: upload of step %d skipped: step %d overtook it", s, step)
             try:
                 self._finish_abandon()  # a rollback's removals come before any upload
                 if step not in self._known_uploaded() or not self._uploaded_as_here(step):
                     self._upload(step)
+                with self._mutex:
+                    self._unconfirmed.discard(step)
                 backoff = 0.0
             except _LocalDamage as d:
                 self._on_local_damage(step, d.error)
@@ -388,11 +404,12 @@ class RemoteTier:
                 self._wake.notify_all()
 
     def _uploaded_as_here(self, step: int) -> bool:
-        """Whether the store's step `step` is the local one: the same files, each of the identity its
-        marker records. A step saved again under a number the store has (an older step restored on
-        a new node, and training went on from there) is not: its marker goes first (the store's
-        step stops counting, and a kill leaves objects that do not count), then its objects the
-        new upload will not overwrite; the caller uploads the local step in its place."""
+        """Whether the store's step `step` is the local one: the same files, each of the identity
+        its marker records, and its objects still of that identity. One that is not (a step saved
+        again under a number the store has, after an older step was restored on a new node; or an
+        object replaced since its upload) goes: its marker first (the store's step stops counting,
+        and a kill leaves objects that do not count), then its objects the new upload will not
+        overwrite; the caller uploads the local step in its place."""
         if not self.layout.committed(self.layout.path(step)):
             return True  # nothing here to upload instead (_upload would say so)
         name = self.layout.name(step)
@@ -402,9 +419,16 @@ class RemoteTier:
         except (InvalidMarker, RemoteNotFoundError, CheckpointFormatError):
             return False  # no valid marker now; or the local step is damaged, which _upload reports
         if local.keys() == marker.files.keys() and not any(marker.files[r].differences(i) for r, i in local.items()):
-            return True
-        log.warning("gdsckpt: step %d on %s is not the step %d saved in %s (saved again after an older step was "
-                    "restored?): replacing it", step, self.store.url(), step, str(self.layout.directory))
+            try:
+                if not any(marker.files[r].differences(object_identity(self.store, r)) for r in marker.files):
+                    return True
+                why = "an object was replaced since its upload"
+            except (RemoteNotFoundError, CheckpointFormatError) as e:
+                why = f"an object is gone or unreadable ({type(e).__name__}: {e})"
+        else:
+            why = "it was saved again after an older step was restored?"
+        log.warning("gdsckpt: step %d on %s is not the step %d saved in %s (%s): replacing it", step,
+                    self.store.url(), step, str(self.layout.directory), why)
         self.store.delete(name + MARKER)
         with self._mutex:
             self._uploaded.discard(step)
@@ -421,7 +445,8 @@ class RemoteTier:
             self._damaged.add(step)
             self._errors.append({"step": step, "error": f"local damage: {type(error).__name__}: {error}",
                                  "time": time.time()})
-            floor = max(self._uploaded) if self._uploaded else -1
+            here = self._uploaded_here()
+            floor = max(here) if here else -1
             older = [s for s in local if floor < s < step and s not in self._damaged]
             instead = older[-1] if older and not any(s > step for s in self._queue) else None
             if instead is not None:
@@ -522,7 +547,8 @@ class RemoteTier:
             st["queue_depth"] = len(set(self._queue))
             st["queued"] = sorted(set(self._queue))
             st["in_flight"] = self._in_flight
-            st["uploaded"] = sorted(self._uploaded) if self._uploaded is not None else None
+            here = self._uploaded_here()
+            st["uploaded"] = sorted(here) if here is not None else None
             st["MBps"] = st["uploaded_bytes"] / st["upload_seconds"] / 1e6 if st["upload_seconds"] else 0.0
             st["errors"] = list(self._errors)
             st["rollback_pending"] = None if self._abandon is None else self._abandon[0]
@@ -577,7 +603,7 @@ class RemoteTier:
                     then()
         with self._mutex:
             left = set(self._queue) | ({self._in_flight} if self._in_flight is not None else set())
-            return sorted(left - (self._uploaded or set()) - self._damaged)
+            return sorted(left - (self._uploaded_here() or set()) - self._damaged)
 
     def incomplete_error(self, steps: list[int]) -> UploadIncompleteError:
         """The error close() raises for `steps`, never uploaded."""

@@ -104,8 +104,9 @@ class SeaweedS3:
                # the Iceberg and Lance side servers would take fixed default ports: off
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false", "-s3.iam=false",
                f"-s3.config={self.config}", "-s3.autoCreateBucket=false",
-               # each bucket is a collection that grows several volumes at once; small ones, many allowed
-               "-master.volumeSizeLimitMB=256", "-volume.max=200", "-master.telemetry=false",
+               # each bucket is a collection that grows several volumes (~7) at once: small ones, enough for the
+               # whole suite's buckets on one session server (at 200 the 29th bucket's writes got 500s)
+               "-master.volumeSizeLimitMB=256", "-volume.max=1000", "-master.telemetry=false",
                "-metricsPort=0",
                # a lone master elects itself; the 10 s default makes a restart wait ~15 s for it
                "-master.electionTimeout=1s"]

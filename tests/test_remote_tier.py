@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import gdsckpt
+from gdsckpt.errors import NoCheckpointError
 from gdsckpt.manager import Checkpointer, step_name
 from gdsckpt.upload_marker import MARKER
 from gdsckpt.stores import open_store
@@ -460,3 +461,85 @@ def test_a_download_killed_midway_leaves_nothing_after_the_next_manager(tmp_path
     d = _killed_download(tmp_path, url)
     Checkpointer(d).close()
     assert [p.name for p in d.iterdir()] == [".gdsckpt-manager.lock"]
+
+
+# ---------------------------------------------------------------- session 25's audit of the S3 tier
+
+
+def test_a_step_saved_again_whose_upload_fails_is_not_counted_as_uploaded(tmp_path, s3_env, monkeypatch):
+    """A new node restores step 4, saves 5 (uploaded in place of the store's 5) and 6 while the store
+    is down: close() names step 6 as never uploaded. The store's old step 6 (another run's) counted
+    as this one's: close() returned, status() said uploaded, and a later restore took the old 6."""
+    from gdsckpt import remote_tier
+    from gdsckpt.errors import RemoteUnavailableError
+    url = f"s3://{s3_env.new_bucket()}/r"
+    _upload_steps(tmp_path / "a", url, (4, 5, 6), save_options=RAW)
+    shutil.rmtree(tmp_path / "a")
+    ck = Checkpointer(tmp_path / "b", remote=url, keep=1, save_options=RAW)
+    ck.restore(state_for(0, n=N), step=4)
+    ck.save(5, state_for(50, n=N))
+    ck.wait(uploads=True, timeout=60)
+    assert ck.status()["uploaded"] == [4, 5, 6]
+
+    def down(*a, **k):
+        raise RemoteUnavailableError("the store is down (test)", bucket="b", code="Unavailable")
+    monkeypatch.setattr(remote_tier, "load_marker", down)
+    monkeypatch.setattr(ck.remote.store, "put_file", down)
+    ck.save(6, state_for(60, n=N))
+    ck.wait(uploads=True, timeout=5)
+    st = ck.status()
+    assert 6 not in st["uploaded"] and st["queued"] == [6], st
+    assert ck.layout.local_steps() == [6]
+    with pytest.raises(gdsckpt.UploadIncompleteError, match="step 6 never reached"):
+        ck.close(timeout=2)
+
+
+def test_a_replaced_object_of_the_newest_local_step_is_uploaded_again_at_restart(tmp_path, s3_env, caplog):
+    """Step 2's object on the store replaced by another valid checkpoint of its size (its marker
+    as it was): a restarted manager's uploader checks the objects too, not only the marker, and
+    uploads the local step again, so the store holds an intact step 2 before keep=1 lets it go
+    here. It used to count the store's step 2 as uploaded and skip it."""
+    url = f"s3://{s3_env.new_bucket()}/x"
+    _upload_steps(tmp_path / "a", url, (1, 2), save_options=RAW)
+    store = open_store(url)
+    other = tmp_path / "other.gdsckpt"
+    gdsckpt.save(state_for(9, n=N), other, **RAW)
+    assert other.stat().st_size == store.size(_name(2))
+    store.put_file(other, _name(2))
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+        with Checkpointer(tmp_path / "a", remote=url, keep=1, keep_remote=1, save_options=RAW) as ck:
+            ck.wait(uploads=True, timeout=60)
+            assert ck.status()["uploads"] == 1, ck.status()
+    assert "an object was replaced since its upload" in caplog.text, caplog.text
+    with Checkpointer(tmp_path / "c", remote=url) as ck:
+        r = ck.restore(step=2)
+        assert r.source == "remote" and r.skipped == []
+        assert_same(r.state, state_for(2, n=N))
+
+
+def test_a_marker_the_store_fails_to_give_is_not_taken_for_a_step_that_is_gone(tmp_path, s3_env, monkeypatch,
+                                                                                caplog):
+    """The store errs on step 6's marker (not 'not found'): steps() and restore() do not fall back
+    to step 5 without a word; the store's failure is said, and restore() finds nothing it may
+    take. A marker that is really gone still only drops its step."""
+    from gdsckpt import remote_tier
+    from gdsckpt.errors import RemoteUnavailableError
+    url = f"s3://{s3_env.new_bucket()}/m"
+    _upload_steps(tmp_path / "a", url, (5, 6))
+    shutil.rmtree(tmp_path / "a")
+    load = remote_tier.load_marker
+
+    def erring(store, name):
+        if name.startswith(_name(6)):
+            raise RemoteUnavailableError("503 Slow Down (test)", bucket="b", code="SlowDown")
+        return load(store, name)
+    monkeypatch.setattr(remote_tier, "load_marker", erring)
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+        with Checkpointer(tmp_path / "b", remote=url) as ck:
+            with pytest.raises(NoCheckpointError):
+                ck.restore()  # step 5 was restored, silently
+    assert f"cannot list {url}: 503 Slow Down" in caplog.text, caplog.text
+    monkeypatch.setattr(remote_tier, "load_marker", load)
+    open_store(url).delete(_name(6) + MARKER)
+    with Checkpointer(tmp_path / "c", remote=url) as ck:
+        assert ck.steps() == [5]
