@@ -297,6 +297,43 @@ def test_a_load_by_another_instance_waits_for_the_save_in_flight(tmp_path, monke
     assert loaded["global_step"] == 2 and torch.equal(loaded["state_dict"]["w"], torch.ones(4))
 
 
+def test_the_previous_checkpoint_goes_only_once_the_next_is_durable(tmp_path, monkeypatch):
+    """ModelCheckpoint saves step 4's checkpoint, then removes step 2's: with async_save, step 2's
+    file goes only once step 4's is committed (a kill in between left no checkpoint at all, or a
+    last.ckpt link to nothing, and the run started over), and stays if step 4's save fails."""
+    pytest.importorskip("lightning")
+    import threading
+    import torch
+    from gdsckpt import storage
+    from gdsckpt.integrations.lightning import GdsckptCheckpointIO
+    io = GdsckptCheckpointIO(async_save=True)
+    old, new, worse = tmp_path / "step=2.ckpt", tmp_path / "step=4.ckpt", tmp_path / "step=6.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "global_step": 2}, old)
+    io.teardown()
+    gate = threading.Event()
+    commit = storage.AtomicFile.commit
+
+    def held(self):  # the write window a kill can fall into
+        assert gate.wait(30)
+        if self.path == worse:
+            raise OSError(28, "No space left on device (test)")
+        return commit(self)
+    monkeypatch.setattr(storage.AtomicFile, "commit", held)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 4}, new)
+    io.remove_checkpoint(old)
+    assert old.exists() and not new.exists()  # the only committed checkpoint is still there
+    gate.set()
+    io.teardown()
+    assert not old.exists() and io.load_checkpoint(new)["global_step"] == 4
+    gate.clear()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 6}, worse)
+    io.remove_checkpoint(new)
+    gate.set()
+    with pytest.raises(OSError, match="No space left"):
+        io.teardown()
+    assert new.exists() and not worse.exists()  # the failed save's predecessor stays
+
+
 def test_fabric_save_and_load(tmp_path):
     """Fabric's save / load go through the same CheckpointIO: a module, an optimizer and a plain value."""
     _needs("lightning")

@@ -22,8 +22,10 @@ Fabric (`Fabric(plugins=[GdsckptCheckpointIO()])`, `fabric.save` / `fabric.load`
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ import gdsckpt
 from gdsckpt.async_save import wait_for_saves_to
 from gdsckpt.errors import UnsupportedStateError
 from gdsckpt.save import Snapshot, check_save_options
+
+log = logging.getLogger("gdsckpt.integrations.lightning")
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -104,13 +108,21 @@ class GdsckptCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         """Remove the checkpoint file at `path` (after its save, if one is in flight); a missing file
-        is not an error, as for Lightning's TorchCheckpointIO."""
+        is not an error, as for Lightning's TorchCheckpointIO. While a save of this instance is in
+        flight (ModelCheckpoint removes the previous checkpoint right after it saves the next), the
+        file goes only once that save is durable, and stays if it fails: a kill or a failed write
+        in between leaves the previous checkpoint, as synchronous saves do."""
         path = _local_path(path)
         self._wait(_resolved(path))
         if path.is_dir() and not path.is_symlink():
             raise IsADirectoryError(f"{type(self).__name__}.remove_checkpoint: {str(path)!r} is a directory, not a "
                                     "checkpoint file this CheckpointIO wrote; not removing it")
-        path.unlink(missing_ok=True)
+        with self._lock:
+            newest = self._in_flight[-1] if self._in_flight else None
+        if newest is None:
+            path.unlink(missing_ok=True)
+        else:  # run on the writer's thread as the save commits: before any later save's commit
+            newest.add_done_callback(lambda fut: _remove_after(fut, path))
 
     def teardown(self) -> None:
         """Wait for every save in flight; raise the first that failed."""
@@ -138,6 +150,17 @@ class GdsckptCheckpointIO(CheckpointIO):
         errors = [e for e in (f.exception() for f in done) if e is not None]
         if errors:
             raise errors[0]
+
+
+def _remove_after(save, path: Path) -> None:
+    """`path` removed once `save` (a SaveFuture) is done, if it succeeded; a failed one keeps it."""
+    if Future.exception(save) is not None:  # not SaveFuture's: the instance's next call raises it (_reap)
+        log.warning("gdsckpt: %s is kept: the save after it failed", path)
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("gdsckpt: removing %s after the next checkpoint was saved: %s: %s", path, type(e).__name__, e)
 
 
 def _local_path(path) -> Path:
