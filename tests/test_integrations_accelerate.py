@@ -271,3 +271,34 @@ def test_refusals(tmp_path):
 
 if __name__ == "__main__":
     report((child_first if sys.argv[1] == "first" else child_resume)(Path(sys.argv[2])))
+
+
+def test_a_folder_of_two_saves_is_refused_not_loaded_as_a_mix(tmp_path, monkeypatch):
+    """save_state into the same folder again, killed after the state file and before the process
+    file: the folder holds files of two saves. load_state(folder) refuses it, naming it (it loaded
+    the new weights with the old step, RNG and loader position, without a word)."""
+    import gdsckpt
+    import torch
+    from gdsckpt.integrations.accelerate import load_state, save_state
+    acc, model, opt, loader, sched, counter = build("default", tmp_path)
+    folder = tmp_path / "ck"
+    counter.seen = 1
+    save_state(acc, folder)
+    save = gdsckpt.save
+
+    def killed_at_the_process_file(state, path, **kw):
+        if Path(path).name.startswith("process_"):
+            raise KeyboardInterrupt("killed")
+        return save(state, path, **kw)
+    monkeypatch.setattr(gdsckpt, "save", killed_at_the_process_file)
+    counter.seen = 2
+    with pytest.raises(KeyboardInterrupt):
+        save_state(acc, folder)  # into the same folder again
+    monkeypatch.setattr(gdsckpt, "save", save)
+    counter.seen = 3
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="two save_state calls"):
+        load_state(acc, folder)
+    assert counter.seen == 3  # nothing loaded
+    save_state(acc, folder)  # a whole save mends it
+    counter.seen = 0
+    assert load_state(acc, folder) == folder and counter.seen == 3

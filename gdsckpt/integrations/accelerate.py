@@ -37,9 +37,11 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.data_loader import get_sampler
 
 import gdsckpt
@@ -47,6 +49,9 @@ import gdsckpt
 __all__ = ["save_state", "load_state", "STATE_FILE", "process_file"]
 
 STATE_FILE = "accelerator_state.gdsckpt"
+# One save_state's token in the state file and every process file, the same in all: a folder whose
+# files are of two saves (a save_state into the same folder killed between its files) is torn.
+SAVE_ID = "save_id"
 _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
 log = logging.getLogger("gdsckpt.integrations.accelerate")
@@ -68,9 +73,11 @@ def save_state(accelerator, output_dir: str | os.PathLike | None = None, **save_
     for hook in accelerator._save_model_state_pre_hook.values():
         hook(models, weights, str(folder))  # may remove entries of `weights`: those it saved itself
     config = accelerator.project_configuration
+    token = _save_token(accelerator)
     if accelerator.is_main_process or (config.save_on_each_node and accelerator.is_local_main_process):
-        gdsckpt.save(_shared(accelerator, weights), folder / STATE_FILE, **save_options)
-    gdsckpt.save(_own(accelerator), folder / process_file(accelerator.process_index), **save_options)
+        gdsckpt.save({**_shared(accelerator, weights), SAVE_ID: token}, folder / STATE_FILE, **save_options)
+    gdsckpt.save({**_own(accelerator), SAVE_ID: token}, folder / process_file(accelerator.process_index),
+                 **save_options)
     config.iteration += 1
     accelerator.wait_for_everyone()
     if config.automatic_checkpoint_naming and accelerator.is_main_process:
@@ -91,9 +98,15 @@ def load_state(accelerator, input_dir: str | os.PathLike | None = None, *, stric
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # may remove models: those it loaded itself
-    gdsckpt.load_into(folder / STATE_FILE, _shared(accelerator, models), strict=strict, **load_options)
-    own = _own(accelerator)
-    gdsckpt.load_into(folder / process_file(accelerator.process_index), own, strict=strict, **load_options)
+    files = (folder / STATE_FILE, folder / process_file(accelerator.process_index))
+    why = _torn(folder, accelerator.process_index) if all(f.is_file() for f in files) else None
+    if why is not None:  # (a missing file: load_into's FileNotFoundError names it)
+        raise gdsckpt.CheckpointFormatError(f"{why}: load an older folder", path=folder)
+    shared, own = _shared(accelerator, models), _own(accelerator)
+    for state, name in ((shared, STATE_FILE), (own, process_file(accelerator.process_index))):
+        if _save_id(folder / name) is not None:  # saved with one (not by gdsckpt before 2026-11-28)
+            state[SAVE_ID] = torch.empty(16, dtype=torch.uint8)
+        gdsckpt.load_into(folder / name, state, strict=strict, **load_options)
     accelerator.step = own["step"]
     return folder
 
@@ -191,21 +204,51 @@ def _folder_to_load(accelerator, input_dir) -> Path:
         raise FileNotFoundError(f"no checkpoint folder in {root}")
     # What this process loads: with save_on_each_node on node-local disks, the other nodes' process
     # files are on their disks, not here. Every process then keeps the folders complete for all.
-    files = [STATE_FILE, process_file(accelerator.process_index)]
-    complete = [f for f in folders if all((f / name).is_file() for name in files)]
+    complete = [f for f in folders if _torn(f, accelerator.process_index) is None]
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
         everyone = gather_object([[f.name for f in complete]])
         complete = [f for f in complete if all(f.name in names for names in everyone)]
     if not complete:
         raise FileNotFoundError(f"no checkpoint folder in {root} is complete for every process (each needs "
-                                f"{STATE_FILE} and each process's own process_N file): "
+                                f"{STATE_FILE} and each process's own process_N file, of one save_state): "
                                 f"{', '.join(f.name for f in folders)} are torn")
     torn = folders[folders.index(complete[-1]) + 1:]
     if torn:  # a save_state killed part-way: the older folders it had not pruned yet are intact
         log.warning("gdsckpt: %s torn (a save_state that did not finish): loading %s", ", ".join(map(str, torn)),
                     complete[-1])
     return complete[-1]
+
+
+def _save_token(accelerator) -> torch.Tensor:
+    """A new save's token (16 random bytes), the main process's on every process."""
+    token = [uuid.uuid4().bytes]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+        broadcast_object_list(token)
+    return torch.frombuffer(bytearray(token[0]), dtype=torch.uint8)
+
+
+def _save_id(path: Path) -> bytes | None:
+    with gdsckpt.open(path) as ck:
+        return bytes(ck.get_tensor(SAVE_ID).numpy()) if SAVE_ID in ck else None
+
+
+def _torn(folder: Path, index: int) -> str | None:
+    """Why `folder` cannot be loaded by process `index` (a file missing, or the state file and its
+    process file of two different saves), or None."""
+    files = [folder / STATE_FILE, folder / process_file(index)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        return f"{folder} lacks {', '.join(missing)}"
+    try:
+        ids = {_save_id(f) for f in files}
+    except (gdsckpt.CheckpointFormatError, OSError) as e:
+        return f"{folder}: {type(e).__name__}: {e}"
+    if len(ids) > 1:
+        return (f"{folder} holds files of two save_state calls ({STATE_FILE} and {files[1].name} differ: one was "
+                "killed part-way while saving into the same folder)")
+    return None
 
 
 def _numbered(root: Path) -> list[Path]:
