@@ -120,6 +120,27 @@ def test_train_stop_resume_in_a_new_process_is_bit_identical(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-12", "checkpoint-8"]
 
 
+def test_resume_true_passes_over_a_folder_a_killed_save_left_torn(tmp_path, caplog):
+    """train(resume_from_checkpoint=True) takes the newest checkpoint-N/ a save finished (its
+    trainer_state.json, written last, and the model and optimizer files): a newer one a killed save
+    left with its model file alone is passed over, with a warning (transformers took it and failed
+    on its missing trainer_state.json); none complete is transformers' ValueError."""
+    trainer = _trainer(tmp_path / "run", gdsckpt_checkpoints=True)
+    for n, files in ((4, ["model.gdsckpt", "optimizer.gdsckpt", "trainer_state.json"]), (12, ["model.gdsckpt"]),
+                     (8, ["model.gdsckpt", "trainer_state.json"])):
+        folder = tmp_path / "run" / f"checkpoint-{n}"
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_text("{}")
+    with caplog.at_level("WARNING", logger="gdsckpt.integrations.transformers"):
+        assert trainer._newest_complete_checkpoint() == str(tmp_path / "run" / "checkpoint-4")
+    assert "checkpoint-12" in caplog.text and "checkpoint-8" in caplog.text and "torn" in caplog.text
+    import shutil
+    shutil.rmtree(tmp_path / "run" / "checkpoint-4")
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory .*checkpoint-12"):
+        trainer.train(resume_from_checkpoint=True)
+
+
 def test_bad_save_options_are_refused_when_the_trainer_is_made():
     """Not at the first checkpoint, save_steps into the run; before the Trainer is set up."""
     from gdsckpt.integrations.transformers import GdsckptTrainer

@@ -28,10 +28,13 @@ is built.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 import gdsckpt
@@ -43,6 +46,9 @@ MODEL_FILE = "model.gdsckpt"
 OPTIMIZER_FILE = "optimizer.gdsckpt"
 SCALER_FILE = "scaler.gdsckpt"
 TRAINING_ARGS_FILE = "training_args.json"
+_CHECKPOINT = re.compile(re.escape(PREFIX_CHECKPOINT_DIR) + r"-(\d+)")
+
+log = logging.getLogger("gdsckpt.integrations.transformers")
 
 
 def rng_file(world_size: int, process_index: int) -> str:
@@ -64,6 +70,31 @@ class GdsckptTrainer(Trainer):
             if engaged:
                 raise NotImplementedError(f"GdsckptTrainer: {name} writes its own checkpoint format; use "
                                           "transformers.Trainer for it")
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """transformers.Trainer.train; resume_from_checkpoint=True takes the newest checkpoint-N/
+        that a save finished (its trainer_state.json, which transformers writes last, and the model
+        and optimizer files), passing over, with a warning, newer ones a killed save left torn
+        (transformers took the newest folder and failed on its missing trainer_state.json)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._newest_complete_checkpoint()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _newest_complete_checkpoint(self) -> str:
+        root = Path(self.args.output_dir)
+        found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+                        for m in [_CHECKPOINT.fullmatch(p.name)] if m and p.is_dir()), reverse=True)
+        needs = [MODEL_FILE, "trainer_state.json"] + ([] if self.args.save_only_model else [OPTIMIZER_FILE])
+        torn = []
+        for _, folder in found:
+            if all((folder / name).is_file() for name in needs):
+                if torn:
+                    log.warning("gdsckpt: %s torn (a save that did not finish: %s missing); resuming from %s",
+                                ", ".join(map(str, torn)), " or ".join(needs), folder)
+                return str(folder)
+            torn.append(folder)
+        raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})"
+                         + (f": {', '.join(map(str, torn))} torn" if torn else ""))
 
     # ---------------------------------------------------------------- saving
 
