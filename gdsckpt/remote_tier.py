@@ -30,21 +30,17 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterator
 
 from . import api
-from .errors import (
-    CheckpointFormatError, GdsckptError, RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError,
-    UploadIncompleteError,
-)
+from .errors import CheckpointFormatError, GdsckptError, RemoteNotFoundError, RemoteStoreError, UploadIncompleteError
 from .policy import Policy
 from .steps import SUFFIX, StepLayout, parse_step_name
 from .store_verify import REPLACED, check_identity, check_uploaded, verify_object
 from .stores import Store
 from .upload_marker import (
-    MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity,
+    MARKER, FileIdentity, InvalidMarker, Marker, file_identity, load_marker, marker_step, object_identity, read_markers,
 )
 
 log = logging.getLogger("gdsckpt.manager")
@@ -130,43 +126,10 @@ class RemoteTier:
 
     # ------------------------------------------------------------ what the store has
     def remote_steps(self) -> dict[int, Marker]:
-        """{step: marker} of the steps uploaded, verified and still complete on the store. A marker
-        that does not parse is skipped, with a warning (once per marker and reason). The listing
-        and the markers' reads together end within the store's timeout (RemoteTimeoutError)."""
-        deadline = time.monotonic() + self.store.timeout
-        listing = self.store.list()
-        names = {}
-        for name in listing:
-            parsed = marker_step(name)
-            if parsed and parsed[1] == self.layout.distributed:
-                names[name] = parsed[0]
-        if not names:
-            return {}
-        pool = ThreadPoolExecutor(min(len(names), self.store.concurrency), thread_name_prefix="gdsckpt-markers")
-        try:
-            reads = {pool.submit(load_marker, self.store, name): name for name in names}
-            _, late = wait(reads, timeout=max(0.0, deadline - time.monotonic()))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # a late read ends within its own bound
-        if late:
-            raise RemoteTimeoutError(f"reading {len(names)} upload markers: the store did not answer within "
-                                     f"{self.store.timeout:g} s (the store's `timeout` option)",
-                                     bucket=self.store.bucket, code="Timeout")
-        out = {}
-        for fut, name in reads.items():
-            step = names[name]
-            try:
-                marker = fut.result()
-            except RemoteNotFoundError:
-                continue  # removed meanwhile
-            # Any other failure to read it (the store erring or refusing) is raised: the step is
-            # not known to be gone, and a restore must not take an older one without a word.
-            except InvalidMarker as e:
-                self._warn_once(name, f"the marker {self.store.url(name)} is not valid ({e}): step {step} "
-                                      "does not count on the store")
-                continue
-            if all(listing.get(f) == size for f, size in marker.sizes().items()):
-                out[step] = marker
+        """{step: marker} of the steps uploaded, verified and still complete on the store
+        (upload_marker.read_markers: a marker that does not parse is skipped, with a warning once
+        per marker and reason), less those a pending rollback abandoned."""
+        out = read_markers(self.store, self.layout.distributed, self._warn_once)
         abandon = self._abandon
         return {s: m for s, m in out.items() if abandon is None or s <= abandon[0]}
 

@@ -23,11 +23,15 @@ import hashlib
 import json
 import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import format as fmt
 from .checksum import crc64nvme
+from .errors import RemoteNotFoundError, RemoteTimeoutError
 from .steps import parse_step_name
 from .storage import pread_exact
 from .stores import Store
@@ -191,3 +195,44 @@ def load_marker(store: Store, name: str) -> Marker:
     if parsed is None:
         raise InvalidMarker(f"{name!r} is not a marker's name")
     return parse_marker(store.get_bytes(name), parsed[0], name[:-len(MARKER)])
+
+
+def read_markers(store: Store, distributed: bool, warn: Callable[[str, str], None]) -> dict[int, Marker]:
+    """{step: marker} of the steps of that layout (DCP directories or files) uploaded, verified
+    and still complete on `store` (every file the marker names listed at its size). A marker that
+    does not parse is skipped, `warn(name, why)` told. The listing and the markers' reads together
+    end within the store's timeout (RemoteTimeoutError); a marker gone meanwhile is skipped, any
+    other failure to read one raised: its step is not known to be gone, and a restore must not
+    take an older step without a word."""
+    deadline = time.monotonic() + store.timeout
+    listing = store.list()
+    names = {}
+    for name in listing:
+        parsed = marker_step(name)
+        if parsed and parsed[1] == distributed:
+            names[name] = parsed[0]
+    if not names:
+        return {}
+    pool = ThreadPoolExecutor(min(len(names), store.concurrency), thread_name_prefix="gdsckpt-markers")
+    try:
+        reads = {pool.submit(load_marker, store, name): name for name in names}
+        _, late = wait(reads, timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a late read ends within its own bound
+    if late:
+        raise RemoteTimeoutError(f"reading {len(names)} upload markers: the store did not answer within "
+                                 f"{store.timeout:g} s (the store's `timeout` option)",
+                                 bucket=store.bucket, code="Timeout")
+    out = {}
+    for fut, name in reads.items():
+        step = names[name]
+        try:
+            marker = fut.result()
+        except RemoteNotFoundError:
+            continue  # removed meanwhile
+        except InvalidMarker as e:
+            warn(name, f"the marker {store.url(name)} is not valid ({e}): step {step} does not count on the store")
+            continue
+        if all(listing.get(f) == size for f, size in marker.sizes().items()):
+            out[step] = marker
+    return out

@@ -522,24 +522,24 @@ def test_a_marker_the_store_fails_to_give_is_not_taken_for_a_step_that_is_gone(t
     """The store errs on step 6's marker (not 'not found'): steps() and restore() do not fall back
     to step 5 without a word; the store's failure is said, and restore() finds nothing it may
     take. A marker that is really gone still only drops its step."""
-    from gdsckpt import remote_tier
+    from gdsckpt import upload_marker
     from gdsckpt.errors import RemoteUnavailableError
     url = f"s3://{s3_env.new_bucket()}/m"
     _upload_steps(tmp_path / "a", url, (5, 6))
     shutil.rmtree(tmp_path / "a")
-    load = remote_tier.load_marker
+    load = upload_marker.load_marker
 
     def erring(store, name):
         if name.startswith(_name(6)):
             raise RemoteUnavailableError("503 Slow Down (test)", bucket="b", code="SlowDown")
         return load(store, name)
-    monkeypatch.setattr(remote_tier, "load_marker", erring)
+    monkeypatch.setattr(upload_marker, "load_marker", erring)
     with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
         with Checkpointer(tmp_path / "b", remote=url) as ck:
             with pytest.raises(NoCheckpointError):
                 ck.restore()  # step 5 was restored, silently
     assert f"cannot list {url}: 503 Slow Down" in caplog.text, caplog.text
-    monkeypatch.setattr(remote_tier, "load_marker", load)
+    monkeypatch.setattr(upload_marker, "load_marker", load)
     open_store(url).delete(_name(6) + MARKER)
     with Checkpointer(tmp_path / "c", remote=url) as ck:
         assert ck.steps() == [5]
