@@ -19,6 +19,7 @@ Run as a script, this file is the child."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -229,26 +230,35 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
         save_state(acc)
 
 
+@contextlib.contextmanager
+def killed_at_the_process_file(monkeypatch):
+    """gdsckpt.save interrupted as it starts a process file, the state file written: a save_state
+    killed part-way."""
+    import gdsckpt
+    save = gdsckpt.save
+
+    def killed(state, path, **kw):
+        if Path(path).name.startswith("process_"):
+            raise KeyboardInterrupt("killed")
+        return save(state, path, **kw)
+    monkeypatch.setattr(gdsckpt, "save", killed)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(gdsckpt, "save", save)
+
+
 def test_load_state_passes_over_a_folder_a_killed_save_left_torn(tmp_path, monkeypatch, caplog):
     """A save_state killed before its process file leaves checkpoint_2 torn; load_state() with no
     folder takes checkpoint_1, the newest complete one, and says why."""
-    import gdsckpt
     from gdsckpt.integrations.accelerate import load_state, save_state
     acc, model, opt, loader, sched, counter = build("default", tmp_path, automatic_checkpoint_naming=True,
                                                     total_limit=2)
     for i in range(2):
         counter.seen = i
         save_state(acc)
-    save = gdsckpt.save
-
-    def killed_at_the_process_file(state, path, **kw):
-        if Path(path).name.startswith("process_"):
-            raise KeyboardInterrupt("killed")
-        return save(state, path, **kw)
-    monkeypatch.setattr(gdsckpt, "save", killed_at_the_process_file)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_the_process_file(monkeypatch), pytest.raises(KeyboardInterrupt):
         save_state(acc)
-    monkeypatch.setattr(gdsckpt, "save", save)
     counter.seen = 99
     with caplog.at_level("WARNING", logger="gdsckpt.integrations.accelerate"):
         assert load_state(acc) == tmp_path / "checkpoints" / "checkpoint_1" and counter.seen == 1
@@ -278,23 +288,14 @@ def test_a_folder_of_two_saves_is_refused_not_loaded_as_a_mix(tmp_path, monkeypa
     file: the folder holds files of two saves. load_state(folder) refuses it, naming it (it loaded
     the new weights with the old step, RNG and loader position, without a word)."""
     import gdsckpt
-    import torch
     from gdsckpt.integrations.accelerate import load_state, save_state
     acc, model, opt, loader, sched, counter = build("default", tmp_path)
     folder = tmp_path / "ck"
     counter.seen = 1
     save_state(acc, folder)
-    save = gdsckpt.save
-
-    def killed_at_the_process_file(state, path, **kw):
-        if Path(path).name.startswith("process_"):
-            raise KeyboardInterrupt("killed")
-        return save(state, path, **kw)
-    monkeypatch.setattr(gdsckpt, "save", killed_at_the_process_file)
     counter.seen = 2
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_the_process_file(monkeypatch), pytest.raises(KeyboardInterrupt):
         save_state(acc, folder)  # into the same folder again
-    monkeypatch.setattr(gdsckpt, "save", save)
     counter.seen = 3
     with pytest.raises(gdsckpt.CheckpointFormatError, match="two save_state calls"):
         load_state(acc, folder)
