@@ -193,6 +193,10 @@ class Checkpointer(Rollbacks):
         try:  # the owner's alone: the other ranks learn of it from the owner (share_rollback)
             pending = self._journal.read() if self._owner else None
             if pending is not None:  # a rollback killed part-way, or whose store could not be reached
+                if self._lock is not None and pending.local_to is not None:
+                    # memory copies it does not see (no tier, or this host's empty) of the steps it
+                    # removes become another run's, as before any write: none comes back from memory
+                    self._fork_lineage()
                 with self._deleting:
                     self._resume_rollback(pending)
         except Exception as e:

@@ -236,6 +236,28 @@ def test_a_rollback_without_the_memory_tier_reaches_its_copies(tmp_path, shm):
         ck.save(2, state_for(20))
 
 
+def test_a_rollback_killed_part_way_and_finished_without_the_tier_brings_nothing_back(tmp_path, shm):
+    """A memory=True manager's rollback killed after its record and before it dropped its copies; a
+    manager without the tier (a restart, `gdsckpt prune --yes`) finishes it at open: the copies of
+    the steps it removed are another run's from then on, and a later memory=True manager restores
+    the step rolled back to (it restored step 3 from memory, and wrote it back into the directory)."""
+    from gdsckpt.rollback import PendingRollback, RollbackJournal
+    d = tmp_path / "run"
+    ck = Checkpointer(d, memory=True, keep_memory=5, save_options=OPTS)
+    for s in (1, 2, 3):
+        ck.save(s, state_for(s))
+    RollbackJournal(d).write(PendingRollback(local_to=1, store_to=None))  # rollback(1), killed here
+    ck.memory.close(flush=False)  # the process is gone: its copies stay in shared memory
+    ck._release()
+    with Checkpointer(d, save_options=OPTS) as other:
+        assert other.steps() == [1]
+    with Checkpointer(d, memory=True, save_options=OPTS) as ck:
+        assert ck.steps() == [1]
+        r = ck.restore(zeros_like(state_for(1)))
+        assert (r.step, r.source) == (1, "local")
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("step_")) == [step_name(1, False)]
+
+
 _DIES_WITH_STEPS_IN_MEMORY = r"""
 import os, sys
 sys.path.insert(0, sys.argv[2])
