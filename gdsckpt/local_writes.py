@@ -53,6 +53,11 @@ class LocalWrites:
         with self._cond:
             return self._watched.setdefault(step, Future())
 
+    def unwatch(self, step: int) -> None:
+        """Forget `step`'s Future from when_written (a save that went to the directory another way)."""
+        with self._cond:
+            self._watched.pop(step, None)
+
     def _settle(self, step: int, result=None, error: BaseException | None = None) -> None:
         fut = self._watched.pop(step, None)
         if fut is not None:

@@ -295,8 +295,15 @@ class Checkpointer(Rollbacks):
         self._wait_save()
         step = self._check(step)
         if self.memory is not None:
+            due = self.memory.next_is_local() and not self.distributed  # (a DCP step: saved by the call)
+            written = self.memory.writes.when_written(step) if due else None
             stats = self.memory.save_async(step, state, None).result()
             self.memory.wait_local()
+            if written is not None:  # its write to the directory failed: raised, as without the tier
+                if written.done():
+                    written.result()
+                else:  # no room in memory: the save wrote the file itself
+                    self.memory.writes.unwatch(step)
         else:
             stats = self.layout.save(step, state)
             self._on_commit(step)
@@ -528,6 +535,7 @@ class Checkpointer(Rollbacks):
             return
         saved = False
         never_uploaded: list[int] = []
+        unflushed: Exception | None = None
         try:
             self.wait()
             saved = True
@@ -536,12 +544,16 @@ class Checkpointer(Rollbacks):
             if self.memory is not None:  # its writes to the directory first: they are uploaded next
                 try:
                     self.memory.close(flush=saved)
-                except Exception as e:  # the lock and the uploader still go
-                    log.warning("gdsckpt: closing the memory tier of %s: %s: %s", self.directory, type(e).__name__, e)
+                except Exception as e:  # the lock and the uploader still go; raised at the end
+                    unflushed = e
             if self.remote is not None:  # the lock goes only once the uploader has ended
                 never_uploaded = self.remote.close(wait=wait_uploads and saved, timeout=timeout, then=self._release)
             else:
                 self._release()
+        if unflushed is not None:
+            raise GdsckptError(f"closing the Checkpointer of {str(self.directory)!r}: the newest step, held only in "
+                               f"memory, could not be written to the directory ({type(unflushed).__name__}: "
+                               f"{unflushed}); its memory copy is kept for the next manager") from unflushed
         if wait_uploads and never_uploaded:
             raise self.remote.incomplete_error(never_uploaded)
 

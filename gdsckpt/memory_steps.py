@@ -243,14 +243,17 @@ class MemorySteps:
 
     def close(self, flush: bool = True) -> None:
         """Finish the local writes; flush: the newest step too, if only memory holds it and it is
-        newer than the directory's newest. Then unmap (the copies stay for the next manager)."""
+        newer than the directory's newest (its write's error raised). Then unmap (the copies stay
+        for the next manager)."""
         try:
             self.writes.wait()
             if flush and not self.distributed:
                 copies, local = self.tier.steps(), self.layout.local_steps()
                 if copies and copies[-1] > max(local, default=-1):
+                    written = self.writes.when_written(copies[-1])
                     self.writes.submit(copies[-1])
                     self.writes.wait()
+                    written.result()  # a failed write raised (its copy stays for the next manager)
         finally:
             self.tier.close()
 

@@ -258,6 +258,39 @@ def test_a_rollback_killed_part_way_and_finished_without_the_tier_brings_nothing
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("step_")) == [step_name(1, False)]
 
 
+def test_a_due_write_to_the_directory_that_fails_is_raised_by_save_and_close(tmp_path, shm, monkeypatch):
+    """every_local=1: save() is durable on return, so a failed write of its step to the directory
+    (a full disk) is raised by save(), as without the tier, and close()'s flush of the newest step
+    raises too; the memory copy stays, and the next manager restores it. Both returned normally, the
+    error only logged, and the step lived in shared memory alone."""
+    from concurrent.futures import Future
+    from gdsckpt import local_writes
+    from gdsckpt.errors import GdsckptError
+    real = local_writes.local_write
+
+    def full(tier, step, path):
+        if step < 2:
+            return real(tier, step, path)
+        failed = Future()
+        failed.set_exception(OSError(28, "No space left on device (test)"))
+        return failed
+    monkeypatch.setattr(local_writes, "local_write", full)
+    d = tmp_path / "run"
+    ck = Checkpointer(d, memory=True, save_options=OPTS)
+    ck.save(1, state_for(1))
+    with pytest.raises(OSError, match="No space left"):
+        ck.save(2, state_for(2))
+    assert ck.memory.tier.steps() == [1, 2] and ck.layout.local_steps() == [1]
+    with pytest.raises(GdsckptError, match="could not be written to the directory .*No space left"):
+        ck.close()
+    monkeypatch.setattr(local_writes, "local_write", real)  # the disk has room again
+    with Checkpointer(d, memory=True, save_options=OPTS) as ck:
+        r = ck.restore(zeros_like(state_for(2)))
+        assert (r.step, r.source) == (2, "memory")
+        assert_same(r.state, state_for(2))
+    assert local_files(d) == [step_name(1, False), step_name(2, False)]  # the next close wrote it
+
+
 _DIES_WITH_STEPS_IN_MEMORY = r"""
 import os, sys
 sys.path.insert(0, sys.argv[2])
