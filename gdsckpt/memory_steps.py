@@ -29,12 +29,12 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
-from .errors import CheckpointFormatError, GdsckptError, MemoryTierFullError, StateMismatchError
+from .errors import MemoryTierFullError, StateMismatchError
 from .local_writes import LocalWrites
 from .memory_snapshot import MemoryTarget
 from .memory_source import MemorySource
 from .memory_tier import MemoryTier
-from .steps import DAMAGE, StepLayout, async_options
+from .steps import DAMAGE, StepLayout, agreed, async_options
 
 log = logging.getLogger("gdsckpt.manager")
 
@@ -168,49 +168,18 @@ class MemorySteps:
                 return out, source.label, stats
         from . import api
         label, stats = f"memory copy of step {step}", None
-        with self._agreed(step, label, "") as mine:
+        with agreed(label, f"step {step} from memory", damage=(*DAMAGE, StateMismatchError, KeyError)) as mine:
             with self.reading(step) as source:
                 label = mine.label = source.label
                 with api.open(source) as ck:
                     ck.check()  # at the read's rate: the GPU's checksum kernel where the load runs there
         # every rank's copy is intact: a failure now (the state does not match) may leave the
         # state of the ranks that did not fail filled with this step
-        with self._agreed(step, label, "; the state of rank(s) {filled} holds step {step} now") as mine:
+        with agreed(label, f"step {step} from memory", damage=(*DAMAGE, StateMismatchError, KeyError),
+                    filled=f"; the state of rank(s) {{filled}} holds step {step} now") as mine:
             with self.reading(step) as source:
                 stats = memory_dcp().load_rank(source, state, strict)
         return state, label, stats
-
-    @contextlib.contextmanager
-    def _agreed(self, step: int, label: str, filled: str) -> Iterator:
-        """Every rank runs the block, then all learn whether any failed (DAMAGE, a state that does
-        not match): CheckpointFormatError on every rank naming the failed ranks, the first
-        failure, and `filled` (formatted with the ranks that did not fail). Any other failure
-        (a load_state_dict's own error, say) is raised as it is on its rank, and as a GdsckptError
-        naming that rank on the others: every rank joins the gather, none waits for the process
-        group's timeout."""
-        import types
-        import torch.distributed as dist
-        mine = types.SimpleNamespace(label=label)
-        why, unexpected = None, None
-        try:
-            yield mine
-        except (*DAMAGE, StateMismatchError, KeyError) as e:
-            why = f"{type(e).__name__}: {e}"
-        except Exception as e:  # noqa: BLE001 - told to every rank, then raised as it is here
-            why, unexpected = f"{type(e).__name__}: {e}", e
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (why, unexpected is not None))
-        if unexpected is not None:
-            raise unexpected
-        failed = {r: w for r, (w, _) in enumerate(every) if w is not None}
-        ok = [r for r in range(len(every)) if r not in failed]
-        filled = filled.format(filled=ok, step=step) if ok else ""
-        odd = [r for r, (_, u) in enumerate(every) if u]
-        if odd:
-            raise GdsckptError(f"rank(s) {odd} failed restoring step {step} from memory: {every[odd[0]][0]}{filled}")
-        if failed:
-            raise CheckpointFormatError(f"rank(s) {sorted(failed)} could not restore step {step} from memory: "
-                                        f"{next(iter(failed.values()))}{filled}", path=mine.label)
 
     @contextlib.contextmanager
     def reading(self, step: int) -> Iterator[MemorySource]:

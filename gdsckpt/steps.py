@@ -37,6 +37,40 @@ _DCP_DOWNLOAD = re.compile(r"\.step_\d{8,}\.download")
 DAMAGE = (CheckpointFormatError, OSError)
 
 
+@contextlib.contextmanager
+def agreed(label, what: str, *, damage: tuple = DAMAGE, filled: str = "") -> Iterator:
+    """Under torch.distributed: every rank runs the block (restoring `what`: "step 5 from memory",
+    say), then all learn whether any failed. A `damage` failure on any rank: CheckpointFormatError
+    on every rank naming the failed ranks, the first failure and `filled` (formatted with the ranks
+    that did not fail), so that every rank falls back alike. Any other failure (a load_state_dict's
+    own error, say) is raised as it is on its rank, and as a GdsckptError naming that rank on the
+    others. Every rank joins the gather: none is left in a collective the others never reach.
+    The block may set `.label` on what it is given (names the source in the error)."""
+    import types
+    import torch.distributed as dist
+    mine = types.SimpleNamespace(label=label)
+    why, unexpected = None, None
+    try:
+        yield mine
+    except damage as e:
+        why = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - told to every rank, then raised as it is here
+        why, unexpected = f"{type(e).__name__}: {e}", e
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (why, unexpected is not None))
+    if unexpected is not None:
+        raise unexpected
+    failed = {r: w for r, (w, _) in enumerate(every) if w is not None}
+    ok = [r for r in range(len(every)) if r not in failed]
+    filled = filled.format(filled=ok) if ok else ""
+    odd = [r for r, (_, u) in enumerate(every) if u]
+    if odd:
+        raise GdsckptError(f"rank(s) {odd} failed restoring {what}: {every[odd[0]][0]}{filled}")
+    if failed:
+        raise CheckpointFormatError(f"rank(s) {sorted(failed)} could not restore {what}: "
+                                    f"{next(iter(failed.values()))}{filled}", path=mine.label)
+
+
 def step_name(step: int, distributed: bool) -> str:
     return f"step_{step:08d}" if distributed else f"step_{step:08d}{SUFFIX}"
 
@@ -381,17 +415,20 @@ class DcpSteps(_Steps):
         from torch.distributed.checkpoint.api import CheckpointException
         from .dcp import GdsckptReader
         self._check_metadata(path)
-        try:
-            view = dcp_view(state, strict=strict)  # stateful objects at any depth; a fresh optimizer too
-            dcp.load(view, storage_reader=GdsckptReader(path))
-            dcp_write_back(state, view)
-        except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
-            errs = [exc for exc, _ in e.failures.values()]
-            if errs and all(isinstance(x, DAMAGE) and not isinstance(x, VersionError) for x in errs):
-                first = errs[0]
-                raise CheckpointFormatError(f"rank(s) {sorted(e.failures)} could not read the step: "
-                                            f"{type(first).__name__}: {first}", path=path) from None
-            raise
+        # Agreed: the objects' load_state_dict and the write-back run on each rank alone, after
+        # DCP's collectives; one rank's failure there must not send it alone to an older step.
+        with agreed(path, path.name):
+            try:
+                view = dcp_view(state, strict=strict)  # stateful objects at any depth; a fresh optimizer too
+                dcp.load(view, storage_reader=GdsckptReader(path))
+                dcp_write_back(state, view)
+            except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
+                errs = [exc for exc, _ in e.failures.values()]
+                if errs and all(isinstance(x, DAMAGE) and not isinstance(x, VersionError) for x in errs):
+                    first = errs[0]
+                    raise CheckpointFormatError(f"rank(s) {sorted(e.failures)} could not read the step: "
+                                                f"{type(first).__name__}: {first}", path=path) from None
+                raise
         return state, None
 
     @staticmethod

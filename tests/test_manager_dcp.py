@@ -368,3 +368,50 @@ def _value_a_restore_would_refuse(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_value_a_restore_would_refuse(tmp_path):
     run_ranks(tmp_path, _value_a_restore_would_refuse)
+
+
+class _OpensAFile:
+    """A stateful object whose load_state_dict fails on rank 1 alone for step 2: its file gone
+    (an OSError: damage), or an error of its own."""
+
+    def __init__(self, step: int, error: str = ""):
+        self.pos, self.error = torch.tensor(float(step)), error
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd):
+        if dist.get_rank() == 1 and int(sd["pos"]) == 2:
+            raise FileNotFoundError("the loader's shard file is gone") if self.error == "gone" else \
+                RuntimeError("cannot take that state here")
+        self.pos.copy_(sd["pos"])
+
+
+def _load_state_dict_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
+    """A restore whose load_state_dict fails on rank 1 alone (after DCP's collectives): a file of
+    its own gone is damage, and every rank falls back to step 1 alike; an error of its own is
+    raised there, and a GdsckptError naming rank 1 on the others. Before, rank 1 alone fell back
+    while rank 0 went on with step 2: their collectives no longer matched, and both hung."""
+    from gdsckpt import Checkpointer
+    ck = Checkpointer(root / "ck", keep=3)
+    for s in (1, 2):
+        ck.save(s, sharded(full_state(s), mesh) | {"loader": _OpensAFile(s)})
+    target = sharded(full_state(0), mesh) | {"loader": _OpensAFile(0, "gone")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = ck.restore(target)
+    assert r.step == 1 and r.skipped[0][0] == 2 and "rank(s) [1] could not restore" in r.skipped[0][2], r.skipped
+    same_local(target, sharded(full_state(1), mesh))
+    target = sharded(full_state(0), mesh) | {"loader": _OpensAFile(0, "own")}
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="cannot take that state here"):
+            ck.restore(target)
+    else:
+        with pytest.raises(GdsckptError, match=r"rank\(s\) \[1\] failed restoring step_00000002: RuntimeError"):
+            ck.restore(target)
+    dist.barrier()
+    ck.close()
+
+
+def test_two_ranks_load_state_dict_fails_on_one_rank(tmp_path):
+    run_ranks(tmp_path, _load_state_dict_fails_on_one_rank, timeout=90, pg_timeout=30)
