@@ -31,16 +31,18 @@ from typing import Callable, Iterator
 
 from .errors import MemoryTierFullError, StateMismatchError
 from .local_writes import LocalWrites
-from .memory_snapshot import MemoryTarget
+from .format import HEADER_SIZE
+from .memory_snapshot import INDEX_ALLOWANCE, INDEX_PER_ENTRY, MemoryTarget
 from .memory_source import MemorySource
 from .memory_tier import MemoryTier
 from .steps import DAMAGE, StepLayout, agreed, async_options
 
 log = logging.getLogger("gdsckpt.manager")
 
-# A first save's room in memory is estimated from its tensors (before the plan exists): their
-# bytes, and a 4 KiB record boundary each.
-_PER_TENSOR = 4096
+# A save's room in memory estimated from its tensors (before the plan exists): their bytes, a
+# 4 KiB record boundary and two index entries each, the header and the index's allowance
+# (memory_snapshot.slot_bytes for one chunk per tensor, the most a plan takes).
+_PER_TENSOR = 4096 + 2 * INDEX_PER_ENTRY
 
 
 class MemorySteps:
@@ -75,7 +77,10 @@ class MemorySteps:
         self._saves += 1
         if self.distributed and local:  # a DCP checkpoint, every rank's
             return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
-        why = None if self.distributed else self._no_room(state)
+        # The overlap and device modes' snapshot reserves its room on a thread of its own, where no
+        # fall-back to the directory can run: their room is checked against this very state.
+        threaded = async_options(self.save_options, optimizer).get("snapshot", "host") != "host"
+        why = None if self.distributed else self._no_room(state, every_time=threaded)
         if why is None:
             try:
                 what = memory_dcp().snapshot(state) if self.distributed else state
@@ -114,15 +119,19 @@ class MemorySteps:
         """Whether the next save is also written to the directory: the 1st, (1 + every_local)th, ..."""
         return self._saves % self.every_local == 0
 
-    def _no_room(self, state) -> str | None:
+    def _no_room(self, state, every_time: bool = False) -> str | None:
+        """Why the tier has no room for a snapshot of `state`, or None: by the last step's slot
+        (a state grows: AdamW's moments come with its first step), and by an estimate from the
+        tensors on the first save or `every_time`."""
         need = self._need
-        if need is None:  # the first save: an estimate from the tensors
+        if need is None or every_time:
             from .tree import flatten
             try:
                 _, leaves = flatten(state)
             except Exception:  # noqa: BLE001 - save_async says what is wrong with the state
                 return None
-            need = sum(leaf.tensor.nbytes + _PER_TENSOR for leaf in leaves)
+            estimate = HEADER_SIZE + INDEX_ALLOWANCE + sum(leaf.tensor.nbytes + _PER_TENSOR for leaf in leaves)
+            need = max(need or 0, estimate)
         return self.tier.room_for(need)
 
     def _committed(self, step: int, local: bool) -> None:

@@ -291,6 +291,35 @@ def test_a_due_write_to_the_directory_that_fails_is_raised_by_save_and_close(tmp
     assert local_files(d) == [step_name(1, False), step_name(2, False)]  # the next close wrote it
 
 
+@pytest.mark.parametrize("first", ["grows", "near the cap"])
+def test_an_overlapped_step_that_finds_no_room_is_saved_to_the_directory(tmp_path, shm, first):
+    """save_async(optimizer=) (the overlap mode) of a step the tier has no room for goes to the
+    directory, as in the host mode: its room is checked against the state in the call, where its
+    snapshot's own thread could not fall back. It failed with MemoryTierFullError on its future, the
+    step in neither place: after the optimizer's first step had grown the state (its moments), or
+    on a first save whose estimate left out the index."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 200)
+    opt = torch.optim.Adam(model.parameters())
+
+    def state():
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+    small = sum(t.nbytes for t in model.state_dict().values())
+    cap = 400_000 if first == "grows" else small + 8192
+    with Checkpointer(tmp_path / "run", memory=True, memory_bytes=cap, save_options=OPTS) as ck:
+        if first == "grows":
+            ck.save_async(1, state(), optimizer=opt).result()  # before its first step: no moments yet
+            model(torch.randn(4, 200)).sum().backward()
+            opt.step()
+        step = 2 if first == "grows" else 1
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        ck.save_async(step, state(), optimizer=opt).result()
+        assert [f["step"] for f in ck.status()["memory"]["fallbacks"]] == [step]
+        assert step in ck.layout.local_steps()
+    assert_same(gdsckpt.load(tmp_path / "run" / step_name(step, False))["model"], want)
+
+
 _DIES_WITH_STEPS_IN_MEMORY = r"""
 import os, sys
 sys.path.insert(0, sys.argv[2])
