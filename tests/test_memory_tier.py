@@ -716,6 +716,14 @@ def test_cli_ls_and_clean_memory(tmp_path, shm, capsys):
     with Checkpointer(d, memory=True) as ck:
         r = ck.restore()
         assert (r.step, r.source) == (4, "local")
+    # a directory removed whole, its copies left on this host: --memory frees them (it exited 3)
+    with Checkpointer(d, memory=True, every_local=2, save_options=OPTS) as ck:
+        ck.save(5, state_for(5))
+    shutil.rmtree(d)
+    capsys.readouterr()
+    assert main(["clean", str(d), "--memory"]) == 0
+    assert "dropped the memory copies of rank 0" in capsys.readouterr().out
+    assert main(["clean", str(d)]) == 3  # without --memory: no such directory
 
 
 def test_ls_verify_finds_a_damaged_copy(tmp_path, shm, capsys):

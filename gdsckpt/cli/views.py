@@ -34,7 +34,8 @@ def cmd_clean(args) -> int:
                       f"{format_bytes(t['bytes'])}): {t['folder']}")
             if not dropped:
                 print(f"no memory copies of {args.directory} on this host")
-    stale = stale_temporaries(d)
+    # A directory removed with its copies left on this host: those are what --memory cleans.
+    stale = [] if args.memory and not d.exists() else stale_temporaries(d)
     for p in stale:
         if not args.json:
             print(("removing " if args.yes else "stale: ") + str(p))
