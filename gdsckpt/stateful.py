@@ -118,13 +118,38 @@ def dcp_view(state: dict, *, strict: bool = True) -> dict:
     optimizer has no state and no parameter has a gradient: restore before the first backward.
     An optimizer saved before its first step is saved so initialised (its step counts 1)."""
     modules = _modules(state)
-    return {k: _DcpTree(v, modules, strict, k) if _holds_stateful(v) else v for k, v in state.items()}
+    view = DcpView()
+    for k, v in state.items():
+        key = rank_key(k) if isinstance(v, RNG) else k
+        view[key] = _DcpTree(v, modules, strict, k) if _holds_stateful(v) else v
+        view.origin[key] = k
+    return view
+
+
+class DcpView(dict):
+    """dcp_view's dict: `origin` maps each of its keys to the state's (a rank's own key: its RNG())."""
+
+    def __init__(self):
+        super().__init__()
+        self.origin: dict[str, str] = {}
+
+
+def rank_key(key: str) -> str:
+    """The view's key of a top-level `gdsckpt.RNG()`: of this rank under torch.distributed. DCP keeps
+    one copy of a value every rank names alike, taking it for replicated, and every rank loads that
+    copy; each rank's generators are its own."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return f"{key}@rank{dist.get_rank()}"
+    return key
 
 
 def dcp_write_back(state: dict, view: dict) -> None:
     """After dcp.load(view): the top-level values DCP replaced in the view, and those a `_DcpTree`
     rebuilt (a tuple, which cannot be written back into), into `state`."""
+    origin = getattr(view, "origin", {})
     for k, v in view.items():
+        k = origin.get(k, k)
         v = v.value if isinstance(v, _DcpTree) else v
         if state.get(k) is not v:
             state[k] = v
@@ -135,11 +160,14 @@ class _DcpTree:
 
     def __init__(self, value, modules: list, strict: bool, key: str):
         self.value, self._modules, self._strict, self._key = value, modules, strict, key
+        self.left_as_is = False  # a load planned nothing for it (dcp.planner.RankStateLoadPlanner)
 
     def state_dict(self):
         return self._state(self.value, self._key)
 
     def load_state_dict(self, loaded) -> None:
+        if self.left_as_is:
+            return
         new = self._restore(self.value, loaded, self._key)
         if new is not self._KEEP:  # a tuple, rebuilt with its restored plain values: for dcp_write_back
             self.value = new

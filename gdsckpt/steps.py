@@ -413,14 +413,14 @@ class DcpSteps(_Steps):
     def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-        from .dcp import GdsckptReader
+        from .dcp import GdsckptReader, RankStateLoadPlanner
         self._check_metadata(path)
         # Agreed: the objects' load_state_dict and the write-back run on each rank alone, after
         # DCP's collectives; one rank's failure there must not send it alone to an older step.
         with agreed(path, path.name):
             try:
                 view = dcp_view(state, strict=strict)  # stateful objects at any depth; a fresh optimizer too
-                dcp.load(view, storage_reader=GdsckptReader(path))
+                dcp.load(view, storage_reader=GdsckptReader(path), planner=RankStateLoadPlanner(view))
                 dcp_write_back(state, view)
             except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
                 errs = [exc for exc, _ in e.failures.values()]

@@ -479,3 +479,24 @@ def test_gpu_device_staging_copies_every_staging_and_compresses_it_into_the_pool
         dcp.load(target, storage_reader=GdsckptReader(tmp_path / f"d{i}"))
         assert_same(target, want)
     pp.release_pools()
+
+
+def test_a_step_without_this_ranks_generators_restores_the_rest_and_says_so(tmp_path, one_rank_group, monkeypatch):
+    """A DCP step saved without this rank's RNG() key (by fewer ranks, or by a gdsckpt that keyed
+    it alike on every rank) restores everything else; the generators are left as they are, with a
+    warning, instead of the whole restore failing on a missing key."""
+    import random
+    import gdsckpt
+    from gdsckpt import Checkpointer, stateful
+    state = {"w": torch.arange(6.0), "rng": gdsckpt.RNG()}
+    with monkeypatch.context() as m:
+        m.setattr(stateful, "rank_key", lambda key: key)  # the key every rank named alike
+        with Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, state)
+    random.seed(5)
+    now = random.getstate()
+    state["w"].zero_()
+    with Checkpointer(tmp_path / "ck") as ck:
+        with pytest.warns(UserWarning, match="'rng@rank0' is not in the checkpoint"):
+            assert ck.restore(state).step == 1
+    assert torch.equal(state["w"], torch.arange(6.0)) and random.getstate() == now

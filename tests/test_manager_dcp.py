@@ -415,3 +415,28 @@ def _load_state_dict_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_load_state_dict_fails_on_one_rank(tmp_path):
     run_ranks(tmp_path, _load_state_dict_fails_on_one_rank, timeout=90, pg_timeout=30)
+
+
+def _each_rank_its_own_generators(rank: int, root: Path, mesh) -> None:
+    """gdsckpt.RNG() in a distributed Checkpointer's state: each rank's generators come back its own.
+    DCP took the value every rank names alike for replicated, and every rank loaded one rank's:
+    rank 0's random streams came back as rank 1's, without a word."""
+    import random
+    import gdsckpt
+    from gdsckpt import Checkpointer
+    torch.manual_seed(1000 + rank)
+    random.seed(rank)
+    state = sharded(full_state(1), mesh) | {"rng": gdsckpt.RNG()}
+    ck = Checkpointer(root / "ck", keep=2)
+    ck.save(1, state)
+    want = (torch.randn(3), random.random())
+    torch.randn(50)
+    random.random()
+    assert ck.restore(state).step == 1
+    assert torch.equal(torch.randn(3), want[0]) and random.random() == want[1], rank
+    assert isinstance(state["rng"], gdsckpt.RNG) and set(state) == {"w", "emb", "step", "meta", "rng"}
+    ck.close()
+
+
+def test_two_ranks_each_rank_restores_its_own_generators(tmp_path):
+    run_ranks(tmp_path, _each_rank_its_own_generators)

@@ -24,10 +24,10 @@ The parts, one job each:
 """
 
 from .layout import DCP_VERSION, METADATA_FILE, SUFFIX, item_key
-from .planner import CachedSavePlanner
+from .planner import CachedSavePlanner, RankStateLoadPlanner
 from .reader import GdsckptReader
 from .staging import reserve
 from .writer import GdsckptWriter
 
-__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "reserve", "DCP_VERSION", "METADATA_FILE", "SUFFIX",
-           "item_key"]
+__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "RankStateLoadPlanner", "reserve", "DCP_VERSION",
+           "METADATA_FILE", "SUFFIX", "item_key"]

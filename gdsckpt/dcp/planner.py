@@ -1,19 +1,21 @@
-"""CachedSavePlanner: DCP's DefaultSavePlanner with plan caching, reused only while nothing changed."""
+"""CachedSavePlanner: DCP's DefaultSavePlanner with plan caching, reused only while nothing changed.
+RankStateLoadPlanner: DCP's DefaultLoadPlanner that passes over a rank's own state the step lacks."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 
 from .metadata import PreparedMetadata
 from .standins import STAND_INS
 
-__all__ = ["CachedSavePlanner"]
+__all__ = ["CachedSavePlanner", "RankStateLoadPlanner"]
 
 
 @dataclass
@@ -121,3 +123,27 @@ class CachedSavePlanner(DefaultSavePlanner):
                 plan, tuple(self.state_dict), values, dict(self.mappings))
         else:
             CachedSavePlanner._planned_layouts.pop(self._cached_plans_key, None)
+
+
+class RankStateLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner for a view (stateful.dcp_view) whose keys of this rank's own state
+    (stateful.rank_key: its RNG()) the step may not hold (saved by fewer ranks, or by a gdsckpt
+    before such keys): such a value is left as it is, with a warning (`left_as_is` set on it, so
+    that its load_state_dict does nothing), instead of failing the whole load for a missing key.
+    Every other key is planned as DCP plans it."""
+
+    def __init__(self, view):
+        super().__init__()
+        self._view = view
+
+    def create_local_plan(self) -> LoadPlan:
+        held = self.metadata.state_dict_metadata
+        for top in [k for k, state_key in self._view.origin.items() if k != state_key]:
+            mine = [k for k in self.state_dict if k == top or k.startswith(top + ".")]
+            if mine and not any(k in held for k in mine):
+                warnings.warn(f"gdsckpt: {top!r} is not in the checkpoint (saved by fewer ranks, or by an older "
+                              "gdsckpt): this rank's generators are left as they are", stacklevel=2)
+                for k in mine:
+                    del self.state_dict[k]
+                self._view[top].left_as_is = True
+        return super().create_local_plan()
