@@ -21,7 +21,7 @@ from typing import ContextManager, Iterator, Protocol
 
 from . import api
 from .async_save import MODES, SaveFuture, save_async
-from .errors import CheckpointFormatError, GdsckptError, VersionError
+from .errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
 from .save import check_save_options
 from .stateful import dcp_view, dcp_write_back
 from .storage import fsync_dir, stale_temporaries, temp_path_for
@@ -420,10 +420,12 @@ class DcpSteps(_Steps):
         with agreed(path, path.name):
             try:
                 view = dcp_view(state, strict=strict)  # stateful objects at any depth; a fresh optimizer too
-                dcp.load(view, storage_reader=GdsckptReader(path), planner=RankStateLoadPlanner(view))
+                dcp.load(view, storage_reader=GdsckptReader(path), planner=RankStateLoadPlanner(view, strict))
                 dcp_write_back(state, view)
             except CheckpointException as e:  # raised on every rank alike, so every rank falls back alike
                 errs = [exc for exc, _ in e.failures.values()]
+                if errs and all(isinstance(x, StateMismatchError) for x in errs):
+                    raise errs[0] from None  # the state does not match: on every rank, as load_into's
                 if errs and all(isinstance(x, DAMAGE) and not isinstance(x, VersionError) for x in errs):
                     first = errs[0]
                     raise CheckpointFormatError(f"rank(s) {sorted(e.failures)} could not read the step: "

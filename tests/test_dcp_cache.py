@@ -500,3 +500,26 @@ def test_a_step_without_this_ranks_generators_restores_the_rest_and_says_so(tmp_
         with pytest.warns(UserWarning, match="'rng@rank0' is not in the checkpoint"):
             assert ck.restore(state).step == 1
     assert torch.equal(state["w"], torch.arange(6.0)) and random.getstate() == now
+
+
+def test_a_dcp_restore_applies_strict(tmp_path, one_rank_group):
+    """Checkpointer.restore of a DCP step: strict=True refuses a tensor whose dtype or shape differs
+    (DCP's planner converted the dtype) and a key the step lacks, as a StateMismatchError naming it,
+    before anything is read; strict=False loads the dtype converted and leaves a missing key alone
+    (it failed on the missing key)."""
+    import gdsckpt
+    from gdsckpt import Checkpointer
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"w": torch.arange(4.0), "meta": {"a": 1}})
+        half = {"w": torch.zeros(4, dtype=torch.float16), "meta": {"a": 0}}
+        with pytest.raises(gdsckpt.StateMismatchError, match=r"'w' is torch.float32\[4\] in the checkpoint but "
+                                                             r"torch.float16\[4\]"):
+            ck.restore(half)
+        assert not half["w"].any() and half["meta"] == {"a": 0}  # nothing read
+        with pytest.raises(gdsckpt.StateMismatchError, match="'new' not in the checkpoint"):
+            ck.restore({"w": torch.zeros(4), "meta": {"a": 0}, "new": torch.zeros(3)})
+        assert ck.restore(half, strict=False).step == 1
+        assert torch.equal(half["w"], torch.arange(4.0).half()) and half["meta"] == {"a": 1}
+        more = {"w": torch.zeros(4), "meta": {"a": 0}, "new": torch.full((3,), 7.0)}
+        ck.restore(more, strict=False)
+        assert torch.equal(more["w"], torch.arange(4.0)) and torch.equal(more["new"], torch.full((3,), 7.0))

@@ -9,9 +9,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 
+from ..errors import StateMismatchError
 from .metadata import PreparedMetadata
 from .standins import STAND_INS
 
@@ -126,15 +127,20 @@ class CachedSavePlanner(DefaultSavePlanner):
 
 
 class RankStateLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner for a view (stateful.dcp_view) whose keys of this rank's own state
-    (stateful.rank_key: its RNG()) the step may not hold (saved by fewer ranks, or by a gdsckpt
-    before such keys): such a value is left as it is, with a warning (`left_as_is` set on it, so
-    that its load_state_dict does nothing), instead of failing the whole load for a missing key.
-    Every other key is planned as DCP plans it."""
+    """DCP's load planner for a Checkpointer's restore of a view (stateful.dcp_view).
 
-    def __init__(self, view):
-        super().__init__()
-        self._view = view
+    - Keys of this rank's own state (stateful.rank_key: its RNG()) the step may not hold (saved by
+      fewer ranks, or by a gdsckpt before such keys): such a value is left as it is, with a warning
+      (`left_as_is` set on it, so that its load_state_dict does nothing), instead of failing the
+      whole load for a missing key.
+    - strict: a key the checkpoint lacks, or a tensor whose dtype or shape differs from the
+      checkpoint's, is a StateMismatchError naming it, before anything is read (DCP's own planner
+      converts the dtype); else keys missing from the checkpoint are left alone (allow_partial_load).
+      Keys the checkpoint has beyond the state are not refused: other ranks' own keys are there."""
+
+    def __init__(self, view, strict: bool = True):
+        super().__init__(allow_partial_load=not strict)
+        self._view, self._strict = view, strict
 
     def create_local_plan(self) -> LoadPlan:
         held = self.metadata.state_dict_metadata
@@ -146,4 +152,16 @@ class RankStateLoadPlanner(DefaultLoadPlanner):
                 for k in mine:
                     del self.state_dict[k]
                 self._view[top].left_as_is = True
+        if self._strict:
+            missing = [k for k in self.state_dict if k not in held]
+            if missing:
+                raise StateMismatchError(f"{', '.join(map(repr, missing[:5]))}{' and more' if len(missing) > 5 else ''} "
+                                         "not in the checkpoint (restore(strict=False) leaves them alone)")
+            for key, value in self.state_dict.items():
+                md = held.get(key)
+                if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and (
+                        md.properties.dtype != value.dtype or tuple(md.size) != tuple(value.shape)):
+                    raise StateMismatchError(
+                        f"tensor {key!r} is {md.properties.dtype}{list(md.size)} in the checkpoint but "
+                        f"{value.dtype}{list(value.shape)} in the state (restore(strict=False) loads it converted)")
         return super().create_local_plan()
