@@ -58,8 +58,9 @@ from pathlib import Path
 
 from .defaults import MEMORY_KEEP
 from .dirlock import try_lock
-from .errors import (CheckpointFormatError, GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError,
-                     VersionError)
+from .errors import (
+    CheckpointFormatError, GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError, VersionError,
+)
 from .memory_steps import MemorySteps
 from .memory_folders import renew_directory_id
 from .policy import Policy, whole_number

@@ -169,8 +169,8 @@ class MemorySteps:
     def load(self, step: int, state, device, strict: bool) -> tuple[object, str, object]:
         """(state, label, stats) of `step` restored from memory; DAMAGE where it cannot be (under
         torch.distributed: on every rank, when any rank cannot). Under torch.distributed every
-        rank first checks its copy (every chunk's checksum, Checkpoint.check) and all agree before any rank's
-        state is written: a copy damaged on one rank leaves every rank's state as it was."""
+        rank first checks its copy (every chunk's checksum, Checkpoint.check) and all agree before
+        any rank's state is written: a copy damaged on one rank leaves every rank's state as it was."""
         if not self.distributed:
             with self.reading(step) as source:
                 out, stats = self.layout.load(source, state, device, strict)

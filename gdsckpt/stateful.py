@@ -122,16 +122,17 @@ def dcp_view(state: dict, *, strict: bool = True) -> dict:
     for k, v in state.items():
         key = rank_key(k) if isinstance(v, RNG) else k
         view[key] = _DcpTree(v, modules, strict, k) if _holds_stateful(v) else v
-        view.origin[key] = k
+        if key != k:
+            view.rank_keys[key] = k
     return view
 
 
 class DcpView(dict):
-    """dcp_view's dict: `origin` maps each of its keys to the state's (a rank's own key: its RNG())."""
+    """dcp_view's dict; `rank_keys`: its keys of this rank's own state (rank_key) -> the state's."""
 
     def __init__(self):
         super().__init__()
-        self.origin: dict[str, str] = {}
+        self.rank_keys: dict[str, str] = {}
 
 
 def rank_key(key: str) -> str:
@@ -144,12 +145,11 @@ def rank_key(key: str) -> str:
     return key
 
 
-def dcp_write_back(state: dict, view: dict) -> None:
+def dcp_write_back(state: dict, view: DcpView) -> None:
     """After dcp.load(view): the top-level values DCP replaced in the view, and those a `_DcpTree`
     rebuilt (a tuple, which cannot be written back into), into `state`."""
-    origin = getattr(view, "origin", {})
     for k, v in view.items():
-        k = origin.get(k, k)
+        k = view.rank_keys.get(k, k)
         v = v.value if isinstance(v, _DcpTree) else v
         if state.get(k) is not v:
             state[k] = v

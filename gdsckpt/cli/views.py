@@ -56,6 +56,10 @@ def cmd_clean(args) -> int:
 # Views of a Checkpointer's directory and store that take no lock: they only read.
 
 
+# A step's state where a pending rollback gives it up (removed when a manager next opens the directory).
+GIVEN_UP = "given up by a pending rollback"
+
+
 def describe(location: str, *, remote: str | None = None, deep: bool = False) -> list[dict]:
     """Steps in a checkpoint directory and/or under an s3:// prefix, newest last: for each, where
     it lives, its size and whether it is intact (committed and its footer and index valid; deep:
@@ -135,10 +139,6 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
                 if r[where] is not None and to is not None and r["step"] > to:
                     r[where + "_state"] = f"{GIVEN_UP} to step {to}"
     return [rows[k] for k in sorted(rows)]
-
-
-# A step's state where a pending rollback gives it up (removed when a manager next opens the directory).
-GIVEN_UP = "given up by a pending rollback"
 
 
 def _local_step(p: Path, deep: bool) -> tuple[int, str] | None:

@@ -144,7 +144,7 @@ class RankStateLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         held = self.metadata.state_dict_metadata
-        for top in [k for k, state_key in self._view.origin.items() if k != state_key]:
+        for top in self._view.rank_keys:
             mine = [k for k in self.state_dict if k == top or k.startswith(top + ".")]
             if mine and not any(k in held for k in mine):
                 warnings.warn(f"gdsckpt: {top!r} is not in the checkpoint (saved by fewer ranks, or by an older "
@@ -155,8 +155,9 @@ class RankStateLoadPlanner(DefaultLoadPlanner):
         if self._strict:
             missing = [k for k in self.state_dict if k not in held]
             if missing:
-                raise StateMismatchError(f"{', '.join(map(repr, missing[:5]))}{' and more' if len(missing) > 5 else ''} "
-                                         "not in the checkpoint (restore(strict=False) leaves them alone)")
+                more = " and more" if len(missing) > 5 else ""
+                raise StateMismatchError(f"{', '.join(map(repr, missing[:5]))}{more} not in the checkpoint "
+                                         "(restore(strict=False) leaves them alone)")
             for key, value in self.state_dict.items():
                 md = held.get(key)
                 if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and (

@@ -99,14 +99,14 @@ def load_state(accelerator, input_dir: str | os.PathLike | None = None, *, stric
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # may remove models: those it loaded itself
     files = (folder / STATE_FILE, folder / process_file(accelerator.process_index))
-    why = _torn(folder, accelerator.process_index) if all(f.is_file() for f in files) else None
-    if why is not None:  # (a missing file: load_into's FileNotFoundError names it)
-        raise gdsckpt.CheckpointFormatError(f"{why}: load an older folder", path=folder)
+    ids = [_save_id(f) if f.is_file() else None for f in files]  # (a missing file: load_into names it)
+    if all(f.is_file() for f in files) and len(set(ids)) > 1:
+        raise gdsckpt.CheckpointFormatError(f"{_two_saves(folder, files[1].name)}: load an older folder", path=folder)
     shared, own = _shared(accelerator, models), _own(accelerator)
-    for state, name in ((shared, STATE_FILE), (own, process_file(accelerator.process_index))):
-        if _save_id(folder / name) is not None:  # saved with one (not by gdsckpt before 2026-11-28)
+    for state, file, saved_id in zip((shared, own), files, ids):
+        if saved_id is not None:  # saved with one (not by gdsckpt before 2026-11-28)
             state[SAVE_ID] = torch.empty(16, dtype=torch.uint8)
-        gdsckpt.load_into(folder / name, state, strict=strict, **load_options)
+        gdsckpt.load_into(file, state, strict=strict, **load_options)
     accelerator.step = own["step"]
     return folder
 
@@ -245,10 +245,12 @@ def _torn(folder: Path, index: int) -> str | None:
         ids = {_save_id(f) for f in files}
     except (gdsckpt.CheckpointFormatError, OSError) as e:
         return f"{folder}: {type(e).__name__}: {e}"
-    if len(ids) > 1:
-        return (f"{folder} holds files of two save_state calls ({STATE_FILE} and {files[1].name} differ: one was "
-                "killed part-way while saving into the same folder)")
-    return None
+    return _two_saves(folder, files[1].name) if len(ids) > 1 else None
+
+
+def _two_saves(folder: Path, own_file: str) -> str:
+    return (f"{folder} holds files of two save_state calls ({STATE_FILE} and {own_file} differ: one was killed "
+            "part-way while saving into the same folder)")
 
 
 def _numbered(root: Path) -> list[Path]:
