@@ -10,9 +10,9 @@
 
 from ._version import __version__
 from .api import Checkpoint, Stats, load, load_into, open, save
-from .async_save import save_async
-from .manager import Checkpointer, Restored
-from .stateful import RNG
+from .writing.async_save import save_async
+from .manager.checkpointer import Checkpointer, Restored
+from .format.stateful import RNG
 from .errors import (
     BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,
     CodecUnavailableError, DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError, StateMismatchError,
@@ -23,7 +23,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
 )
 from .errors import MemoryTierFullError  # the checkpoint manager's memory tier
-from .reserve import Reservation, reserve  # host memory ahead of the first save
+from .writing.reserve import Reservation, reserve  # host memory ahead of the first save
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",

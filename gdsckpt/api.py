@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 
-from . import reader
-from .async_save import wait_for_saves_to
-from .defaults import RING_DEPTH
-from .reader import Checkpoint
-from .ring import ChunkFile
-from .save import NewFile, SaveOptions, Sink, save_flat
+from .reading import reader
+from .writing.async_save import wait_for_saves_to
+from .core.defaults import RING_DEPTH
+from .reading.reader import Checkpoint
+from .engine.ring import ChunkFile
+from .writing.save import NewFile, SaveOptions, Sink, save_flat
 from .stats import Stats
-from .storage import user_path
-from .tree import flatten
+from .core.storage import user_path
+from .format.tree import flatten
 
 __all__ = ["save", "save_through", "load", "load_into", "open", "Checkpoint", "Stats"]
 
@@ -55,7 +55,7 @@ def save_through(state, sink: ChunkFile, **options) -> Stats:
     return save_flat(skeleton, leaves, Sink(sink), options, started=started)
 
 
-# ---------------------------------------------------------------- reading (gdsckpt/reader.py)
+# ---------------------------------------------------------------- reading (gdsckpt/reading/reader.py)
 
 
 def open(path, **options) -> Checkpoint:  # noqa: A001 - mirrors safetensors.safe_open / builtins.open

@@ -27,7 +27,7 @@ cd "$work"
 "$work/venv/bin/python" - <<'PY'
 import gdsckpt, torch, pathlib
 assert "site-packages" in gdsckpt.__file__, gdsckpt.__file__  # the wheel's copy, not the source tree
-assert (pathlib.Path(gdsckpt.__file__).parent / "FORMAT.md").is_file()
+assert (pathlib.Path(gdsckpt.__file__).parent / "format" / "FORMAT.md").is_file()
 model = torch.nn.Linear(64, 64)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.randn(4, 64)).sum().backward()

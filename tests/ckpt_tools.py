@@ -12,8 +12,8 @@ import os
 import struct
 import sys
 
-from gdsckpt import format as fmt
-from gdsckpt.checksum import checksum
+from gdsckpt.format import file as fmt
+from gdsckpt.format.checksum import checksum
 
 
 def split(data: bytes) -> tuple[bytes, dict, int]:

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gdsckpt import host_snapshot as hs
+from gdsckpt.writing.snapshot import host as hs
 
 
 def _gpu_ready() -> tuple[bool, str]:
-    from gdsckpt.backend import gpu_status
+    from gdsckpt.engine.backend import gpu_status
     return gpu_status()
 
 
@@ -60,7 +60,7 @@ def same(a, b) -> bool:
 
 def all_dtype_tensors(device="cpu", n=1000, seed=0):
     """One tensor of every dtype gdsckpt stores, with real (non-zero) data."""
-    from gdsckpt.dtypes import BY_NAME
+    from gdsckpt.core.dtypes import BY_NAME
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, dt in BY_NAME.items():

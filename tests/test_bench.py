@@ -46,7 +46,7 @@ def test_workload_sizes_below_and_above_the_base_state():
     shallower or deeper GPT, its AdamW state matching parameter for parameter."""
     from gdsckpt.bench.states import nbytes
     from gdsckpt.bench.workload import make_state
-    from gdsckpt.units import parse_size
+    from gdsckpt.core.units import parse_size
     base = make_state("tiny", device="cpu")
     for size in ("8MiB", "40MB"):
         state = make_state(size, device="cpu")
@@ -58,7 +58,7 @@ def test_workload_sizes_below_and_above_the_base_state():
 
 
 def test_state_walks_count_what_a_save_stores_or_every_place():
-    """nbytes and to_device go through gdsckpt.tree.flatten (a tied tensor is one leaf);
+    """nbytes and to_device go through gdsckpt.format.tree.flatten (a tied tensor is one leaf);
     every_tensor / placed_bytes see every place a tensor sits, as the baselines write it."""
     import torch
 

@@ -16,7 +16,7 @@ import torch
 
 import gdsckpt
 from gdsckpt import codecs
-from gdsckpt.backend import gpu_status
+from gdsckpt.engine.backend import gpu_status
 from gdsckpt.codecs.zstd_cpu import shuffle_bytes, unshuffle_bytes
 from ckpt_tools import file_declaring
 
@@ -48,7 +48,7 @@ def test_the_reference_shuffle_is_format_mds_layout(w):
 
 
 def test_format_md_documents_the_spec():
-    text = (ROOT / "gdsckpt" / "FORMAT.md").read_text()
+    text = (ROOT / "gdsckpt" / "format" / "FORMAT.md").read_text()
     assert '`{"name": "ans-planes", "data_type": "|u1", "nvcomp": version, "uncomp_chunk_size", "shuffle": w}`' in text
 
 
@@ -124,7 +124,7 @@ def test_save_accepts_the_name_and_the_cpu_refuses_it_before_writing(tmp_path):
 # ---------------------------------------------------------------- the GPU kernels, compiled for the host
 
 _HARNESS = r"""
-// gdsckpt/gpu/kernels.py's byte-plane kernels on the host: every (block, thread) of a small grid in turn.
+// gdsckpt/engine/gpu/kernels.py's byte-plane kernels on the host: every (block, thread) of a small grid in turn.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -169,7 +169,7 @@ def host_kernels(tmp_path_factory) -> Path:
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler to build the kernels for the host")
-    tree = ast.parse((ROOT / "gdsckpt" / "gpu" / "kernels.py").read_text())
+    tree = ast.parse((ROOT / "gdsckpt" / "engine" / "gpu" / "kernels.py").read_text())
     source = next(n.value.value for n in tree.body
                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "_PLANES")
     d = tmp_path_factory.mktemp("planes")

@@ -1,4 +1,4 @@
-"""The chunk checksums on the CPU (gdsckpt/checksum.py): CRC-64/NVME from awscrt against the
+"""The chunk checksums on the CPU (gdsckpt/format/checksum.py): CRC-64/NVME from awscrt against the
 published parameters, the error-detection properties its docstring claims, structured damage
 that it must catch, and the format 1.0 sum's blind spot that made us replace it."""
 
@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from awscrt import checksums as awscrt_checksums
 
-from gdsckpt import checksum as ck
-from gdsckpt.checksum import (ALGORITHMS, MASK, ONE, POLY, crc64nvme, crc64nvme_of_zeros, gf_mul, gf_mul_vec,
-                              gf_xpow, legacy_sum64, mul_basis, shift_tables)
+from gdsckpt.format import checksum as ck
+from gdsckpt.format.checksum import (
+    ALGORITHMS, MASK, ONE, POLY, crc64nvme, crc64nvme_of_zeros, gf_mul, gf_mul_vec, gf_xpow, legacy_sum64,
+    mul_basis, shift_tables,
+)
 
 CHECK = 0xAE8B14860A799888  # CRC-64/NVME("123456789"), from the CRC catalogue's parameter set
 
@@ -98,7 +100,7 @@ def test_shift_tables_are_slice_by_8():
         assert by4 == int(np.bitwise_xor.reduce([t[j][(v >> 8 * j) & 255] for j in range(8)])) == gf_mul(v, gf_xpow(64))
 
 
-# --- the claims in gdsckpt/checksum.py's docstring ----------------------------------------------
+# --- the claims in gdsckpt/format/checksum.py's docstring ----------------------------------------------
 
 def _poly_int(n: int) -> list[int]:
     return [1] + [(n >> (63 - i)) & 1 for i in range(64)]  # x^64 .. x^0

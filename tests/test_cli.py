@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from gdsckpt import cli
-from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.storage import HOST_ID, TMP_MARK, temp_path_for
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
+from gdsckpt.core.storage import HOST_ID, TMP_MARK, temp_path_for
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
 
@@ -45,7 +45,7 @@ _KILLED_RESTORE = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
 from gdsckpt import api
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 real = api.open
 def slow_open(path, **kw):  # the step is downloaded: killed while loading it
     print("loading", path, flush=True)

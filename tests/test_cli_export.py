@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import gdsckpt
 from conftest import assert_same
-from gdsckpt.reader import Checkpoint
+from gdsckpt.reading.reader import Checkpoint
 from test_cli import run_cli
 
 

@@ -20,7 +20,7 @@ import gdsckpt
 from gdsckpt import errors
 from gdsckpt.cli import build_parser
 from gdsckpt.cli.exitcodes import exit_code_for
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from test_cli import run_cli
 from test_manager import OPTS, corrupt_chunk, state_for
 

@@ -1,4 +1,4 @@
-"""codec="auto" per stream (gdsckpt/codec_choice.py): the choice from sample sizes, where the sample
+"""codec="auto" per stream (gdsckpt/engine/codec_choice.py): the choice from sample sizes, where the sample
 lies, the cache per stream layout, and the sampler on a real backend: the CPU's, with real zstd specs
 as the candidates and a real AdamW state as the bytes (on the GPU the candidates are typed and
 byte-plane ANS: tests/test_gpu_ans_planes.py)."""
@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 import gdsckpt
-from gdsckpt import codec_choice as cc
+from gdsckpt.engine import codec_choice as cc
 from gdsckpt import codecs
-from gdsckpt.cpu_backend import CpuBackend
-from gdsckpt.defaults import CODEC_SAMPLE_PIECE_BYTES, CODEC_SAMPLE_PIECES
-from gdsckpt.dtypes import name_of
-from gdsckpt.plan import Plan, Plans, make_plan
-from gdsckpt.ring import ByteViews
-from gdsckpt.tree import flatten
+from gdsckpt.engine.cpu_backend import CpuBackend
+from gdsckpt.core.defaults import CODEC_SAMPLE_PIECE_BYTES, CODEC_SAMPLE_PIECES
+from gdsckpt.core.dtypes import name_of
+from gdsckpt.format.plan import Plan, Plans, make_plan
+from gdsckpt.engine.ring import ByteViews
+from gdsckpt.format.tree import flatten
 
 A = {"name": "ans", "data_type": "<f4", "nvcomp": "6.0.0", "uncomp_chunk_size": 512 << 10}
 B = {"name": "ans-planes", "data_type": "|u1", "nvcomp": "6.0.0", "uncomp_chunk_size": 512 << 10, "shuffle": 4}

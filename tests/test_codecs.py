@@ -14,10 +14,10 @@ import torch
 
 import gdsckpt
 from gdsckpt import codecs
-from gdsckpt import format as fmt
-from gdsckpt.backend import gpu_status
-from gdsckpt.cpu_backend import CpuBackend
-from gdsckpt.dtypes import BY_NAME
+from gdsckpt.format import file as fmt
+from gdsckpt.engine.backend import gpu_status
+from gdsckpt.engine.cpu_backend import CpuBackend
+from gdsckpt.core.dtypes import BY_NAME
 from ckpt_tools import file_declaring
 from conftest import all_dtype_tensors, assert_same
 

@@ -15,8 +15,8 @@ import zstandard
 import gdsckpt
 from gdsckpt import codecs
 from gdsckpt.codecs.zstd_cpu import raw_frame_size, shuffle_bytes, unshuffle_bytes, write_raw_frame
-from gdsckpt.cpu_backend import CpuCodecs
-from gdsckpt.dtypes import BY_NAME, ITEMSIZE
+from gdsckpt.engine.cpu_backend import CpuCodecs
+from gdsckpt.core.dtypes import BY_NAME, ITEMSIZE
 from ckpt_tools import rebuild, split
 from conftest import all_dtype_tensors, assert_same
 
@@ -336,7 +336,7 @@ def _data_area(p):
 def test_direct_writes_match_buffered_ones(tmp_path, monkeypatch):
     """Slots are written with O_DIRECT, rounded up to 4 KiB with zeros: the file holds the same
     bytes as a buffered save (records and zero padding; only the index's timestamp may differ)."""
-    from gdsckpt import cpu_backend as cb
+    from gdsckpt.engine import cpu_backend as cb
     used = []
     real = cb.HostFile._write_direct
     monkeypatch.setattr(cb.HostFile, "_write_direct", lambda self, *a: used.append(real(self, *a)) or used[-1])
@@ -368,7 +368,7 @@ def test_direct_write_refused_falls_back_to_buffered(tmp_path, monkeypatch):
     the chunk is written again, buffered, and the save completes bit-exact."""
     import errno
     import os
-    from gdsckpt import cpu_backend as cb
+    from gdsckpt.engine import cpu_backend as cb
     real_open, direct_fds = os.open, set()
 
     def tracking_open(path, flags, *a):

@@ -1,4 +1,4 @@
-"""gdsckpt.collector: a save pauses Python's cyclic collector and gives it back as it found it."""
+"""gdsckpt.core.collector: a save pauses Python's cyclic collector and gives it back as it found it."""
 
 import gc
 import threading
@@ -6,7 +6,7 @@ import threading
 import torch
 
 import gdsckpt
-from gdsckpt import collector
+from gdsckpt.core import collector
 
 
 def test_a_save_pauses_the_collector_and_enables_it_again(tmp_path):

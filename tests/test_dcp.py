@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import gdsckpt  # noqa: E402
-from gdsckpt import async_save as async_mod  # noqa: E402
+from gdsckpt.writing import async_save as async_mod  # noqa: E402
 from gdsckpt.dcp import staging as dcp_staging  # noqa: E402
 from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, item_key  # noqa: E402
@@ -522,7 +522,7 @@ def test_overlapped_staging_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_writer_takes_save_asyncs_snapshot_names_and_the_earlier_spelling(tmp_path):
-    from gdsckpt.save import Snapshot
+    from gdsckpt.writing.save import Snapshot
     model, opt = _trained(4)
     assert GdsckptWriter(tmp_path).snapshot is Snapshot.HOST
     assert GdsckptWriter(tmp_path, optimizer=opt).snapshot is Snapshot.OVERLAP  # as before: optimizer= overlaps

@@ -290,7 +290,7 @@ def test_reserve_makes_the_stagings_pool_before_the_first_save(tmp_path, one_ran
     into, ahead of the first dcp.async_save (on the H100 a staging that grew it made the
     optimizer step wait up to 0.19 s): that save grows nothing and is bit-exact."""
     import gdsckpt.dcp
-    from gdsckpt import pinned_pool as pp
+    from gdsckpt.engine import pinned_pool as pp
     pp.release_pools()
     state, want = _state(5), _state(5)
     r = gdsckpt.dcp.reserve(state, wait=True, chunk_bytes=64 << 10, overwrite=True).result()
@@ -308,7 +308,7 @@ def test_reserve_takes_the_tensors_the_staging_saves_under_its_keys(one_rank_gro
     """What dcp.reserve reserves and warms (codec="auto"'s choice is kept per keys and shapes) is
     what the compressed staging saves: the same tensors, under the same keys, in the same order."""
     from gdsckpt.dcp.staging import stage_compressed, staged_tensors
-    from gdsckpt.save import SaveOptions
+    from gdsckpt.writing.save import SaveOptions
     state = _state(7)
     _, staged = stage_compressed(state, SaveOptions(chunk_bytes=64 << 10))
     try:
@@ -323,7 +323,7 @@ def test_checkpointer_reserve_under_torch_distributed(tmp_path, one_rank_group):
     """Checkpointer.reserve under torch.distributed reserves the staging's pool for this rank's
     tensors (it reserved nothing before): its first save grows nothing."""
     from gdsckpt import Checkpointer
-    from gdsckpt import pinned_pool as pp
+    from gdsckpt.engine import pinned_pool as pp
     pp.release_pools()
     with Checkpointer(tmp_path / "ck", save_options={"chunk_bytes": 64 << 10}) as ck:
         assert ck.distributed
@@ -392,7 +392,7 @@ def test_gpu_first_staging_copies_the_state_on_the_gpu(tmp_path, one_rank_group,
     save_async's first save does (no optimizer step waits): the checkpoint is the state at the
     call although the state changes right after it; the next staging finds the pool and copies
     nothing."""
-    from gdsckpt import pinned_pool as pp
+    from gdsckpt.engine import pinned_pool as pp
     copies = []
 
     def outside_cache(nbytes, device, stream):  # the real block; the test counts the copies
@@ -427,7 +427,7 @@ def test_gpu_reserve_makes_the_stagings_codec_choice(tmp_path, one_rank_group):
     """After gdsckpt.dcp.reserve the first staging samples nothing: codec="auto"'s choice was made
     from the state's bytes under the staging's keys."""
     import gdsckpt.dcp
-    from gdsckpt import pinned_pool as pp
+    from gdsckpt.engine import pinned_pool as pp
     pp.release_pools()
     g = torch.Generator(device="cuda").manual_seed(3)
     state = {"model": {"w": torch.randn(3_000_000, device="cuda", generator=g)},
@@ -451,7 +451,7 @@ def test_gpu_device_staging_copies_every_staging_and_compresses_it_into_the_pool
     staging and compresses the copy into the pool on a background thread, as
     save_async(snapshot="device") does: the checkpoint is the state at the call although
     training changes it right after, and no optimizer step waits."""
-    from gdsckpt import pinned_pool as pp
+    from gdsckpt.engine import pinned_pool as pp
     blocks = []
 
     def counted(obj, keep=lambda t: False, block=None):
@@ -487,7 +487,8 @@ def test_a_step_without_this_ranks_generators_restores_the_rest_and_says_so(tmp_
     warning, instead of the whole restore failing on a missing key."""
     import random
     import gdsckpt
-    from gdsckpt import Checkpointer, stateful
+    from gdsckpt import Checkpointer
+    from gdsckpt.format import stateful
     state = {"w": torch.arange(6.0), "rng": gdsckpt.RNG()}
     with monkeypatch.context() as m:
         m.setattr(stateful, "rank_key", lambda key: key)  # the key every rank named alike

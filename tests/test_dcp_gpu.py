@@ -240,7 +240,7 @@ def _async(rank: int, world: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from gdsckpt.overlap import memory_of, optimizer_memory
+    from gdsckpt.writing.snapshot.overlap import memory_of, optimizer_memory
     from gdsckpt.dcp import GdsckptReader, GdsckptWriter
 
     root = Path(root)

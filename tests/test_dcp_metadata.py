@@ -105,7 +105,7 @@ class _Eval:
 
 
 def _with_trailer(data: bytes) -> bytes:
-    from gdsckpt.checksum import crc64nvme
+    from gdsckpt.format.checksum import crc64nvme
     import struct
     return data + TRAILER_MAGIC + struct.pack("<Q", crc64nvme(data))
 

@@ -9,8 +9,8 @@ import torch
 from conftest import assert_same
 
 import gdsckpt
-from gdsckpt import format as fmt
-from gdsckpt.checksum import crc64nvme, legacy_sum64
+from gdsckpt.format import file as fmt
+from gdsckpt.format.checksum import crc64nvme, legacy_sum64
 
 V10 = Path(__file__).parent / "data" / "format-1.0.gdsckpt"  # written by gdsckpt 0.1.0 at format 1.0
 

@@ -64,7 +64,7 @@ def test_a_layout_saved_again_reuses_its_gather_tables_and_stays_exact(tmp_path)
     """A training loop's saves: the same plan at the same addresses gathers through the tables
     the first save uploaded (the small host tensors' new values included); a tensor at another
     address gets new tables. Every file is exact."""
-    from gdsckpt.gpu.backend import _resources
+    from gdsckpt.engine.gpu.backend import _resources
     state = _odd_state("cuda")
     res = _resources(torch.cuda.current_device())
     gdsckpt.save(state, tmp_path / "a.gdsckpt", chunk_bytes=1 << 20)
@@ -84,7 +84,7 @@ def test_a_layout_saved_again_reuses_its_gather_tables_and_stays_exact(tmp_path)
 def test_the_pipeline_stream_has_the_highest_priority():
     """Beside training (an overlapped snapshot) the ring's kernels must not queue behind the
     training's for SMs."""
-    from gdsckpt.gpu.backend import _resources
+    from gdsckpt.engine.gpu.backend import _resources
     _, highest = torch.cuda.Stream.priority_range()
     assert _resources(torch.cuda.current_device()).torch_stream.priority == highest
 
@@ -166,7 +166,7 @@ def test_corrupt_chunk_is_caught_before_decoding(tmp_path):
 
 
 def test_explicit_gds_without_gds_is_a_clear_error(tmp_path):
-    from gdsckpt.gpu.io import gds_available
+    from gdsckpt.engine.gpu.io import gds_available
     if gds_available():
         pytest.skip("this host has GDS")
     with pytest.raises(gdsckpt.GDSUnavailableError, match="is_gds_available=False"):
@@ -180,9 +180,9 @@ def test_file_reads_ask_kvikio_for_larger_tasks_and_writes_keep_its_own(tmp_path
     KVIKIO_TASK_SIZE wins."""
     import kvikio
 
-    from gdsckpt import sources
-    from gdsckpt.defaults import KVIKIO_READ_TASK_BYTES
-    from gdsckpt.gpu.io import DeviceFile
+    from gdsckpt.reading import sources
+    from gdsckpt.core.defaults import KVIKIO_READ_TASK_BYTES
+    from gdsckpt.engine.gpu.io import DeviceFile
     monkeypatch.setattr(sources, "READ_AHEAD_THREADS", 0)  # KvikIO reads each record (as on a GDS host)
     seen = []
     for op in ("pread", "pwrite"):
@@ -212,8 +212,8 @@ def test_a_file_is_read_ahead_into_the_gpu_in_compat_mode_and_exactly(tmp_path, 
     """In compat mode (no GDS), a file's records are read ahead by our O_DIRECT threads and copied
     into the ring's slots (read_ahead.py): load_into with and without atomic, one tensor, and a
     damaged chunk, against KvikIO's own reads of the same file."""
-    from gdsckpt import sources
-    from gdsckpt.gpu.io import gds_available
+    from gdsckpt.reading import sources
+    from gdsckpt.engine.gpu.io import gds_available
     if gds_available():
         pytest.skip("this host has GDS: cuFile reads the file")
     monkeypatch.setattr(sources, "READ_AHEAD_BLOCK_BYTES", 1 << 20)  # records span several blocks
@@ -242,10 +242,11 @@ def test_a_whole_restore_reads_ahead_from_its_open_each_byte_once(tmp_path, monk
     """load_into and load start reading a local file's records into the read-ahead's window as soon
     as the index is read (Checkpoint(read_all=True)), beside the index's parse and the plan;
     the ring's plan takes those reads over, so each block is read once, and the state is exact."""
-    from gdsckpt import read_ahead, sources
-    from gdsckpt.format import HEADER_SIZE
-    from gdsckpt.gpu.io import gds_available
-    from gdsckpt.reader import Checkpoint
+    from gdsckpt.engine import read_ahead
+    from gdsckpt.reading import sources
+    from gdsckpt.format.file import HEADER_SIZE
+    from gdsckpt.engine.gpu.io import gds_available
+    from gdsckpt.reading.reader import Checkpoint
     from gdsckpt.stats import outer_seconds
     if gds_available():
         pytest.skip("this host has GDS: cuFile reads the file")
@@ -285,8 +286,8 @@ def test_check_runs_on_the_gpu_for_nvcomp_chunks_and_names_a_damaged_one(tmp_pat
     checked by the GPU's CRC kernel (the memory tier's check before a distributed restore: a
     4 GB copy took ~4.5 s at one core's CRC rate), nothing decoded; a damaged chunk is named."""
     from ckpt_tools import flip_chunk_byte
-    from gdsckpt.memory_slot import Slot
-    from gdsckpt.memory_source import MemorySource
+    from gdsckpt.manager.memory.slot import Slot
+    from gdsckpt.manager.memory.source import MemorySource
     g = torch.Generator(device="cuda").manual_seed(8)
     state = {f"w{i}": torch.randn(600_000, device="cuda", generator=g) for i in range(4)}
     p = tmp_path / "k.gdsckpt"
@@ -353,7 +354,7 @@ def test_chunk_sizes_read_from_the_bitstream_header_are_nvcomps():
     import cupy
 
     from gdsckpt import codecs
-    from gdsckpt.gpu.codecs import NvcompCodecs, nvcomp_version
+    from gdsckpt.engine.gpu.codecs import NvcompCodecs, nvcomp_version
     c = NvcompCodecs(cupy.cuda.Stream(non_blocking=True), torch.cuda.current_device())
     g = torch.Generator(device="cuda").manual_seed(5)
     n = 8 << 20
@@ -380,7 +381,7 @@ def test_chunk_sizes_read_from_the_bitstream_header_are_nvcomps():
 
 def test_a_header_nvcomp_disagrees_with_fails_the_save_and_keeps_the_old_file(tmp_path, monkeypatch):
     from gdsckpt.errors import GdsckptError
-    from gdsckpt.gpu import kernels
+    from gdsckpt.engine.gpu import kernels
     p = tmp_path / "x.gdsckpt"
     state = {"w": torch.randn(1 << 20, device="cuda")}
     gdsckpt.save(state, p)

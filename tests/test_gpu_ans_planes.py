@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("w", [2, 4, 8])
 def test_the_kernels_compute_the_cpu_shuffle(w):
     import cupy
-    from gdsckpt.gpu import kernels
+    from gdsckpt.engine.gpu import kernels
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(w)
     with stream:
@@ -49,7 +49,7 @@ def test_the_gather_into_planes_is_the_gather_then_the_shuffle(w):
     source, chunk offset or length off the element width, a chunk with tail bytes after its planes
     and a tile across that edge; nothing written outside the chunk."""
     import cupy
-    from gdsckpt.gpu import kernels
+    from gdsckpt.engine.gpu import kernels
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(10 + w)
     with stream:

@@ -1,11 +1,11 @@
-"""The GPU checksums (gdsckpt/gpu/kernels.py) equal the CPU library's values bit for bit: every
+"""The GPU checksums (gdsckpt/engine/gpu/kernels.py) equal the CPU library's values bit for bit: every
 length class the kernel's edge handling distinguishes, misaligned starts, an all-ones buffer, a
 full 256 MiB raw chunk, and buffers that are views into a larger allocation."""
 
 import numpy as np
 import pytest
 
-from gdsckpt.checksum import crc64nvme, legacy_sum64
+from gdsckpt.format.checksum import crc64nvme, legacy_sum64
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ LENGTHS = [0, 1, 7, 8, 9, 15, 16, 17, 23, 24, 63, 64, 65, 4095, 4096, 1 << 20, (
 @pytest.fixture(scope="module")
 def gpu():
     cupy = pytest.importorskip("cupy")
-    from gdsckpt.gpu.kernels import Checksummer, Crc64Nvme, LegacySum64
+    from gdsckpt.engine.gpu.kernels import Checksummer, Crc64Nvme, LegacySum64
     stream = cupy.cuda.Stream(non_blocking=True)
     return cupy, stream, Crc64Nvme(stream), LegacySum64(stream), Checksummer
 
@@ -84,7 +84,7 @@ def test_full_raw_chunk_256_mib_and_damage(gpu):
 def test_repeated_calls_and_two_instances(gpu, data):
     """The ticket counter resets itself: the same value on every call, and instances do not interfere."""
     cupy, stream, crc, _, _ = gpu
-    from gdsckpt.gpu.kernels import Crc64Nvme
+    from gdsckpt.engine.gpu.kernels import Crc64Nvme
     host, dev = data
     other = Crc64Nvme(cupy.cuda.Stream(non_blocking=True))
     want = crc64nvme(host[3:])
@@ -97,7 +97,7 @@ def test_repeated_calls_and_two_instances(gpu, data):
 def test_other_launch_shapes(gpu, data):
     """The kernel's result does not depend on its grid (the probe times these shapes)."""
     cupy, stream, _, _, _ = gpu
-    from gdsckpt.gpu.kernels import Crc64Nvme
+    from gdsckpt.engine.gpu.kernels import Crc64Nvme
     host, dev = data
     for threads, bpsm, unroll, nibble in [(128, 8, 4, False), (256, 8, 4, False), (512, 2, 8, False),
                                           (256, 4, 4, True), (512, 2, 4, True), (256, 4, 4, False)]:
@@ -121,6 +121,6 @@ def test_refuses_strided_buffers(gpu, data):
 
 
 def test_checksummer_is_the_current_algorithm(gpu):
-    from gdsckpt import checksum as ck
-    from gdsckpt.gpu.kernels import ALGORITHMS
+    from gdsckpt.format import checksum as ck
+    from gdsckpt.engine.gpu.kernels import ALGORITHMS
     assert gpu[4] is ALGORITHMS[ck.CURRENT]

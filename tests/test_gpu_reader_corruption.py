@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import format as fmt
-from gdsckpt.checksum import checksum
+from gdsckpt.format import file as fmt
+from gdsckpt.format.checksum import checksum
 from conftest import assert_same
 from ckpt_tools import rebuild, set_chunk, split
 from test_reader_corruption import _cli, _damage, _first_damaged_chunk, _touches_read_bytes
@@ -98,7 +98,7 @@ def _damage_loop(intact_path, state, n, monkeypatch, backend_cls, tmp_path, seed
 
 def test_damage_loop_on_the_cpu(tmp_path, monkeypatch):
     """The loop below, on a CPU zstd file: checks the test code itself on any machine."""
-    from gdsckpt.backend import CpuBackend
+    from gdsckpt.engine.backend import CpuBackend
     state = _state("cpu")
     p = tmp_path / "cpu.gdsckpt"
     gdsckpt.save(state, p, codec="zstd", chunk_bytes=256 << 10)
@@ -109,7 +109,7 @@ def test_damage_loop_on_the_cpu(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("codec", GPU_CODECS)
 def test_gpu_randomized_damage(codec, tmp_path, monkeypatch):
-    from gdsckpt.gpu.backend import GpuBackend
+    from gdsckpt.engine.gpu.backend import GpuBackend
     state = _state("cuda")
     p = tmp_path / f"{codec}.gdsckpt"
     stats = gdsckpt.save(state, p, codec=codec, chunk_bytes=CHUNK)
@@ -146,7 +146,7 @@ def test_gpu_all_zero_tensors_stay_within_the_expansion_bound(codec, tmp_path):
 @pytest.mark.gpu
 # zstd with trusted=True first: the one case decoded in this process without a child (zstd frames get
 # a header check); then every codec with trusted=False, where no forged chunk reaches nvCOMP here
-# before a child process has decoded it (gdsckpt/isolated.py). Before trusted=False, nvCOMP's
+# before a child process has decoded it (gdsckpt/reading/isolated.py). Before trusted=False, nvCOMP's
 # Bitcomp decoder and its ANS decoder on a truncated stream faulted the CUDA context (illegal
 # address) on these chunks (H100, nvCOMP 6.0.0, 2026-11-22): known failures, now a clean error.
 @pytest.mark.parametrize("codec,trusted", [("zstd", True), ("zstd", False), ("ans", False), ("bitcomp", False),
@@ -156,7 +156,7 @@ def test_gpu_decoder_on_garbage_with_valid_checksums(codec, trusted, tmp_path, m
     CheckpointFormatError (or, since the bytes are well-formed garbage, a load), never a crash, a
     hang or a CUDA error that poisons the process. With trusted=False a chunk the child could not
     decode never reaches this process's decoder. Kept last: if nvCOMP faulted here, it would."""
-    from gdsckpt.gpu.backend import GpuBackend
+    from gdsckpt.engine.gpu.backend import GpuBackend
     state = _state("cuda")
     p = tmp_path / "base.gdsckpt"
     gdsckpt.save(state, p, codec=codec, chunk_bytes=CHUNK)

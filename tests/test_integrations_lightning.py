@@ -279,7 +279,7 @@ def test_a_load_by_another_instance_waits_for_the_save_in_flight(tmp_path, monke
     pytest.importorskip("lightning")
     import time
     import torch
-    from gdsckpt import storage
+    from gdsckpt.core import storage
     from gdsckpt.integrations.lightning import GdsckptCheckpointIO
     path = tmp_path / "last.ckpt"
     io = GdsckptCheckpointIO(async_save=True)
@@ -304,7 +304,7 @@ def test_the_previous_checkpoint_goes_only_once_the_next_is_durable(tmp_path, mo
     pytest.importorskip("lightning")
     import threading
     import torch
-    from gdsckpt import storage
+    from gdsckpt.core import storage
     from gdsckpt.integrations.lightning import GdsckptCheckpointIO
     io = GdsckptCheckpointIO(async_save=True)
     old, new, worse = tmp_path / "step=2.ckpt", tmp_path / "step=4.ckpt", tmp_path / "step=6.ckpt"

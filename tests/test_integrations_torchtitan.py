@@ -101,7 +101,7 @@ def _group(root: Path):
 
 
 def child_first(root: Path) -> dict:
-    from gdsckpt import pinned_pool
+    from gdsckpt.engine import pinned_pool
     _group(root)
     parts = build(root, None)
     train(*parts)

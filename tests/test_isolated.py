@@ -1,4 +1,4 @@
-"""gdsckpt/isolated.py driven directly: a child process decodes chunks from a (file, index) source,
+"""gdsckpt/reading/isolated.py driven directly: a child process decodes chunks from a (file, index) source,
 `IndexedFile`, opening the very file the parent opened (by its inherited descriptor) or, once the
 parent has closed it, by its path, and refusing another file there. The trusted=False paths
 through `load` / `load_into` / `verify --isolated` are in test_reader_contract.py."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import format as fmt
-from gdsckpt import isolated, sources
+from gdsckpt.format import file as fmt
+from gdsckpt.reading import isolated, sources
 
 
 def _file(tmp_path, value: float):

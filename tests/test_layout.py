@@ -1,4 +1,4 @@
-"""The shape of the library, as the seams issue defines it: no import circles (lazy imports inside
+"""The shape of the library: packages layered by part of the pipeline, no import circles (lazy imports inside
 functions count: they are circles all the same), no module over 600 lines, and no module using
 another module's private names. Static (the AST), so it needs neither a GPU nor the imports to work."""
 
@@ -131,3 +131,54 @@ def test_no_private_names_across_modules():
                     and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")):
                 reaches.append(f"{mod} uses {aliases[node.value.id]}.{node.attr}")
     assert sorted(set(reaches)) == []
+
+
+# The packages, lowest first: a module imports from its own part or from parts below it. The top
+# level holds only the public face (the modules named here without a package) and the entry points.
+LAYERS = ["errors", "stats", "_version", "core", "codecs", "stores", "format", "engine", "writing",
+          "reading", "api", "dcp", "manager", "options", "integrations", "cli", "bench", "__main__", ""]
+# The one arrow back up: reserve() sizes the memory tier's slots ahead of need with the tier's own
+# rule, so that a slot made ahead always fits the step it is made for.
+ARROWS_UP = {("gdsckpt.writing.reserve", "gdsckpt.manager.memory.snapshot")}
+TOP_LEVEL_MAX = 8
+GPU_PACKAGE = "gdsckpt.engine.gpu"
+# gdsckpt-bench measures KvikIO itself as a baseline (and names the versions it ran with).
+GPU_IMPORT_EXCEPTIONS = {"gdsckpt.bench.baselines", "gdsckpt.bench.provenance"}
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_packages_are_layered():
+    """Every import goes to the module's own part or a part below it, but for ARROWS_UP."""
+    up = set()
+    for mod, deps in _graph().items():
+        for dep in deps:
+            a, b = _part(mod), _part(dep)
+            assert a in LAYERS and b in LAYERS, f"{mod} or {dep} is in no layer: add its part to LAYERS"
+            if a != b and LAYERS.index(b) > LAYERS.index(a):
+                up.add((mod, dep))
+    assert up == ARROWS_UP
+
+
+def test_top_level_is_the_public_face():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MAX, f"{len(top)} modules directly in gdsckpt/: {top}"
+    for sub in PACKAGE.iterdir():
+        if sub.is_dir() and sub.name != "__pycache__" and any(sub.rglob("*.py")):
+            assert (sub / "__init__.py").is_file(), f"{sub.name}/ has no __init__.py saying what it is"
+
+
+def test_gpu_imports_only_in_the_engines_gpu_package():
+    found = []
+    for mod, path in MODULES.items():
+        if mod.startswith(GPU_PACKAGE) or mod in GPU_IMPORT_EXCEPTIONS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{mod} imports {n}" for n in names if n.split(".")[0] in ("cupy", "kvikio")
+                      or n.startswith("nvidia.nvcomp")]
+    assert found == []

@@ -18,7 +18,7 @@ import torch
 
 import gdsckpt
 from gdsckpt.errors import CheckpointLockedError, NoCheckpointError
-from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from conftest import assert_same
 from ckpt_tools import flip_chunk_byte
 
@@ -205,7 +205,7 @@ def test_two_managers_on_one_directory(tmp_path):
     ck = Checkpointer(tmp_path)
     with pytest.raises(CheckpointLockedError, match="in use by another Checkpointer"):
         Checkpointer(tmp_path)
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from gdsckpt.manager import Checkpointer\n"
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from gdsckpt.manager.checkpointer import Checkpointer\n"
             "try:\n    Checkpointer(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ROOT)], capture_output=True, text=True,
                        timeout=120)
@@ -217,7 +217,7 @@ def test_two_managers_on_one_directory(tmp_path):
 _FULL_DISK_CHILD = r"""
 import json, os, resource, signal, sys
 sys.path.insert(0, sys.argv[2]); sys.path.insert(0, sys.argv[3])
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from test_manager import state_for
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
 ck = Checkpointer(sys.argv[1], keep=2, save_options={"chunk_bytes": 64 << 10})
@@ -256,7 +256,7 @@ def test_full_disk_keeps_previous_steps(tmp_path):
 _KILL_CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[2]); sys.path.insert(0, sys.argv[3])
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from test_manager import state_for
 ck = Checkpointer(sys.argv[1], keep=2, save_options={"chunk_bytes": 64 << 10})
 step = (ck.latest_step() or 0) + 1

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
 from ckpt_tools import end_rank  # noqa: E402
 from gdsckpt.errors import GdsckptError  # noqa: E402
-from gdsckpt.steps import step_name  # noqa: E402
+from gdsckpt.manager.steps import step_name  # noqa: E402
 
 WORLD = 2
 
@@ -92,7 +92,7 @@ def _rank_main(rank: int, root: str, url: str, env: dict) -> None:
 
 def _scenarios(rank: int, root: Path, url: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from gdsckpt.manager import Checkpointer, step_name
+    from gdsckpt.manager.checkpointer import Checkpointer, step_name
     mesh = init_device_mesh("cpu", (WORLD,))
     d = root / "ck"
     ck = Checkpointer(d, keep=2, remote=url)
@@ -107,7 +107,7 @@ def _scenarios(rank: int, root: Path, url: str) -> None:
     state = sharded(full_state(3), mesh)
     params = [torch.nn.Parameter(state[k]) for k in ("w", "emb")]  # FSDP2's way: DTensor parameters
     opt = torch.optim.SGD(params, lr=1.0)
-    from gdsckpt.overlap import memory_of, optimizer_memory
+    from gdsckpt.writing.snapshot.overlap import memory_of, optimizer_memory
     assert {memory_of(state["w"]), memory_of(state["emb"])} <= optimizer_memory(opt)  # read, not copied
     before = params[0].to_local().clone()
     ck.save_async(3, state, optimizer=opt)
@@ -168,7 +168,7 @@ def _snapshot_rank_main(rank: int, root: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), WORLD), rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from gdsckpt.manager import Checkpointer
+        from gdsckpt.manager.checkpointer import Checkpointer
         mesh = init_device_mesh("cpu", (WORLD,))
         with pytest.raises(ValueError, match="snapshot must be one of 'host', 'overlap', 'device', 'cpu', not 'gpu'"):
             Checkpointer(root / "ck", save_options={"snapshot": "gpu"})
@@ -250,7 +250,7 @@ def _rollback_record_at_open(rank: int, root: Path, mesh) -> None:
     (it would hide the steps saved after it on that rank alone), and every rank restores the step
     rank 0 chooses, whatever its own view of the directory."""
     from gdsckpt import Checkpointer
-    from gdsckpt.rollback import PendingRollback, RollbackJournal
+    from gdsckpt.manager.rollback import PendingRollback, RollbackJournal
     d = root / "ck"
     ck = Checkpointer(d, keep=5, save_options={"chunk_bytes": 64 << 10})
     for s in (1, 2, 3):

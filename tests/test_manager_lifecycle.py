@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gdsckpt.errors import CheckpointLockedError
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from gdsckpt.stores.s3 import S3Store
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
@@ -29,7 +29,7 @@ ROOT = TESTS.parent
 _FAILED_SAVE_CHILD = r"""
 import json, os, resource, signal, sys
 sys.path.insert(0, sys.argv[2]); sys.path.insert(0, sys.argv[3])
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from test_manager import state_for
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
 _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -114,7 +114,7 @@ _READ_ONLY_CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2]); sys.path.insert(0, sys.argv[3])
 import gdsckpt
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from conftest import assert_same
 from test_manager import state_for
 out = {}
@@ -177,7 +177,7 @@ def test_a_read_only_directory_is_opened_to_restore(tmp_path, lock_file):
 _FORKED_HOLDER = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[2])
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 ck = Checkpointer(sys.argv[1])
 child = os.fork()
 if child == 0:  # a forked worker (a DataLoader's, say): it inherits the open lock file

@@ -21,9 +21,9 @@ import pytest
 
 import gdsckpt
 from gdsckpt.errors import BucketNotFoundError, NoCheckpointError, RemoteAccessError
-from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.upload_marker import MARKER
-from gdsckpt.store_verify import verify_object
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
+from gdsckpt.manager.remote.marker import MARKER
+from gdsckpt.manager.remote.verify import verify_object
 from gdsckpt.stores import Store, open_store
 from gdsckpt.stores.s3 import S3Store
 from conftest import assert_same
@@ -93,7 +93,7 @@ def test_a_step_saved_again_under_a_number_the_store_has_replaces_it(tmp_path, s
             ck.save(s, state_for(s, n=2000))
             ck.wait(uploads=True, timeout=60)
     shutil.rmtree(tmp_path / "a")
-    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager.checkpointer"):
         with Checkpointer(tmp_path / "b", remote=url, keep=1, save_options=raw) as ck:
             ck.restore(state_for(0, n=2000), step=5)
             ck.save(6, state_for(60, n=2000))
@@ -141,7 +141,7 @@ def test_refused_store_local_checkpointing_goes_on(tmp_path, s3_env, monkeypatch
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody-key-xyz")
     else:
         bucket = "no-such-bucket-gdsckpt"
-    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager.checkpointer")
     with Checkpointer(tmp_path, keep=1, remote=f"s3://{bucket}/p", remote_options=FAST,
                       save_options=OPTS) as ck:
         for s in (1, 2, 3):
@@ -243,8 +243,8 @@ def test_partial_or_corrupt_objects_never_count(tmp_path, s3_env):
 _UPLOAD_KILL_CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
-import gdsckpt.manager as m
-import gdsckpt.remote_tier as tier
+import gdsckpt.manager.checkpointer as m
+import gdsckpt.manager.remote.tier as tier
 from gdsckpt.stores.s3 import S3Store
 from test_manager import state_for
 mode = sys.argv[5]

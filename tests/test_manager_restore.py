@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from conftest import assert_same
 from ckpt_tools import end_rank, flip_chunk_byte
 from test_manager import OPTS, state_for

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from conftest import assert_same
 from test_cli import run_cli
 from test_manager import OPTS, corrupt_chunk, state_for
@@ -47,7 +47,7 @@ def test_prune_keeps_the_newest_intact_step(tmp_path, how):
 @pytest.mark.parametrize("how", ["chunk", "empty"])
 def test_retention_after_a_save_keeps_the_newest_intact_step(tmp_path, how, caplog):
     """keep=1: a newest step damaged as written never costs the older intact one."""
-    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager.checkpointer")
     with Checkpointer(tmp_path, keep=3, save_options=OPTS) as ck:
         for s in (1, 2):
             ck.save(s, state_for(s))
@@ -81,7 +81,7 @@ def test_retention_runs_off_the_saving_threads(tmp_path, monkeypatch):
     """Retention runs on a thread of its own (an unlink on a `discard`-mounted disk takes ~1 s for
     4 GB, which must not delay the next write or upload): save_async does not wait for a deletion
     in progress, and wait() returns once the retention the last save started is done."""
-    from gdsckpt.steps import FileSteps
+    from gdsckpt.manager.steps import FileSteps
     held, entered = threading.Event(), threading.Event()
     deleted_on = []
     real_delete = FileSteps.delete

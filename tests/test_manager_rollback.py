@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from gdsckpt.errors import NoCheckpointError
-from gdsckpt.manager import Checkpointer, step_name
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from gdsckpt.stores import Store, open_store
-from gdsckpt.rollback import JOURNAL_NAME
+from gdsckpt.manager.rollback import JOURNAL_NAME
 from conftest import assert_same
 from s3_server import SeaweedS3, s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
@@ -110,7 +110,7 @@ def test_rollback_with_the_store_down_is_finished_before_any_upload(tmp_path, mo
 _KILLED_ROLLBACK = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from gdsckpt.stores.s3 import S3Store
 real = S3Store.delete
 def delete(self, name):  # killed after the store's first removal

@@ -41,7 +41,7 @@ def _rank_main(rank: int, root: str, env: dict, phase: str) -> None:
 
 def _save(rank: int, d: Path, mesh) -> None:
     from gdsckpt import Checkpointer
-    from gdsckpt.steps import step_name
+    from gdsckpt.manager.steps import step_name
     ck = Checkpointer(d, memory=True, every_local=2, save_options=OPTS)
     for s in (1, 2, 3, 4):
         ck.save_async(s, sharded(full_state(s), mesh))
@@ -143,7 +143,7 @@ def _restore_fails_on_one_rank(rank: int, root: Path, mesh) -> None:
     """A memory copy damaged on rank 1 alone, nothing to fall back to: every rank's copy is
     verified before any state is written, so rank 0's state is left as it was too."""
     from gdsckpt import Checkpointer, NoCheckpointError
-    from gdsckpt.steps import step_name
+    from gdsckpt.manager.steps import step_name
     d = root / "ck"
     ck = Checkpointer(d, memory=True, every_local=2, save_options=OPTS)
     for s in (1, 2):  # 1: a DCP checkpoint; 2: memory only

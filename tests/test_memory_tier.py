@@ -1,4 +1,4 @@
-"""The memory tier (Checkpointer(memory=True, every_local=N); gdsckpt/memory_tier.py and the
+"""The memory tier (Checkpointer(memory=True, every_local=N); gdsckpt/manager/memory/tier.py and the
 modules around it): every save lands in shared memory, where it outlives the process; a new
 process restores it from there, every chunk verified and bit-exact; a copy counts only once its
 commit record is written, so a process killed mid-write leaves nothing that is restored, and the
@@ -25,10 +25,10 @@ import torch
 import gdsckpt
 from gdsckpt import Checkpointer
 from gdsckpt.errors import CheckpointLockedError, ChecksumError
-from gdsckpt.memory_snapshot import MemoryTarget, local_write
-from gdsckpt.memory_tier import MemoryTier, default_cap
-from gdsckpt.memory_folders import ID_NAME, tier_folder
-from gdsckpt.steps import step_name
+from gdsckpt.manager.memory.snapshot import MemoryTarget, local_write
+from gdsckpt.manager.memory.tier import MemoryTier, default_cap
+from gdsckpt.manager.memory.folders import ID_NAME, tier_folder
+from gdsckpt.manager.steps import step_name
 from conftest import assert_same
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,7 +194,7 @@ def test_rollback_drops_newer_memory_copies(tmp_path, shm):
 def _rollback_beside_a_local_write(d: Path, monkeypatch, delay: float) -> tuple[list[int], list[int]]:
     """keep=1: step 2 is committed in memory and being written to the directory when
     rollback(1) starts; the rollback's record is made slow (its fsync behind that write)."""
-    from gdsckpt import rollback as rb
+    from gdsckpt.manager import rollback as rb
     write = rb.RollbackJournal.write
 
     def slow(self, pending):
@@ -241,7 +241,7 @@ def test_a_rollback_killed_part_way_and_finished_without_the_tier_brings_nothing
     manager without the tier (a restart, `gdsckpt prune --yes`) finishes it at open: the copies of
     the steps it removed are another run's from then on, and a later memory=True manager restores
     the step rolled back to (it restored step 3 from memory, and wrote it back into the directory)."""
-    from gdsckpt.rollback import PendingRollback, RollbackJournal
+    from gdsckpt.manager.rollback import PendingRollback, RollbackJournal
     d = tmp_path / "run"
     ck = Checkpointer(d, memory=True, keep_memory=5, save_options=OPTS)
     for s in (1, 2, 3):
@@ -264,7 +264,7 @@ def test_a_due_write_to_the_directory_that_fails_is_raised_by_save_and_close(tmp
     raises too; the memory copy stays, and the next manager restores it. Both returned normally, the
     error only logged, and the step lived in shared memory alone."""
     from concurrent.futures import Future
-    from gdsckpt import local_writes
+    from gdsckpt.manager.memory import local_writes
     from gdsckpt.errors import GdsckptError
     real = local_writes.local_write
 
@@ -481,7 +481,7 @@ import os, sys, threading
 sys.path.insert(0, sys.argv[2])
 import torch
 from gdsckpt import Checkpointer
-from gdsckpt import memory_snapshot
+from gdsckpt.manager.memory import snapshot as memory_snapshot
 from test_memory_tier import state_for, OPTS
 ck = Checkpointer(sys.argv[1], memory=True, every_local=100, save_options=OPTS)
 ck.save(1, state_for(1))

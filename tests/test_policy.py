@@ -1,4 +1,4 @@
-"""The Checkpointer's options (gdsckpt/policy.py): ints only, validated once at construction,
+"""The Checkpointer's options (gdsckpt/manager/policy.py): ints only, validated once at construction,
 with fixed messages; a step number is an int wherever it is taken."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gdsckpt.errors import NoCheckpointError
-from gdsckpt.manager import Checkpointer
-from gdsckpt.policy import Policy
+from gdsckpt.manager.checkpointer import Checkpointer
+from gdsckpt.manager.policy import Policy
 from test_manager import OPTS, state_for
 
 

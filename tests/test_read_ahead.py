@@ -1,4 +1,4 @@
-"""gdsckpt/read_ahead.py: records read ahead of the ring by several threads, in aligned blocks,
+"""gdsckpt/engine/read_ahead.py: records read ahead of the ring by several threads, in aligned blocks,
 into a bounded window of host memory, and copied out in the order the ring asks for them. Run
 here with host buffers as the ring's (the copy is the CPU backend's); the GPU tests read a
 checkpoint through it into device memory (tests/test_gpu.py)."""
@@ -15,12 +15,12 @@ from hypothesis import given, settings, strategies as st
 
 import gdsckpt
 from ckpt_tools import flip_chunk_byte
-from gdsckpt.backend import make_backend
+from gdsckpt.engine.backend import make_backend
 from gdsckpt.errors import GdsckptError
-from gdsckpt.read_ahead import ReadAheadFile
-from gdsckpt.reader import open as open_checkpoint
-from gdsckpt.storage import open_direct
-from gdsckpt.ring import ReadsAhead, Timings, read_chunks, read_verified
+from gdsckpt.engine.read_ahead import ReadAheadFile
+from gdsckpt.reading.reader import open as open_checkpoint
+from gdsckpt.core.storage import open_direct
+from gdsckpt.engine.ring import ReadsAhead, Timings, read_chunks, read_verified
 from gdsckpt.stats import outer_seconds
 
 DATA = os.urandom(300_000)
@@ -194,7 +194,7 @@ def test_a_verify_counting_its_bytes_keeps_the_read_ahead_plan(tmp_path):
     """`gdsckpt verify` counts bytes through a wrapper of the source's ChunkFile: a file that reads
     ahead stays one (the ring's plan reaches it, its stages and io_path reach the Stats)."""
     from gdsckpt.cli.files import _Counted
-    from gdsckpt.sources import LocalFile
+    from gdsckpt.reading.sources import LocalFile
 
     class AheadSource(LocalFile):  # a GPU's compat reads, on the CPU backend
         def open_chunks(self, backend):
@@ -214,7 +214,7 @@ def test_a_verify_counting_its_bytes_keeps_the_read_ahead_plan(tmp_path):
 
 def _counting_reads(monkeypatch) -> list[int]:
     """The bytes of every read the read-ahead's threads make, as they make them."""
-    from gdsckpt import read_ahead
+    from gdsckpt.engine import read_ahead
     got: list[int] = []
     preadv = os.preadv
 
@@ -231,7 +231,7 @@ def test_a_whole_read_expected_at_open_keeps_the_reads_begun_before_its_plan(tmp
     """`expect` starts reading a file's records before the plan is made (a whole restore, while its
     index is parsed); the ring's plan of every record then takes those reads over: each byte is
     read once, and the records come back exact."""
-    from gdsckpt.format import HEADER_SIZE
+    from gdsckpt.format.file import HEADER_SIZE
     p, state = _saved(tmp_path)
     with open_checkpoint(p) as ck, make_backend("cpu") as be:
         index = ck.index
@@ -261,7 +261,7 @@ def test_a_whole_read_expected_at_open_keeps_the_reads_begun_before_its_plan(tmp
 
 @pytest.mark.parametrize("case", ["some records", "wider records than expected"])
 def test_a_plan_unlike_the_expected_one_replaces_it_and_reads_exactly(tmp_path, case):
-    from gdsckpt.format import HEADER_SIZE
+    from gdsckpt.format.file import HEADER_SIZE
     p, state = _saved(tmp_path)
     with open_checkpoint(p) as ck, make_backend("cpu") as be:
         index = ck.index
@@ -288,7 +288,7 @@ def test_a_whole_restore_whose_ring_reads_otherwise_drops_the_reads_begun_at_ope
     are dropped and their threads stopped, and the restore reads exactly through the backend's own
     file. (Where the GPU reads it, tests/test_gpu.py.)"""
     import threading
-    from gdsckpt import sources
+    from gdsckpt.reading import sources
     p, state = _saved(tmp_path)
     monkeypatch.setattr(sources, "gpu_io_path", lambda io: "compat")  # as on a GPU host without GDS
     before = {t.ident for t in threading.enumerate()}

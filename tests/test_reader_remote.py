@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.sources import StoreObject
+from gdsckpt.reading.sources import StoreObject
 from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures

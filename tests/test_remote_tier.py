@@ -1,4 +1,4 @@
-"""The Checkpointer's object-store tier (gdsckpt/remote_tier.py) against a real S3 server
+"""The Checkpointer's object-store tier (gdsckpt/manager/remote/tier.py) against a real S3 server
 (SeaweedFS, tests/s3_server.py) and a server that never answers: markers parsed against a schema,
 each uploaded file's identity recorded and checked on restore, bounded waits when the store hangs,
 close() naming the steps never uploaded, local damage reported as such and skipped for the older
@@ -16,8 +16,8 @@ import pytest
 
 import gdsckpt
 from gdsckpt.errors import NoCheckpointError
-from gdsckpt.manager import Checkpointer, step_name
-from gdsckpt.upload_marker import MARKER
+from gdsckpt.manager.checkpointer import Checkpointer, step_name
+from gdsckpt.manager.remote.marker import MARKER
 from gdsckpt.stores import open_store
 from conftest import assert_same
 from s3_server import s3_env, s3_server, silent_endpoint  # noqa: F401 - fixtures
@@ -78,7 +78,7 @@ def test_a_malformed_marker_skips_its_step_with_a_warning(tmp_path, s3_env, capl
     assert main(["ls", url, "--json"]) == 0
     assert [r["remote_state"] for r in json.loads(capsys.readouterr().out)] == [
         "ok", "incomplete (no verified-upload marker)"]
-    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager.checkpointer")
     with Checkpointer(tmp_path / "b", remote=url, save_options=OPTS) as ck:
         assert ck.steps() == [1] and ck.latest_step() == 1 and ck.steps() == [1]
         r = ck.restore()
@@ -99,7 +99,7 @@ def test_a_malformed_marker_skips_its_step_with_a_warning(tmp_path, s3_env, capl
 
 
 def test_marker_records_each_files_identity(tmp_path, s3_env):
-    from gdsckpt.upload_marker import file_identity
+    from gdsckpt.manager.remote.marker import file_identity
     url = f"s3://{s3_env.new_bucket()}/i"
     _upload_steps(tmp_path / "a", url, (1,))
     doc = json.loads(open_store(url).get_bytes(_name(1) + MARKER))
@@ -153,7 +153,7 @@ def test_a_hanging_store_answers_from_local_steps_within_the_bound(tmp_path, sil
     with Checkpointer(tmp_path, keep=2, save_options=OPTS) as ck:  # local steps, made without the store
         for s in (1, 2):
             ck.save(s, state_for(s, n=N))
-    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager.checkpointer")
     bound = 2.0 + 1.5
     t = time.monotonic()
     ck = Checkpointer(tmp_path, keep=2, remote="s3://bkt/p", remote_options={"timeout": 2}, save_options=OPTS)
@@ -318,7 +318,7 @@ def test_remote_retention_does_not_count_a_newest_step_with_a_damaged_chunk(tmp_
     store.put_bytes(_name(2), bad.read_bytes())
     shutil.rmtree(tmp_path / "a")
     (tmp_path / "b").mkdir()
-    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager.checkpointer"):
         assert main(["prune", str(tmp_path / "b"), "--remote", url, "--keep-remote", "1", "--yes"]) == 0
     assert "remote steps none" in capsys.readouterr().out
     assert f"step 2 on {url} cannot be restored (ChecksumError" in caplog.text, caplog.text
@@ -334,8 +334,8 @@ def test_remote_retention_does_not_count_a_newest_step_with_a_damaged_chunk(tmp_
 
 
 def test_remote_retention_reads_the_newest_step_in_full_once(tmp_path, s3_env, monkeypatch):
-    import gdsckpt.remote_tier as rt
-    import gdsckpt.store_verify as sv
+    import gdsckpt.manager.remote.tier as rt
+    import gdsckpt.manager.remote.verify as sv
     url = f"s3://{s3_env.new_bucket()}/r"
     _upload_steps(tmp_path / "a", url, (1, 2, 3))
     calls = []
@@ -406,7 +406,7 @@ def test_a_step_in_upload_is_not_an_orphan(tmp_path, s3_env, monkeypatch):
 _KILLED_DOWNLOAD_CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
-from gdsckpt.manager import Checkpointer
+from gdsckpt.manager.checkpointer import Checkpointer
 from gdsckpt.stores.obstore_store import ObstoreStore
 real = ObstoreStore.read
 def held_read(self, name, offset, length):
@@ -441,7 +441,7 @@ def _killed_download(tmp_path, url) -> Path:
 
 def test_a_download_killed_midway_leaves_a_temporary_that_clean_removes(tmp_path, s3_env, capsys):
     from gdsckpt.cli import main
-    from gdsckpt.storage import TMP_MARK
+    from gdsckpt.core.storage import TMP_MARK
     url = f"s3://{s3_env.new_bucket()}/k"
     with Checkpointer(tmp_path / "seed", remote=url, save_options=OPTS) as ck:
         ck.save(1, state_for(1, n=3_000_000))  # several 5 MiB parts
@@ -470,7 +470,7 @@ def test_a_step_saved_again_whose_upload_fails_is_not_counted_as_uploaded(tmp_pa
     """A new node restores step 4, saves 5 (uploaded in place of the store's 5) and 6 while the store
     is down: close() names step 6 as never uploaded. The store's old step 6 (another run's) counted
     as this one's: close() returned, status() said uploaded, and a later restore took the old 6."""
-    from gdsckpt import remote_tier
+    from gdsckpt.manager.remote import tier as remote_tier
     from gdsckpt.errors import RemoteUnavailableError
     url = f"s3://{s3_env.new_bucket()}/r"
     _upload_steps(tmp_path / "a", url, (4, 5, 6), save_options=RAW)
@@ -506,7 +506,7 @@ def test_a_replaced_object_of_the_newest_local_step_is_uploaded_again_at_restart
     gdsckpt.save(state_for(9, n=N), other, **RAW)
     assert other.stat().st_size == store.size(_name(2))
     store.put_file(other, _name(2))
-    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager.checkpointer"):
         with Checkpointer(tmp_path / "a", remote=url, keep=1, keep_remote=1, save_options=RAW) as ck:
             ck.wait(uploads=True, timeout=60)
             assert ck.status()["uploads"] == 1, ck.status()
@@ -522,7 +522,7 @@ def test_a_marker_the_store_fails_to_give_is_not_taken_for_a_step_that_is_gone(t
     """The store errs on step 6's marker (not 'not found'): steps() and restore() do not fall back
     to step 5 without a word; the store's failure is said, and restore() finds nothing it may
     take. A marker that is really gone still only drops its step."""
-    from gdsckpt import upload_marker
+    from gdsckpt.manager.remote import marker as upload_marker
     from gdsckpt.errors import RemoteUnavailableError
     url = f"s3://{s3_env.new_bucket()}/m"
     _upload_steps(tmp_path / "a", url, (5, 6))
@@ -534,7 +534,7 @@ def test_a_marker_the_store_fails_to_give_is_not_taken_for_a_step_that_is_gone(t
             raise RemoteUnavailableError("503 Slow Down (test)", bucket="b", code="SlowDown")
         return load(store, name)
     monkeypatch.setattr(upload_marker, "load_marker", erring)
-    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="gdsckpt.manager.checkpointer"):
         with Checkpointer(tmp_path / "b", remote=url) as ck:
             with pytest.raises(NoCheckpointError):
                 ck.restore()  # step 5 was restored, silently

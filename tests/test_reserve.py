@@ -20,11 +20,11 @@ import torch
 
 import gdsckpt
 from gdsckpt import Checkpointer
-from gdsckpt import async_save as am
-from gdsckpt import memory_slot
-from gdsckpt import pinned_pool as pp
+from gdsckpt.writing import async_save as am
+from gdsckpt.manager.memory import slot as memory_slot
+from gdsckpt.engine import pinned_pool as pp
 from gdsckpt.errors import GDSUnavailableError, MemoryTierFullError, UnsupportedStateError
-from gdsckpt.memory_folders import tier_folder
+from gdsckpt.manager.memory.folders import tier_folder
 from conftest import all_dtype_tensors, assert_same
 from test_memory_tier import OPTS, REPO, _child, slot_files, state_for
 
@@ -403,7 +403,7 @@ def test_gpu_pool_arenas_are_registered_pages_unlocked_on_release_and_kept_from_
 
 _FIRST_SAVE_MAKES_NO_CODEC = """
 import json, sys, torch, gdsckpt
-from gdsckpt.gpu.backend import _resources
+from gdsckpt.engine.gpu.backend import _resources
 g = torch.Generator(device="cuda").manual_seed(9)
 # AdamW-like streams, so that codec="auto" samples typed and byte-plane ANS for each float dtype
 state = {"w": torch.randn(8_000_000, device="cuda", generator=g),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from gdsckpt.retention_thread import RetentionThread
+from gdsckpt.manager.retention import RetentionThread
 
 
 def test_requests_coalesce_and_runs_see_every_request(caplog):
@@ -21,7 +21,7 @@ def test_requests_coalesce_and_runs_see_every_request(caplog):
         if len(runs) == 2:
             raise OSError("disk gone")
 
-    caplog.set_level(logging.WARNING, logger="gdsckpt.manager")
+    caplog.set_level(logging.WARNING, logger="gdsckpt.manager.checkpointer")
     rt = RetentionThread(retain)
     rt.request()
     assert started.wait(30)  # the first run is running: a request now needs a second run

@@ -152,7 +152,7 @@ def test_replaces_existing_checkpoint_atomically(tmp_path):
 def test_replaced_checkpoints_are_let_go_after_the_save(tmp_path):
     """The replaced file is closed on a background thread (its blocks are freed after the save
     returns): no descriptor may be left behind, and the name always holds the newest save."""
-    from gdsckpt import storage
+    from gdsckpt.core import storage
     p = tmp_path / "c.gdsckpt"
     gdsckpt.save({"v": torch.zeros(10)}, p)
     storage._releaser.submit(lambda: None).result()

@@ -1,4 +1,4 @@
-"""gdsckpt/save.py, the one save seam (issue 19): SaveOptions checked once, the Destination
+"""gdsckpt/writing/save.py, the one save seam (issue 19): SaveOptions checked once, the Destination
 protocol's call order, save_flat into any destination, and the snapshot names save_async and
 GdsckptWriter share."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.save import NewFile, SaveOptions, Snapshot, save_flat
-from gdsckpt.tree import flatten
+from gdsckpt.writing.save import NewFile, SaveOptions, Snapshot, save_flat
+from gdsckpt.format.tree import flatten
 from ckpt_tools import split
 from conftest import assert_same
 

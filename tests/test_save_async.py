@@ -23,13 +23,13 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import async_save as am
-from gdsckpt import defaults
-from gdsckpt import background_writer as bw
-from gdsckpt import host_snapshot as hs
-from gdsckpt import overlap
-from gdsckpt import pinned_pool as pp
-from gdsckpt import storage
+from gdsckpt.writing import async_save as am
+from gdsckpt.core import defaults
+from gdsckpt.writing import background_writer as bw
+from gdsckpt.writing.snapshot import host as hs
+from gdsckpt.writing.snapshot import overlap
+from gdsckpt.engine import pinned_pool as pp
+from gdsckpt.core import storage
 from conftest import SlowSnapshot, all_dtype_tensors, assert_same, same, tensors_of
 
 

@@ -1,4 +1,4 @@
-"""gdsckpt/sources.py: where a checkpoint's bytes come from when it is read. A local file held
+"""gdsckpt/reading/sources.py: where a checkpoint's bytes come from when it is read. A local file held
 open (reads go to the file opened, even after a save renames another over its path), and an
 object in a store read by ranged GETs (against a real S3 server, tests/s3_server.py)."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import sources
-from gdsckpt.backend import make_backend
+from gdsckpt.reading import sources
+from gdsckpt.engine.backend import make_backend
 from gdsckpt.stores import open_store
 from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import format as fmt
-from gdsckpt.dtypes import NUMPY_NAMES
-from gdsckpt.stateful import dcp_view, dcp_write_back
+from gdsckpt.format import file as fmt
+from gdsckpt.core.dtypes import NUMPY_NAMES
+from gdsckpt.format.stateful import dcp_view, dcp_write_back
 from ckpt_tools import rebuild, split
 from conftest import assert_same
 

@@ -1,4 +1,4 @@
-"""gdsckpt/storage.py: the temporary's name, which temporaries are stale, the one atomic commit,
+"""gdsckpt/core/storage.py: the temporary's name, which temporaries are stale, the one atomic commit,
 and O_DIRECT with its fallback.
 
 `stale_temporaries` (what `gdsckpt clean` removes, issue 20 finding 11) lists only files named
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import storage
-from gdsckpt.defaults import TEMP_STALE_AGE_S
-from gdsckpt.storage import HOST_ID, TMP_MARK, AtomicFile, atomic_file, stale_temporaries, temp_path_for
+from gdsckpt.core import storage
+from gdsckpt.core.defaults import TEMP_STALE_AGE_S
+from gdsckpt.core.storage import HOST_ID, TMP_MARK, AtomicFile, atomic_file, stale_temporaries, temp_path_for
 
 ROOT = Path(__file__).parent.parent
 OLD = time.time() - TEMP_STALE_AGE_S - 60  # an mtime past the age threshold
@@ -99,7 +99,7 @@ def test_a_killed_save_leaves_a_temporary_that_is_stale(tmp_path):
     """A real save SIGKILLed before its commit: its temporary is found, nothing else."""
     target = tmp_path / "x.gdsckpt"
     gdsckpt.save({"w": torch.ones(4)}, target)
-    child = ("import os, sys, torch, gdsckpt.storage as s\n"
+    child = ("import os, sys, torch, gdsckpt.core.storage as s\n"
              "f = s.AtomicFile(s.Path(sys.argv[1])); f.create(); f.adopt_mode()\n"
              "os.write(f.fd, b'partial'); os.kill(os.getpid(), 9)\n")
     r = subprocess.run([sys.executable, "-c", child, str(target)], cwd=ROOT, timeout=120,
@@ -209,7 +209,7 @@ def test_open_direct_is_minus_one_where_refused(tmp_path, monkeypatch):
 def test_a_reused_pid_does_not_keep_a_dead_writers_temporary(tmp_path):
     """The pid in a temporary's name may belong to a newer process by the time anyone looks (pid
     reuse under load): a process that started after the file was last written is not its writer."""
-    from gdsckpt.storage import HOST_ID, TMP_MARK, stale_temporaries
+    from gdsckpt.core.storage import HOST_ID, TMP_MARK, stale_temporaries
     mine = tmp_path / f".c.gdsckpt{TMP_MARK}{os.getpid()}.{HOST_ID}.0badcafe"
     mine.write_bytes(b"x")
     assert stale_temporaries(tmp_path) == []  # this process wrote it and runs

@@ -283,7 +283,7 @@ def test_every_operation_bounded_against_a_store_that_never_answers(tmp_path, si
 
 def test_a_listing_of_many_slow_pages_is_bounded_as_a_whole(tmp_path, monkeypatch, caplog):
     """Each page within the bound, 8 pages of 0.8 s beyond it: the listing ends at the bound."""
-    from gdsckpt.manager import Checkpointer
+    from gdsckpt.manager.checkpointer import Checkpointer
     from s3_server import SlowPagesServer, point_at
     with SlowPagesServer(pages=8, delay=0.8) as slow:
         point_at(monkeypatch, slow.endpoint)

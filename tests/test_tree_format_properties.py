@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 
 import gdsckpt
 from conftest import assert_same
-from gdsckpt import codecs, dtypes
-from gdsckpt import format as fmt
-from gdsckpt.checksum import checksum
+from gdsckpt import codecs
+from gdsckpt.core import dtypes
+from gdsckpt.format import file as fmt
+from gdsckpt.format.checksum import checksum
 from gdsckpt.errors import CheckpointFormatError, CodecUnavailableError, UnsupportedStateError
-from gdsckpt.plan import make_plan
-from gdsckpt.tree import flatten
+from gdsckpt.format.plan import make_plan
+from gdsckpt.format.tree import flatten
 from ckpt_tools import footer, split
 
 SCALE = int(os.environ.get("GDSCKPT_HYPOTHESIS_SCALE", "1"))

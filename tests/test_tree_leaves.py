@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gdsckpt.errors import UnsupportedStateError
-from gdsckpt.tree import flatten
+from gdsckpt.format.tree import flatten
 
 
 def test_one_object_placed_twice_is_one_leaf_even_when_empty():

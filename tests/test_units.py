@@ -1,8 +1,8 @@
-"""gdsckpt.units: the one convention for byte counts (shown decimal; read as coreutils reads them)."""
+"""gdsckpt.core.units: the one convention for byte counts (shown decimal; read as coreutils reads them)."""
 
 import pytest
 
-from gdsckpt.units import format_bytes, parse_size
+from gdsckpt.core.units import format_bytes, parse_size
 
 
 @pytest.mark.parametrize("text,n", [

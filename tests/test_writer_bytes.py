@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import gdsckpt
-from gdsckpt import format as fmt
+from gdsckpt.format import file as fmt
 from conftest import assert_same
 from writer_golden import CASES, golden_state, write_all
 
@@ -71,8 +71,8 @@ def test_index_from_cached_parts_is_the_whole_document_encoded_at_once():
     json.dumps of the whole document at once (the golden files above check its content), for
     layouts saved in turn and the same tensors on another device (a cached list is never handed
     to another layout)."""
-    from gdsckpt.plan import make_plan
-    from gdsckpt.ring import ChunkRecord
+    from gdsckpt.format.plan import make_plan
+    from gdsckpt.engine.ring import ChunkRecord
 
     layouts = []
     for n in (3, 5):

@@ -23,7 +23,7 @@ import pytest
 
 import gdsckpt
 from gdsckpt import cli
-from gdsckpt.storage import HOST_ID, TMP_MARK, stale_temporaries
+from gdsckpt.core.storage import HOST_ID, TMP_MARK, stale_temporaries
 from conftest import assert_same
 from ckpt_tools import make_state
 

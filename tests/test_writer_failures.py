@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import gdsckpt
-from gdsckpt.storage import TMP_MARK
+from gdsckpt.core.storage import TMP_MARK
 from conftest import assert_same
 from ckpt_tools import make_state
 
@@ -132,7 +132,7 @@ def test_io_error_during_save(tmp_path, states, old, monkeypatch, call, err):
 def test_directory_fsync_failure_after_rename(tmp_path, states, old, monkeypatch):
     """The rename happened, the directory fsync failed: an error, and the file at the path is a
     whole checkpoint (the new one), with no temporary left."""
-    import gdsckpt.storage as storage
+    import gdsckpt.core.storage as storage
 
     def fail(d):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -146,7 +146,7 @@ def test_directory_fsync_failure_after_rename(tmp_path, states, old, monkeypatch
 
 
 def test_failure_in_the_codec_removes_the_temporary(tmp_path, states, old, monkeypatch):
-    from gdsckpt.backend import CpuBackend
+    from gdsckpt.engine.backend import CpuBackend
 
     calls = [0]
     real = CpuBackend.encode

@@ -3,7 +3,7 @@ import json, os, time
 import cupy, torch
 from nvidia import nvcomp
 from gdsckpt.bench.workload import make_state
-from gdsckpt.tree import flatten
+from gdsckpt.format.tree import flatten
 
 state = make_state("gpt2-small", device="cuda")
 leaves = flatten(state)[1]

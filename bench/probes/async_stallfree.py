@@ -132,7 +132,7 @@ params = [torch.nn.Parameter(p) for p in master]  # shares memory with the state
 opt = torch.optim.AdamW(params)  # no grads: its step changes nothing but runs its hooks
 async_round("overlap", DIR / "overlap.gdsckpt", overlap=True, optimizer=opt)
 async_round("snapshot=device", DIR / "device.gdsckpt", snapshot="device")
-out["pools"] = gdsckpt.async_save.pools()
+out["pools"] = gdsckpt.writing.async_save.pools()
 
 rows = out["rounds"]
 steady = [r for r in rows if r["name"].startswith("default") and r["name"] != "default #1"]

@@ -75,7 +75,7 @@ def save_flat(*a, **k):
 
 
 save_mod.write_chunks = write_chunks
-gdsckpt.async_save.save_flat = save_flat
+gdsckpt.writing.async_save.save_flat = save_flat
 
 
 def one(i: int, profile: str | None) -> dict:
@@ -103,9 +103,9 @@ def phases() -> dict:
     t0 = time.perf_counter()
     state = checkpoint_state(model, opt)
     t1 = time.perf_counter()
-    _, leaves = gdsckpt.tree.flatten(state)
+    _, leaves = gdsckpt.format.tree.flatten(state)
     t2 = time.perf_counter()
-    gdsckpt.overlap.freeze_for_overlap([l.tensor for l in leaves], opt)
+    gdsckpt.writing.snapshot.overlap.freeze_for_overlap([l.tensor for l in leaves], opt)
     t3 = time.perf_counter()
     return {"state_dict_ms": (t1 - t0) * 1e3, "flatten_ms": (t2 - t1) * 1e3, "freeze_ms": (t3 - t2) * 1e3}
 
@@ -124,7 +124,7 @@ def top(p: cProfile.Profile, n=40) -> list:
 
 
 result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name(), "size": args.size,
-          "tensors": len(gdsckpt.tree.flatten(checkpoint_state(model, opt))[1]), "phases": parts, "saves": rows,
+          "tensors": len(gdsckpt.format.tree.flatten(checkpoint_state(model, opt))[1]), "phases": parts, "saves": rows,
           "per_save_profile": {k: top(p) for k, p in profiles.items()}}
 out = Path(os.environ.get("OUT", ".")) / "call_profile.json"
 out.write_text(json.dumps(result, indent=1))

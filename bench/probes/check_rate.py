@@ -30,8 +30,8 @@ import torch  # noqa: E402
 import gdsckpt  # noqa: E402
 from gdsckpt.bench.disk import drop_page_cache  # noqa: E402
 from gdsckpt.bench.workload import make_state  # noqa: E402
-from gdsckpt.memory_slot import Slot  # noqa: E402
-from gdsckpt.memory_source import MemorySource  # noqa: E402
+from gdsckpt.manager.memory.slot import Slot  # noqa: E402
+from gdsckpt.manager.memory.source import MemorySource  # noqa: E402
 
 
 def timed(fn) -> float:

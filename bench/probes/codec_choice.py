@@ -27,7 +27,7 @@ from gdsckpt import api
 from gdsckpt.bench.provenance import stamp
 from gdsckpt.bench.sinks import NullSink
 from gdsckpt.bench.workload import make_state
-from gdsckpt.tree import flatten
+from gdsckpt.format.tree import flatten
 
 CODECS = ("ans", "ans-planes", "auto")
 
@@ -88,8 +88,8 @@ def per_role(leaves) -> dict:
 
 def kernel_speed(leaves, nbytes: int = 256 << 20, reps: int = 10) -> dict:
     import cupy
-    from gdsckpt.gpu import kernels
-    from gdsckpt.gpu.backend import as_cupy
+    from gdsckpt.engine.gpu import kernels
+    from gdsckpt.engine.gpu.backend import as_cupy
     parts, have = [], 0
     for leaf in leaves:  # the fp32 stream's first tensors, in stream order, up to nbytes
         if leaf.tensor.is_cuda and leaf.tensor.dtype == torch.float32 and have < nbytes:

@@ -36,7 +36,7 @@ from gdsckpt import reserve as reserve_mod
 from gdsckpt.bench.train import _first_stats
 from gdsckpt.bench.train_methods import checkpoint_state
 from gdsckpt.save import Sink, save_flat
-from gdsckpt.tree import flatten
+from gdsckpt.format.tree import flatten
 from idle_trace import warm_loop
 
 def old_warm(planned):  # reserve.warm before session 21

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from gdsckpt.device_copy import outside_cache, side_stream, snapshot_tensors  # noqa: E402
+from gdsckpt.engine.device_copy import outside_cache, side_stream, snapshot_tensors  # noqa: E402
 
 
 def main() -> None:

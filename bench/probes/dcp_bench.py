@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from gdsckpt.bench.disk import drop_page_cache
-from gdsckpt.storage import fsync_dir
+from gdsckpt.core.storage import fsync_dir
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 if str(ROOT) not in sys.path:
@@ -321,7 +321,7 @@ def write_json(args, world, logical, total, n_tensors, runs) -> None:
     versions = {"gdsckpt": gdsckpt.__version__, "torch": torch.__version__, "python": platform.python_version(),
                 "cuda": torch.version.cuda}
     try:
-        from gdsckpt.gpu.backend import nvcomp_version
+        from gdsckpt.engine.gpu.backend import nvcomp_version
         versions["nvcomp"] = nvcomp_version()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         versions["nvcomp"] = f"unavailable: {type(e).__name__}: {e}"

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import state_dict_saver
 
 import gdsckpt
 from gdsckpt.bench import ranks, states, train_loop, train_methods
-from gdsckpt.overlap import memory_of, optimizer_memory
+from gdsckpt.writing.snapshot.overlap import memory_of, optimizer_memory
 from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter
 from gdsckpt.dcp.staging import snapshot_state_dict
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from idle_trace import train_with_defaults  # noqa: E402
 
-from gdsckpt import device_copy  # noqa: E402
+from gdsckpt.engine import device_copy  # noqa: E402
 from gdsckpt.bench import train_methods as tm  # noqa: E402
 
 

@@ -22,7 +22,7 @@ read), so that a 20 GB state fits the disk. Writes durable_paths.json.
 `--from-plan` also reads each load_into's way with its reads ahead begun once its plan is made
 (gdsckpt before 2026-11-28) instead of at the open, the two in an order turned each loop.
 `--read-ahead '0;4x64;4x64p'` also reads the file (load_into, atomic=True too unless --no-atomic) with the read-ahead of
-compat mode (gdsckpt/read_ahead.py) at that many threads x MiB blocks instead of the defaults'
+compat mode (gdsckpt/engine/read_ahead.py) at that many threads x MiB blocks instead of the defaults'
 (defaults.READ_AHEAD_*), a trailing p: its window pinned; 0 threads: KvikIO reads each record as
 the ring asks, as before it.
 `--task-sizes 4,128` also reads the file (KvikIO alone with --kvikio-read, and load_into atomic=False)
@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 import gdsckpt  # noqa: E402
 from gdsckpt.bench.disk import disk_probe, drop_page_cache  # noqa: E402
 from gdsckpt.bench.workload import make_state  # noqa: E402
-from gdsckpt.tree import flatten  # noqa: E402
+from gdsckpt.format.tree import flatten  # noqa: E402
 
 BLOCK = 64 << 20
 
@@ -85,7 +85,7 @@ class Phases:
     and decodes: the stats' stages) and at the return; the probe's own wrappers, not the library's."""
 
     def __init__(self):
-        import gdsckpt.reader as reader
+        import gdsckpt.reading.reader as reader
         self.marks: dict[str, float] = {}
         opened, chunks = reader.Checkpoint.__init__, reader.read_chunks
 
@@ -104,7 +104,7 @@ class Phases:
     def load(self, path: Path, state, from_open: bool = True, **kw):
         """load_into; from_open=False: its reads ahead start at the plan, as before 2026-11-28, not
         at the open (Checkpoint(read_all=False))."""
-        from gdsckpt.reader import Checkpoint
+        from gdsckpt.reading.reader import Checkpoint
         self.marks.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -139,8 +139,8 @@ def task_size(mib: int | None):
 
 @contextlib.contextmanager
 def read_ahead(threads: int, mib: int | None, pinned: bool):
-    """The read-ahead's threads, block size and window (gdsckpt.sources reads them) for what runs inside."""
-    import gdsckpt.sources as sources
+    """The read-ahead's threads, block size and window (gdsckpt.reading.sources reads them) for what runs inside."""
+    import gdsckpt.reading.sources as sources
     with mock.patch.object(sources, "READ_AHEAD_THREADS", threads), \
             mock.patch.object(sources, "READ_AHEAD_PINNED", pinned), \
             mock.patch.object(sources, "READ_AHEAD_BLOCK_BYTES", (mib << 20) if mib else sources.READ_AHEAD_BLOCK_BYTES):
@@ -153,8 +153,8 @@ def kvikio_read(path: Path) -> float:
     import cupy
     import kvikio
 
-    from gdsckpt.defaults import KVIKIO_READ_TASK_BYTES
-    from gdsckpt.gpu.io import io_settings
+    from gdsckpt.core.defaults import KVIKIO_READ_TASK_BYTES
+    from gdsckpt.engine.gpu.io import io_settings
     size = path.stat().st_size
     buf = cupy.empty(size, dtype=cupy.uint8)
     drop_page_cache(path)

@@ -3,7 +3,7 @@
     OUT=dir python bench/probes/encode_wait.py
 
 py-spy --gil (bench/results/2026-11-24-h100-idle/) found save_async's snapshot thread holding the GIL
-inside `codec.encode` (gdsckpt/gpu/codecs.py) for about the compression's GPU time. Timed here on one
+inside `codec.encode` (gdsckpt/engine/gpu/codecs.py) for about the compression's GPU time. Timed here on one
 256 MiB fp32 chunk (AdamW-moment-like values), ANS native bitstream as gdsckpt writes it, and RAW:
   call_ms   the encode call's own host time (GIL held throughout: a pybind11 call)
   sync_ms   the stream synchronize after it (GIL released)

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gdsckpt.defaults import POOL_ARENA_BYTES  # noqa: E402
-from gdsckpt.gpu.host_register import register, unregister  # noqa: E402
+from gdsckpt.core.defaults import POOL_ARENA_BYTES  # noqa: E402
+from gdsckpt.engine.gpu.host_register import register, unregister  # noqa: E402
 
 PIECE = 256 << 20
 

@@ -1,5 +1,5 @@
 """Issue 22, target 4: the first restore in a new process, as a resumed run makes it, read ahead
-(gdsckpt/read_ahead.py: its pinned window allocated by this restore) against KvikIO's reads (its
+(gdsckpt/engine/read_ahead.py: its pinned window allocated by this restore) against KvikIO's reads (its
 bounce buffers allocated by this restore), and each against a second restore in the same process.
 
     OUT=dir python bench/probes/first_restore.py [--size 6GB] [--runs 3] [--modes ra,kvikio]
@@ -32,9 +32,9 @@ def child(path: str, mode: str) -> dict:
     import torch
 
     import gdsckpt
-    import gdsckpt.sources as sources
+    import gdsckpt.reading.sources as sources
     from gdsckpt.bench.disk import drop_page_cache
-    from gdsckpt.dtypes import BY_NAME
+    from gdsckpt.core.dtypes import BY_NAME
     t0 = time.perf_counter()
     if mode == "kvikio":
         sources.READ_AHEAD_THREADS = 0

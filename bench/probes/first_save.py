@@ -30,7 +30,8 @@ def child(size: str, way: str, directory: str) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import gdsckpt
-    from gdsckpt import defaults, pinned_pool
+    from gdsckpt.core import defaults
+    from gdsckpt.engine import pinned_pool
     from gdsckpt.bench.workload import make_state
     if way != "copy":
         defaults.FIRST_SAVE_COPY_FREE_FRACTION = 0

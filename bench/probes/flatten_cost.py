@@ -11,7 +11,7 @@ import time, sys, statistics, gc, timeit
 sys.path.insert(0, "bench/probes"); sys.path.insert(0, ".")
 import torch
 from gdsckpt.bench.train_methods import checkpoint_state
-from gdsckpt.tree import flatten, _check_tensor
+from gdsckpt.format.tree import flatten, _check_tensor
 from idle_trace import step, warm_loop
 model, opt, batches, info = warm_loop("gpt2-medium", 3)
 st = checkpoint_state(model, opt)

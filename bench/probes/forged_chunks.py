@@ -5,7 +5,7 @@ import copy, json, os, random, subprocess, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")
 import torch, gdsckpt
-from gdsckpt import isolated
+from gdsckpt.reading import isolated
 from ckpt_tools import rebuild, set_chunk, split
 from test_gpu_reader_corruption import _state, CHUNK
 out = {}

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import gdsckpt  # noqa: E402
 from gdsckpt.bench import train_methods  # noqa: E402
 from gdsckpt.bench.workload import GPT  # noqa: E402
-from gdsckpt.tree import flatten  # noqa: E402
+from gdsckpt.format.tree import flatten  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--saves", type=int, default=150)

@@ -26,7 +26,7 @@ import torch
 from nvidia import nvcomp
 
 import gdsckpt
-from gdsckpt.gpu.codecs import NvcompCodecs
+from gdsckpt.engine.gpu.codecs import NvcompCodecs
 
 CHUNK = 256 << 20
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 import gdsckpt
-from gdsckpt import isolated, tree
+from gdsckpt.reading import isolated
+from gdsckpt.format import tree
 from gdsckpt.bench.disk import drop_page_cache
 
 

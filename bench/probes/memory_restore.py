@@ -76,7 +76,7 @@ def _restarted_state(size: str, device: str):
     (AdamW's state exists), every tensor of the checkpointed state zeroed."""
     from gdsckpt.bench.train_loop import build
     from gdsckpt.bench.train_methods import checkpoint_state
-    from gdsckpt.tree import flatten
+    from gdsckpt.format.tree import flatten
     model, opt, _, _ = build(size, device)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -90,9 +90,10 @@ def _restarted_state(size: str, device: str):
 
 def restore_child(d: Path, size: str, device: str, what: str, threads: int | None, two_pass: bool) -> dict:
     """One restore in this (new) process; what: "memory" or "local_cold"."""
-    from gdsckpt import Checkpointer, reader
+    from gdsckpt import Checkpointer
+    from gdsckpt.reading import reader
     from gdsckpt.bench.disk import drop_page_cache
-    from gdsckpt.memory_source import MemorySource
+    from gdsckpt.manager.memory.source import MemorySource
     if threads is not None:
         MemorySource.io_threads = threads
     if two_pass:
@@ -124,7 +125,7 @@ def setup_child(d: Path, size: str, device: str) -> dict:
     """Each one-time cost of a new process's first GPU restore, apart; then the restore itself."""
     import importlib
     from gdsckpt.codecs import spec_for
-    from gdsckpt.memory_folders import list_copies
+    from gdsckpt.manager.memory.folders import list_copies
     _, _, state = _restarted_state(size, device)
     times: dict = {}
 
@@ -135,9 +136,9 @@ def setup_child(d: Path, size: str, device: str) -> dict:
         times[name] = round(time.perf_counter() - t, 4)
         return r
 
-    tick("import_gpu_modules", lambda: importlib.import_module("gdsckpt.gpu.backend"))
-    from gdsckpt.gpu import backend as gb, io as gio, kernels
-    from gdsckpt.gpu.codecs import nvcomp_version
+    tick("import_gpu_modules", lambda: importlib.import_module("gdsckpt.engine.gpu.backend"))
+    from gdsckpt.engine.gpu import backend as gb, io as gio, kernels
+    from gdsckpt.engine.gpu.codecs import nvcomp_version
     tick("gds_probe", gio.gds_available)
     tick("io_settings", lambda: gio.io_settings("auto", None))
     be = tick("backend", gb.GpuBackend)
@@ -207,8 +208,8 @@ def paths_child(segment: Path, nbytes: int, how: str) -> dict:
     out = {"how": how, "bytes": nbytes}
     if how.startswith("kvikio"):
         import kvikio
-        from gdsckpt.backend import kvikio_settings
-        from gdsckpt.gpu.backend import as_cupy
+        from gdsckpt.engine.backend import kvikio_settings
+        from gdsckpt.engine.gpu.backend import as_cupy
         _, settings = kvikio_settings("compat", int(how.split("-")[1]))  # gdsckpt's own, like for like
         with settings:
             f = kvikio.CuFile(segment, "r")
@@ -237,7 +238,7 @@ def paths_child(segment: Path, nbytes: int, how: str) -> dict:
         mm.close()
         os.close(fd)
     elif how == "register":
-        from gdsckpt.gpu.host_register import register, unregister
+        from gdsckpt.engine.gpu.host_register import register, unregister
         fd = os.open(segment, os.O_RDWR)
         t = time.perf_counter()
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -298,8 +299,8 @@ def main() -> None:
     from gdsckpt import Checkpointer
     from gdsckpt.bench.provenance import stamp
     from gdsckpt.bench.train_methods import checkpoint_state
-    from gdsckpt.defaults import MEMORY_READ_THREADS
-    from gdsckpt.memory_folders import drop_copies, list_copies
+    from gdsckpt.core.defaults import MEMORY_READ_THREADS
+    from gdsckpt.manager.memory.folders import drop_copies, list_copies
     gpu = a.device.startswith("cuda")
     model, opt, info = _state(a.size, a.device, a.steps)
     base = Path(a.directory) if a.directory else Path(tempfile.gettempdir())

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gdsckpt import codecs
-from gdsckpt.gpu.codecs import NvcompCodecs
+from gdsckpt.engine.gpu.codecs import NvcompCodecs
 
 stream = cupy.cuda.Stream(non_blocking=True)
 c = NvcompCodecs(stream, 0)

@@ -1,5 +1,5 @@
-"""Probe: the GPU CRC-64/NVME (gdsckpt/gpu/kernels.py, Crc64Nvme) against the pipeline's needs,
-and the exhaustive search behind gdsckpt/checksum.py's 3-bit claim.
+"""Probe: the GPU CRC-64/NVME (gdsckpt/engine/gpu/kernels.py, Crc64Nvme) against the pipeline's needs,
+and the exhaustive search behind gdsckpt/format/checksum.py's 3-bit claim.
 
 1. Throughput: a 256 MiB device buffer of random bytes (the largest chunk), each launch shape,
    warm, timed with CUDA events over --reps back-to-back launches (kernel only), and per call
@@ -35,8 +35,8 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from gdsckpt.checksum import crc64nvme, legacy_sum64
-from gdsckpt.gpu.kernels import Crc64Nvme, LegacySum64
+from gdsckpt.format.checksum import crc64nvme, legacy_sum64
+from gdsckpt.engine.gpu.kernels import Crc64Nvme, LegacySum64
 
 # (threads, blocks per SM, rows unrolled, 4-bit tables): byte tables first, then the 4-bit variant
 SHAPES = [(256, 4, 4, False), (256, 8, 4, False), (256, 2, 4, False), (128, 8, 4, False), (512, 2, 4, False),
@@ -129,7 +129,7 @@ def throughput(reps: int) -> dict:
 def pipeline(loops: int, rounds: int) -> dict:
     """gdsckpt-bench's null target, alternating the pipeline's checksum class."""
     from gdsckpt.bench import cli
-    from gdsckpt.gpu import backend
+    from gdsckpt.engine.gpu import backend
     args = cli.parse_args(["--target", "null", "--rw", "write", "--size", "4GB", "--data", "random",
                            "--loops", str(loops), "--no-disk-probe"])
     state, data = cli.make_data(args.data, args.size, "cuda")
@@ -298,7 +298,7 @@ def trinomial_search(poly: int, log2n: int, bits: int, per: int = 4096) -> dict:
 
 
 def search() -> dict:
-    from gdsckpt.checksum import POLY
+    from gdsckpt.format.checksum import POLY
     control = trinomial_search((1 << 63) | 1, 16, 2, per=256)  # P' = x^64 + x^63 + 1
     control["found_63_64"] = [63, 64] in control["trinomials"]
     print(f"positive control x^64 + x^63 + 1 over 2^16 bits: (63, 64) found: {control['found_63_64']}; "

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 import gdsckpt
-from gdsckpt import api, cpu_backend, tree
+from gdsckpt import api
+from gdsckpt.engine import cpu_backend
+from gdsckpt.format import tree
 from gdsckpt.bench.sinks import NullSink
 from gdsckpt.bench import workload
 from gdsckpt.bench.disk import drop_page_cache

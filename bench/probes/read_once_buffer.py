@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 import gdsckpt  # noqa: E402
 from gdsckpt.bench.disk import drop_page_cache  # noqa: E402
 from gdsckpt.bench.workload import make_state  # noqa: E402
-from gdsckpt.gpu.backend import GpuBackend  # noqa: E402
+from gdsckpt.engine.gpu.backend import GpuBackend  # noqa: E402
 
 LIBRARY = GpuBackend.empty
 

@@ -3,7 +3,7 @@ an unlink of a 4 GB step taking 1.0 s on the H100 VM's `discard`-mounted ext4, r
 writer thread.) Checkpointer(keep=--keep).save_async of a --gb GB state every --interval seconds, its retention
 (with keep=1, a full read of the newest step before the older one goes; then the deletion) run
 either in the commit's callback on the save's writer thread, as before ("before", 85d03c9's
-save_async), or on the Checkpointer's retention thread ("thread", gdsckpt/retention_thread.py),
+save_async), or on the Checkpointer's retention thread ("thread", gdsckpt/manager/retention.py),
 the two alternated --rounds times.
 
     OUT=dir python bench/probes/retention_wait.py [--gb 4] [--saves 6] [--interval 4] [--rounds 2] [--keep 2]
@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import gdsckpt  # noqa: E402
-import gdsckpt.manager as manager  # noqa: E402
+import gdsckpt.manager.checkpointer as manager  # noqa: E402
 from gdsckpt.bench import provenance  # noqa: E402
-from gdsckpt.retention_thread import RetentionThread  # noqa: E402
+from gdsckpt.manager.retention import RetentionThread  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gb", type=float, default=4)
@@ -60,7 +60,7 @@ class ThreadRetention(RetentionThread):
 
 
 class BeforeCheckpointer(gdsckpt.Checkpointer):
-    """save_async as it was before gdsckpt/retention_thread.py (85d03c9): retention ran in the
+    """save_async as it was before gdsckpt/manager/retention.py (85d03c9): retention ran in the
     commit's callback, on the save's writer thread, and the next save waited for the future only."""
 
     def save_async(self, step, state, *, optimizer=None):

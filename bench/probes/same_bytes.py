@@ -28,7 +28,7 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[3])
 from writer_golden import golden_state
 import gdsckpt
-from gdsckpt.tree import flatten, unflatten
+from gdsckpt.format.tree import flatten, unflatten
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
 skeleton, leaves = flatten(golden_state())
 state = unflatten(skeleton, [l.tensor.cuda() for l in leaves])
@@ -43,7 +43,7 @@ for name, (how, codec) in cases.items():
 
 
 def _parts(data: bytes):
-    from gdsckpt import format as fmt
+    from gdsckpt.format import file as fmt
     size = fmt.FOOTER_SIZE
     magic, major, minor, flags, off, length, _ck, file_len, reserved = fmt._FOOTER.unpack(data[-size:-8])
     index = json.loads(data[off:off + length])

@@ -32,11 +32,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gdsckpt  # noqa: E402
-from gdsckpt.async_save import release_pools  # noqa: E402
+from gdsckpt.writing.async_save import release_pools  # noqa: E402
 from gdsckpt.bench.disk import disk_probe, drop_page_cache  # noqa: E402
 from gdsckpt.bench.workload import make_state  # noqa: E402
-from gdsckpt.tree import flatten  # noqa: E402
-from gdsckpt.units import parse_size  # noqa: E402
+from gdsckpt.format.tree import flatten  # noqa: E402
+from gdsckpt.core.units import parse_size  # noqa: E402
 
 
 def timed(fn):

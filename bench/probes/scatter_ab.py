@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gdsckpt  # noqa: E402
-from gdsckpt.gpu.backend import GpuBackend  # noqa: E402
+from gdsckpt.engine.gpu.backend import GpuBackend  # noqa: E402
 
 
 def per_segment(self, copies) -> None:

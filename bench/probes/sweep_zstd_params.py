@@ -1,8 +1,8 @@
 """zstd parameters on byte-shuffled frames of the 350 MB CPU state (fp32 and bf16 planes, 1 MiB frames): CPU-time throughput, ratio, decode speed; item 3 of bench/results/2026-11-23-cpu-compare/README.md. Run: .venv/bin/python bench/probes/sweep_zstd_params.py"""
 import time, torch, numpy as np, zstandard as Z, itertools
 from gdsckpt.bench import workload
-from gdsckpt import tree
-from gdsckpt.cpu_backend import shuffle_bytes  # noqa: E402
+from gdsckpt.format import tree
+from gdsckpt.engine.cpu_backend import shuffle_bytes  # noqa: E402
 state = workload.make_state("350MB", device="cpu")
 _, leaves = tree.flatten(state)
 streams = {}

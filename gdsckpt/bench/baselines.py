@@ -77,7 +77,7 @@ def _kvikio_setup(kvikio):
     else KvikIO's defaults, as the notes then say."""
     import kvikio.defaults  # noqa: F401  (not every KvikIO imports it with the package)
     try:
-        from gdsckpt.backend import kvikio_settings
+        from gdsckpt.engine.backend import kvikio_settings
         io_path, ctx = kvikio_settings("auto")
         how = "gdsckpt's KvikIO settings"
     except Exception:

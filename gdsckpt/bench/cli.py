@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 import gdsckpt
-from gdsckpt import api, tree, units
-from gdsckpt.backend import gpu_status, set_direct_io
-from gdsckpt.defaults import RING_DEPTH
+from gdsckpt import api
+from gdsckpt.format import tree
+from gdsckpt.core import units
+from gdsckpt.engine.backend import gpu_status, set_direct_io
+from gdsckpt.core.defaults import RING_DEPTH
 from gdsckpt.stats import outer_seconds
 
 from . import provenance, states, train

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gdsckpt import units
-from gdsckpt.format import ALIGN, MAX_CHUNK_BYTES
-from gdsckpt.save import check_codec
+from gdsckpt.core import units
+from gdsckpt.format.file import ALIGN, MAX_CHUNK_BYTES
+from gdsckpt.writing.save import check_codec
 
 from .train_loop import TRAIN_SIZES
 

@@ -4,7 +4,7 @@ KvikIO's compat mode needs, the stand-in for storage faster than this host's dis
 
 from __future__ import annotations
 
-from ..ring import Completion
+from gdsckpt.engine.ring import Completion
 
 
 class NullSink:

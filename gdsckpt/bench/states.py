@@ -1,6 +1,6 @@
 """The bench's views of a state tree: its tensors, their bytes, the state moved to a device.
 
-Where the library's walk gives the answer, these use it: the leaves of gdsckpt.tree.flatten
+Where the library's walk gives the answer, these use it: the leaves of gdsckpt.format.tree.flatten
 are the tensors a save stores (a tensor placed twice, as tied weights are, is one leaf).
 `every_tensor` is the bench's own walk, for what flatten does not answer: every place a tensor
 sits (a baseline such as safetensors writes each place), and states that hold DTensors (a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gdsckpt import tree
+from gdsckpt.format import tree
 
 
 def nbytes(state) -> int:

@@ -34,7 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-from gdsckpt.defaults import CHUNK_BYTES, RING_DEPTH
+from gdsckpt.core.defaults import CHUNK_BYTES, RING_DEPTH
 
 IDLE_S = 0.10
 SAVE_ASYNC_IDLE_S = 0.05

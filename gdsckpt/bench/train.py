@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from gdsckpt.backend import gpu_status
+from gdsckpt.engine.backend import gpu_status
 
 from . import cost, provenance, ranks, states, targets, train_memory, train_report
 from .train_loop import TRAIN_SIZES, Batches, Loop, build, n_checkpoints, run_loop, train_step

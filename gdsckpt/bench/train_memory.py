@@ -142,8 +142,8 @@ def _stats(xs: list) -> dict:
 
 def digests(state) -> dict[str, str]:
     """A CRC-64/NVME of every tensor's bytes, by key (host copies, one tensor at a time)."""
-    from gdsckpt.checksum import crc64nvme
-    from gdsckpt.tree import flatten
+    from gdsckpt.format.checksum import crc64nvme
+    from gdsckpt.format.tree import flatten
     _, leaves = flatten(state)
     return {l.key: f"{crc64nvme(l.tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()):016x}"
             for l in leaves}
@@ -152,7 +152,7 @@ def digests(state) -> dict[str, str]:
 def measure_restores(size: str, device: str, model, opt, directory: Path, remote: str | None) -> dict:
     """Save the trained state once (memory tier on), then restore it in a new process."""
     from gdsckpt import Checkpointer
-    from gdsckpt.memory_folders import drop_copies
+    from gdsckpt.manager.memory.folders import drop_copies
     d = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-restore-", dir=directory))
     try:
         state = checkpoint_state(model, opt)
@@ -229,7 +229,7 @@ def _restore_child(what: str, d: Path, size: str, device: str, remote: str | Non
 
 
 def _tensors(state):
-    from gdsckpt.tree import flatten
+    from gdsckpt.format.tree import flatten
     return [l.tensor for l in flatten(state)[1]]
 
 

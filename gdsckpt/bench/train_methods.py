@@ -143,7 +143,7 @@ class GdsSaveAsync(Method):
 
     def available(self):
         import gdsckpt
-        from gdsckpt.save import SaveOptions
+        from gdsckpt.writing.save import SaveOptions
         params = inspect.signature(gdsckpt.save_async).parameters
         options = {f.name for f in fields(SaveOptions)}  # save_async's **save_options
         want = list(self.kwargs) + (["optimizer"] if self.with_opt else [])

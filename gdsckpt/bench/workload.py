@@ -9,7 +9,7 @@ trained weights and optimizer moments.
 
 The trained base state is cached (safetensors + JSON, never pickle), so only the first run
 trains. Nothing in gdsckpt decides these bytes: the state is only walked (counted, moved to
-its device) through gdsckpt.tree.flatten, by states.py.
+its device) through gdsckpt.format.tree.flatten, by states.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..units import parse_size  # noqa: F401 - also cost.py's, through here
+from gdsckpt.core.units import parse_size  # noqa: F401 - also cost.py's, through here
 from .states import nbytes, to_device
 
 # name: layers, heads, d_model, vocab, context, train seq, batch, default steps, peak lr

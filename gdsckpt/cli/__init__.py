@@ -32,7 +32,7 @@ import sys
 
 from .. import codecs
 from .._version import __version__
-from ..format import MAJOR, MINOR
+from gdsckpt.format.file import MAJOR, MINOR
 from .exitcodes import ExitCode, exit_code_for
 from .export import EXPORT_HELP, cmd_convert, cmd_export
 from .files import cmd_inspect, cmd_verify
@@ -53,7 +53,7 @@ class _VersionAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         import torch
 
-        from ..backend import nvcomp_version
+        from gdsckpt.engine.backend import nvcomp_version
         print(f"gdsckpt {__version__} (file format {MAJOR}.{MINOR}, torch {torch.__version__}, "
               f"nvCOMP {nvcomp_version() or 'not available'})")
         parser.exit()

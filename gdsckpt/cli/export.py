@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 
 from .. import api, codecs
-from ..backend import choose
-from ..dtypes import BY_NAME
+from gdsckpt.engine.backend import choose
+from gdsckpt.core.dtypes import BY_NAME
 from ..errors import UnsupportedStateError
-from ..format import Index
-from ..save import NewFile, SaveOptions, save_flat
-from ..storage import AtomicFile, export_target, pwrite_all, save_target, temp_path_for, user_path
-from ..tree import Leaf
-from ..units import format_bytes
+from gdsckpt.format.file import Index
+from gdsckpt.writing.save import NewFile, SaveOptions, save_flat
+from gdsckpt.core.storage import AtomicFile, export_target, pwrite_all, save_target, temp_path_for, user_path
+from gdsckpt.format.tree import Leaf
+from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode
 from .output import emit_json, progress
 from .torch_export import TORCH_HELP, export_torch

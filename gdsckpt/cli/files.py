@@ -17,12 +17,12 @@ from pathlib import Path
 from .. import api
 from ..dcp.layout import METADATA_FILE, RANK_FILE
 from ..dcp.metadata import read_metadata
-from ..dtypes import ITEMSIZE, name_of
+from gdsckpt.core.dtypes import ITEMSIZE, name_of
 from ..errors import CheckpointFormatError, GdsckptError
-from ..ring import ChunkFile, ReadsAhead
-from ..sources import ChunkSource
+from gdsckpt.engine.ring import ChunkFile, ReadsAhead
+from gdsckpt.reading.sources import ChunkSource
 from ..stores import is_remote
-from ..units import format_bytes
+from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode
 from .output import describe_error, emit_json, progress
 

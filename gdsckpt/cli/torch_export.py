@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from .. import api
-from ..dtypes import BY_NAME
-from ..storage import AtomicFile, export_target
-from ..tree import TYPED, unflatten
+from gdsckpt.core.dtypes import BY_NAME
+from gdsckpt.core.storage import AtomicFile, export_target
+from gdsckpt.format.tree import TYPED, unflatten
 
 __all__ = ["export_torch", "TORCH_HELP"]
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from ..errors import GdsckptError
-from ..storage import stale_temporaries
-from ..units import format_bytes
+from gdsckpt.core.storage import stale_temporaries
+from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode
 from .output import emit_json
 
@@ -26,7 +26,7 @@ def cmd_clean(args) -> int:
     d = Path(args.directory)
     dropped = []
     if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
-        from ..memory_folders import drop_copies
+        from gdsckpt.manager.memory.folders import drop_copies
         dropped = drop_copies(d)
         if not args.json:
             for t in dropped:
@@ -66,10 +66,10 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
     every chunk checksum verified, which reads every byte). A step a pending rollback gives up (its
     record in the directory) is `GIVEN_UP` there, as restore() counts it: not at all."""
     from ..errors import RemoteStoreError
-    from ..rollback import RollbackJournal
-    from ..upload_marker import MARKER, InvalidMarker, load_marker
+    from gdsckpt.manager.rollback import RollbackJournal
+    from gdsckpt.manager.remote.marker import MARKER, InvalidMarker, load_marker
     from ..stores import is_remote, open_store
-    from ..steps import parse_step_name
+    from gdsckpt.manager.steps import parse_step_name
     rows: dict[int, dict] = {}
 
     def row(step):
@@ -144,7 +144,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
 def _local_step(p: Path, deep: bool) -> tuple[int, str] | None:
     """(bytes, state) of the local step at `p`, or None if it is gone: this view takes no lock, so
     a running Checkpointer's retention may remove a step between the listing and these reads."""
-    from ..steps import check_step
+    from gdsckpt.manager.steps import check_step
     try:
         size = sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() else p.stat().st_size
     except FileNotFoundError:
@@ -154,20 +154,20 @@ def _local_step(p: Path, deep: bool) -> tuple[int, str] | None:
 
 
 def _memory_copies(d: Path) -> list[dict]:
-    from ..memory_folders import list_copies
+    from gdsckpt.manager.memory.folders import list_copies
     return list_copies(d) if d.is_dir() else []
 
 
 def _memory_state(copy: dict, deep: bool) -> str:
-    from ..memory_source import check_copy
+    from gdsckpt.manager.memory.source import check_copy
     return check_copy(copy["folder"], copy["record"], deep)
 
 
 def _check_remote(store, name: str) -> str:
     """"ok" or why not: what restore() checks of the step `name` on the store (the identity of
     its objects against its marker's), and every chunk checksum."""
-    from ..store_verify import check_uploaded
-    from ..upload_marker import MARKER, InvalidMarker, load_marker
+    from gdsckpt.manager.remote.verify import check_uploaded
+    from gdsckpt.manager.remote.marker import MARKER, InvalidMarker, load_marker
     try:
         check_uploaded(store, load_marker(store, name + MARKER))
     except (GdsckptError, OSError, InvalidMarker) as e:
@@ -178,7 +178,7 @@ def _check_remote(store, name: str) -> str:
 def restore_test(location: str, *, remote: str | None = None, on_step=None) -> tuple[int | None, list[dict]]:
     """Verify steps newest first, every chunk checksum, until one is intact: (that step or None,
     the rows checked). What restore() would do, without loading. on_step(row): after each step."""
-    from ..steps import check_step
+    from gdsckpt.manager.steps import check_step
     from ..stores import open_store
     checked = []
     for r in reversed(describe(location, remote=remote)):
@@ -252,7 +252,7 @@ def cmd_prune(args) -> int:
     """Without --yes nothing is changed: the directory is opened read-only (no lock taken, no
     temporary removed, a pending rollback only looked at). With --yes, a pending rollback is
     finished first (its steps are among those removed), then the policy applied."""
-    from ..manager import Checkpointer
+    from gdsckpt.manager.checkpointer import Checkpointer
     if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
         raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
     if args.keep_remote is not None and args.remote is None:

@@ -6,12 +6,12 @@ codec object (codecs/base.py's `Codec`) answers everything else: what a reader a
 it encodes and decodes. Adding a codec is one module with its `Codec` subclass and one line in
 CODECS below. The functions below are the questions the rest of gdsckpt asks, answered from the
 registry, including which specs codec="auto" chooses among (`candidates`; the choice itself,
-from a sample of the stream, is gdsckpt/codec_choice.py's).
+from a sample of the stream, is gdsckpt/engine/codec_choice.py's).
 """
 
 from __future__ import annotations
 
-from ..defaults import ZSTD_FRAME_BYTES
+from gdsckpt.core.defaults import ZSTD_FRAME_BYTES
 from ..errors import CodecUnavailableError
 from .ans import Ans
 from .ans_planes import AnsPlanes

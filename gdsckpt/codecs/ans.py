@@ -3,8 +3,8 @@ symbols; bytes otherwise). codec="auto" on the GPU writes it."""
 
 from __future__ import annotations
 
-from .. import dtypes
-from ..defaults import ANS_INTERNAL_CHUNK
+from gdsckpt.core import dtypes
+from gdsckpt.core.defaults import ANS_INTERNAL_CHUNK
 from .native import NvcompNative
 
 

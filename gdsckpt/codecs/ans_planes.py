@@ -2,12 +2,12 @@
 of every element, then plane 1, ...), then nvCOMP's ANS over bytes, each 512 KiB piece of a plane
 with its own frequency table. On AdamW's moments it stores less than typed ANS (exp_avg_sq 17.8%
 saved against 15.0% on the H100); codec="auto" on the GPU picks it per stream where a sample says
-so (gdsckpt/codec_choice.py). Encoded and decoded on the GPU only: the shuffle and unshuffle are
-kernels of gdsckpt/gpu/kernels.py, around nvCOMP."""
+so (gdsckpt/engine/codec_choice.py). Encoded and decoded on the GPU only: the shuffle and unshuffle are
+kernels of gdsckpt/engine/gpu/kernels.py, around nvCOMP."""
 
 from __future__ import annotations
 
-from ..defaults import ANS_INTERNAL_CHUNK
+from gdsckpt.core.defaults import ANS_INTERNAL_CHUNK
 from .ans import Ans
 from .base import SHUFFLE_WIDTH
 

@@ -5,7 +5,7 @@ A codec declares: the spec the index records for its streams (`spec`), what a re
 such a spec and of its chunk records (`spec_problem`, `max_expansion`, `max_stored`,
 `frames_problem`), and where it encodes and decodes: the CPU through its own CPU coder
 (`cpu_coder`), the GPU through the nvCOMP algorithm it names (`nvcomp_algorithm`, which
-gdsckpt/gpu/codecs.py maps onto nvCOMP). Each codec is a subclass in its own module; the registry
+gdsckpt/engine/gpu/codecs.py maps onto nvCOMP). Each codec is a subclass in its own module; the registry
 (codecs/__init__.py) lists them.
 """
 

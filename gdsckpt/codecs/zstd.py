@@ -5,7 +5,7 @@ bitstream, so unshuffled zstd is the portable codec."""
 
 from __future__ import annotations
 
-from ..defaults import CPU_AUTO_LEVEL, ZSTD_FRAME_BYTES, ZSTD_LEVEL
+from gdsckpt.core.defaults import CPU_AUTO_LEVEL, ZSTD_FRAME_BYTES, ZSTD_LEVEL
 from ..errors import CodecUnavailableError
 from .base import SHUFFLE_WIDTH, Codec, Threads, frame_bounds, frame_offsets, is_int
 from .zstd_cpu import ZstdCpu

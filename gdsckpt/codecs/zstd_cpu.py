@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..defaults import CPU_MIN_SAVING, ZSTD_SHUFFLED_PARAMS
+from gdsckpt.core.defaults import CPU_MIN_SAVING, ZSTD_SHUFFLED_PARAMS
 from .base import FRAME_ALIGN, Threads, frame_bounds, frame_offsets
 
 if TYPE_CHECKING:

@@ -36,9 +36,9 @@ import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ..checksum import crc64nvme
+from gdsckpt.format.checksum import crc64nvme
 from ..errors import CheckpointFormatError
-from ..storage import atomic_file, pwrite_all
+from gdsckpt.core.storage import atomic_file, pwrite_all
 
 __all__ = ["write_metadata", "read_metadata", "metadata_pickle", "PreparedMetadata", "TRAILER_MAGIC",
            "MAX_METADATA_BYTES"]

@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..reader import Checkpoint
-from ..reader import open as open_checkpoint
-from ..defaults import RING_DEPTH
-from ..device_copy import cuda_device_of, on_device, settle
-from ..dtypes import name_of
+from gdsckpt.reading.reader import Checkpoint
+from gdsckpt.reading.reader import open as open_checkpoint
+from gdsckpt.core.defaults import RING_DEPTH
+from gdsckpt.engine.device_copy import cuda_device_of, on_device, settle
+from gdsckpt.core.dtypes import name_of
 from ..errors import CheckpointFormatError
 from ..stats import Stats
 from .byte_values import RefusedPickle, load_plain

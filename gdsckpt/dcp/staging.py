@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from ..device_copy import cuda_device_of, on_device, snapshot_tensors
+from gdsckpt.engine.device_copy import cuda_device_of, on_device, snapshot_tensors
 from ..errors import UnsupportedStateError
-from ..host_snapshot import PoolDestination
-from ..save import SaveOptions, save_flat
+from gdsckpt.writing.snapshot.host import PoolDestination
+from gdsckpt.writing.save import SaveOptions, save_flat
 from ..stats import Stats
-from ..tree import flatten
+from gdsckpt.format.tree import flatten
 from .standins import STAND_INS, StandInElements, data_address
 
 __all__ = ["Staged", "StandInElements", "stage_compressed", "staged_tensors", "snapshot_state_dict", "state_tensors",
@@ -128,7 +128,7 @@ def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **wr
         nothing: Future = Future()
         nothing.set_result(None)
         return nothing
-    from ..reserve import reserve as reserve_pool
+    from gdsckpt.writing.reserve import reserve as reserve_pool
     names = {f.name for f in fields(SaveOptions)}
     save_options = {k: v for k, v in writer_options.items() if k in names}
     return reserve_pool(staged_tensors(state_dict), wait=wait, **save_options)

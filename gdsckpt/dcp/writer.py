@@ -34,14 +34,16 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..defaults import RING_DEPTH
-from ..device_copy import copy_first, cuda_device_of, may_copy_first, on_device, outside_cache, settle
+from gdsckpt.core.defaults import RING_DEPTH
+from gdsckpt.engine.device_copy import (
+    copy_first, cuda_device_of, may_copy_first, on_device, outside_cache, settle,
+)
 from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
-from ..overlap import StepOwned, run_overlapped, wait_for_snapshot
-from ..save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
+from gdsckpt.writing.snapshot.overlap import StepOwned, run_overlapped, wait_for_snapshot
+from gdsckpt.writing.save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
 from ..stats import Stats
-from ..storage import fsync_dir
-from ..tree import flatten
+from gdsckpt.core.storage import fsync_dir
+from gdsckpt.format.tree import flatten
 from .layout import DCP_VERSION, RANK_FILE, SUFFIX, item_key, local_dir_id, metadata_path
 from .metadata import write_metadata
 from .results import PreparedWrite, RankResults, byte_tensor, prepare_write, reuse_write, storage_data_of
@@ -112,7 +114,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
     - "overlap" (optimizer=opt; the default when optimizer= is given): the compressed snapshot
     is taken during the next forward/backward, as gdsckpt.save_async(..., snapshot="overlap",
     optimizer=opt) takes it, under
-    the same contract (gdsckpt/async_save.py): tensors of the state dict that share memory with
+    the same contract (gdsckpt/writing/async_save.py): tensors of the state dict that share memory with
     a parameter of `opt` or a tensor of its state (FSDP2's DTensor shards included) are read
     by the snapshot until it ends, and a step pre-hook makes the next `opt.step()` wait for
     it; every other tensor is copied, and every other value deep-copied, before

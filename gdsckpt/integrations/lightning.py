@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 import gdsckpt
-from gdsckpt.async_save import wait_for_saves_to
+from gdsckpt.writing.async_save import wait_for_saves_to
 from gdsckpt.errors import UnsupportedStateError
-from gdsckpt.save import Snapshot, check_save_options
+from gdsckpt.writing.save import Snapshot, check_save_options
 
 log = logging.getLogger("gdsckpt.integrations.lightning")
 

@@ -250,7 +250,7 @@ class ObstoreStore:
         """Ranged GETs of a part each, `concurrency` in flight, into a temporary beside `path`
         (named as a save's temporary, so that `gdsckpt clean` finds a leftover), fsync'd and
         renamed: a failed download leaves nothing at `path`."""
-        from ..storage import commit, pwrite_all, temp_path_for
+        from gdsckpt.core.storage import commit, pwrite_all, temp_path_for
         path = Path(path)
         size = self.size(name)
         tmp = temp_path_for(path)

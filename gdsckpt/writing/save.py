@@ -1,0 +1,339 @@
+"""Saving: the one pipeline every save goes through.
+
+    skeleton, leaves = tree.flatten(state)                 # once, by the caller
+    stats = save_flat(skeleton, leaves, destination, SaveOptions(codec="zstd"))
+
+`save_flat` picks the backend, plans the streams and chunks, chooses the codec of the streams
+codec="auto" leaves a choice to (codec_choice.py: on the GPU, typed or byte-plane ANS from a
+sample), runs the ring (gather, compress, checksum, write) into a `Destination` and commits it. Its callers: `gdsckpt.save` (a `NewFile`),
+the bench's storage-removed targets (a `Sink`), `save_async` and DCP's compressed staging (the
+host pool: host_snapshot.PoolDestination), GdsckptWriter's rank files, and through `save` and
+`save_async` the checkpoint manager.
+
+Also here, because every caller shares them: `SaveOptions`, validated once where the options
+enter, and `Snapshot`, the modes a save that must not stop training takes its snapshot in
+(save_async and GdsckptWriter name them alike).
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from gdsckpt.engine import codec_choice
+from gdsckpt import codecs
+from gdsckpt.core import collector
+from gdsckpt.format import file as fmt
+from gdsckpt._version import __version__
+from gdsckpt.engine.backend import check_gds, check_io, choose, make_backend
+from gdsckpt.core.defaults import CHUNK_BYTES, RING_DEPTH
+from gdsckpt.core.dtypes import BY_NAME, name_of
+from gdsckpt.format.plan import PLANS, Plan
+from gdsckpt.engine.ring import Backend, ChunkFile, Timings, write_chunks
+from gdsckpt.stats import Stats, stream_stats
+from gdsckpt.core.storage import AtomicFile, save_target
+from gdsckpt.format.tree import Leaf
+
+__all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "choose_codecs_ahead",
+           "backend_kind", "tensor_specs", "check_codec", "check_optimizer", "check_save_options", "is_int"]
+
+
+# ---------------------------------------------------------------- options
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_codec(codec) -> None:
+    """codec: "auto", a codec name, or {dtype name: "auto" or a codec name}; else a ValueError,
+    before anything is written (a typo must not fall back to a default silently)."""
+    names = ("auto",) + codecs.ALL_CODECS
+    if isinstance(codec, str):
+        if codec not in names:
+            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(names)}, or a dict of dtype name to one")
+        return
+    if not isinstance(codec, dict):
+        raise ValueError(f"codec must be one of {', '.join(names)} or a dict of dtype name to one, not {codec!r}")
+    for dtype, name in codec.items():
+        if dtype not in BY_NAME:
+            raise ValueError(f"codec: {dtype!r} is not a dtype name gdsckpt stores ({', '.join(BY_NAME)})")
+        if name not in names:
+            raise ValueError(f"codec for {dtype}: unknown codec {name!r}; choose one of {', '.join(names)}")
+
+
+def _check_chunk_bytes(chunk_bytes) -> None:
+    if not is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN or chunk_bytes > fmt.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN} of at most {fmt.MAX_CHUNK_BYTES} "
+                         f"(a reader refuses larger chunks), got {chunk_bytes!r}")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save runs, checked on construction (a ValueError names the bad option before the
+    state is walked or anything written), so that a SaveOptions in hand is valid.
+
+    codec: "auto" (on the GPU typed ANS, or byte-plane ANS for a float stream where a sample of it
+    stores smaller so; on the CPU byte-shuffled zstd), "ans", "ans-planes", "bitcomp", "zstd", "raw",
+    or {dtype name: codec}. chunk_bytes: None (or 0) for the backend's default (defaults.CHUNK_BYTES).
+    io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend). backend: None/"auto"
+    (the GPU where a tensor is on one and the GPU stack is usable), "cpu" or "gpu"."""
+
+    codec: str | dict = "auto"
+    chunk_bytes: int | None = None
+    ring_depth: int = RING_DEPTH
+    io: str = "auto"
+    io_threads: int | None = None
+    backend: str | None = None
+
+    def __post_init__(self):
+        check_codec(self.codec)
+        check_io(self.io, self.io_threads)
+        if isinstance(self.codec, dict):  # a copy: a dict changed after the check is not this one
+            object.__setattr__(self, "codec", dict(self.codec))
+        if not self.chunk_bytes:
+            object.__setattr__(self, "chunk_bytes", None)
+        else:
+            _check_chunk_bytes(self.chunk_bytes)
+        if not is_int(self.ring_depth) or self.ring_depth < 2:
+            raise ValueError(f"ring_depth must be at least 2 so that compression overlaps I/O, got {self.ring_depth!r}")
+        choose(False, self.backend)  # an unknown backend name is a ValueError (probes nothing)
+
+    def chunk_bytes_for(self, kind: str) -> int:
+        """The chunk size a save on backend `kind` ("cpu" or "gpu") cuts."""
+        return self.chunk_bytes or CHUNK_BYTES[kind]
+
+
+class Snapshot(str, enum.Enum):
+    """Where a save that must not stop training takes its snapshot, before the caller may change
+    the state again: save_async(snapshot=) and GdsckptWriter(snapshot=) take these names.
+
+    HOST: the save ring compresses the live tensors into the host pool during the call (no copy
+        of the state; the caller waits for the compression, not for the disk).
+    OVERLAP: the same, on a background thread during the next forward/backward; needs optimizer=,
+        whose next step() waits for it (async_save.py states the contract).
+    DEVICE: a full copy of the state on each tensor's own device, then an ordinary save.
+    CPU: a copy in host memory, as torch.distributed.checkpoint's DefaultStager makes it
+        (GdsckptWriter only)."""
+
+    HOST = "host"
+    OVERLAP = "overlap"
+    DEVICE = "device"
+    CPU = "cpu"
+
+    @classmethod
+    def parse(cls, value, allowed: tuple[Snapshot, ...], keyword: str = "snapshot") -> Snapshot:
+        if isinstance(value, str) and value in {m.value for m in allowed}:
+            return cls(value)
+        raise ValueError(f"{keyword} must be one of {', '.join(repr(m.value) for m in allowed)}, not {value!r}")
+
+
+def check_save_options(options: dict, extra=(), modes: tuple[Snapshot, ...] = ()) -> None:
+    """Save options given once for saves to come (a Checkpointer's, an integration's), checked
+    before the first of them: each name a SaveOptions field or one of `extra`, the values valid
+    (SaveOptions' own ValueErrors), and snapshot= one of `modes`. A ValueError naming the option."""
+    names = {f.name for f in fields(SaveOptions)}
+    unknown = sorted(set(options) - names - set(extra))
+    if unknown:
+        raise ValueError(f"{', '.join(map(repr, unknown))} is not a save option here; these are "
+                         f"{', '.join(sorted(names | set(extra)))}")
+    SaveOptions(**{k: v for k, v in options.items() if k in names})
+    if "snapshot" in options:
+        Snapshot.parse(options["snapshot"], modes)
+
+
+def check_optimizer(mode: Snapshot, optimizer, caller: str) -> None:
+    """The optimizer an overlapped snapshot needs: given, and an optimizer (it has step hooks);
+    none with the host snapshot, taken before `caller` returns, which would leave it unused (the
+    overlap its caller likely meant never running). "device" and "cpu" take it unused: a caller
+    that always passes its optimizer (the Checkpointer) may still choose them."""
+    if mode is Snapshot.HOST and optimizer is not None:
+        raise ValueError(f"optimizer= is for snapshot='overlap' (the snapshot taken during the next forward/backward, "
+                         f"the next opt.step() waiting for it); snapshot='host' takes the snapshot before {caller} "
+                         "returns: pass snapshot='overlap', or no optimizer=")
+    if mode is Snapshot.OVERLAP and optimizer is None:
+        raise ValueError("snapshot='overlap' (overlap=True) needs optimizer=: the snapshot runs during the next "
+                         "forward/backward, and only a step pre-hook on the optimizer keeps the step from "
+                         "changing the state under it")
+    if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
+        raise ValueError(f"optimizer= must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+
+
+# ---------------------------------------------------------------- destinations
+
+
+class Destination(Protocol):
+    """Where save_flat puts one checkpoint file. save_flat calls, in this order:
+
+        file = open(backend)                       # a ChunkFile the ring writes records through
+        layout(file.fd, meta, skeleton, devices, plan) -> format.FileWriter
+                                                   # places each record; writes the index and footer
+        ...the ring writes every chunk record through `file`...
+        commit(file)                               # all written: make it durable (or hand it on)
+      | abort(file, error)                         # anything raised after open returned,
+                                                   # KeyboardInterrupt included: undo, leave nothing
+
+    open cleans up after itself when it raises (neither commit nor abort follows). abort may
+    raise a clearer error (chained to `error`); else save_flat re-raises `error`. `label` names
+    the checkpoint in errors and Stats: the user's path, never a temporary."""
+
+    label: str
+
+    def open(self, backend: Backend) -> ChunkFile: ...
+
+    def layout(self, fd: int | None, meta: dict, skeleton: dict, devices: list[str], plan: Plan) -> fmt.FileWriter: ...
+
+    def commit(self, file: ChunkFile) -> None: ...
+
+    def abort(self, file: ChunkFile, error: BaseException) -> None: ...
+
+
+class NewFile:
+    """A new file at `path` (through a symlink: beside its target), written as a temporary and
+    renamed over the file once durable (storage.AtomicFile). Every error names `path`, the user's
+    path, not the hidden temporary; a directory, a missing parent or a symlink loop is refused on
+    construction, before the state is even walked."""
+
+    def __init__(self, path: Path):
+        self.label = str(path)
+        self.path = save_target(path)
+        self._file: AtomicFile | None = None
+
+    def open(self, be: Backend) -> ChunkFile:
+        f = AtomicFile(self.path)
+        try:
+            f.create(lambda tmp: be.open(tmp, "w"))
+        except OSError as e:  # an unwritable or full directory: before a byte of the checkpoint is written
+            raise OSError(e.errno, f"{e.strerror}: cannot create a file in {str(self.path.parent)!r} to save into",
+                          self.label) from None
+        try:
+            f.adopt_mode()
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror}: cannot give the new file the mode of the one it replaces",
+                          self.label) from None
+        self._file = f
+        return f.file
+
+    def layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan: Plan) -> fmt.FileWriter:
+        return fmt.FileWriter(fd, meta, skeleton, devices, plan)
+
+    def commit(self, file: ChunkFile) -> None:
+        self._file.commit()
+
+    def abort(self, file: ChunkFile, error: BaseException) -> None:
+        self._file.abort()
+        if isinstance(error, OSError) and error.errno is not None:  # a full disk, an I/O error: say which save
+            raise OSError(error.errno, f"{error.strerror} while saving (the temporary file was removed)",
+                          self.label) from error
+
+
+class Sink:
+    """Any ChunkFile as a destination, with nothing to commit: gdsckpt-bench's targets with
+    storage removed (`sink.fd` None: records are placed but no header, index or footer written)."""
+
+    label = "<null>"
+
+    def __init__(self, sink: ChunkFile):
+        self._sink = sink
+
+    def open(self, be: Backend) -> ChunkFile:
+        return self._sink
+
+    def layout(self, fd, meta: dict, skeleton: dict, devices: list[str], plan: Plan) -> fmt.FileWriter:
+        return fmt.FileWriter(fd, meta, skeleton, devices, plan)
+
+    def commit(self, file: ChunkFile) -> None:
+        pass
+
+    def abort(self, file: ChunkFile, error: BaseException) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def backend_kind(leaves: list[Leaf], options: SaveOptions) -> str:
+    """The backend a save of `leaves` runs on ("gpu" or "cpu"); GDSUnavailableError for io="gds" without it."""
+    kind = choose(any(l.tensor.is_cuda for l in leaves), options.backend)
+    check_gds(options.io, kind, "save")
+    return kind
+
+
+def tensor_specs(leaves: list[Leaf]) -> list[tuple]:
+    """plan.make_plan's (key, dtype name, shape, bytes) per leaf."""
+    return [(l.key, name_of(l.tensor.dtype), tuple(l.tensor.shape), l.tensor.nbytes) for l in leaves]
+
+
+@collector.paused()  # the save's objects meet one young collection, at its end
+def save_flat(skeleton: dict, leaves: list[Leaf], destination: Destination, options: SaveOptions, *,
+              started: float | None = None) -> Stats:
+    """Save a flattened state (tree.flatten's skeleton and leaves) into `destination`.
+
+    The backend is options.backend, or the GPU where a leaf is a CUDA tensor and the GPU stack is
+    usable. Returns once destination.commit returned. started: when the caller's save began
+    (perf_counter), for Stats.seconds; default now."""
+    t_start = time.perf_counter() if started is None else started
+    kind = backend_kind(leaves, options)
+    chunk_bytes = options.chunk_bytes_for(kind)
+    with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
+        plan = _plan(leaves, options, kind, be)
+        tensors = [l.tensor for l in leaves]
+        timings = Timings()
+        file = destination.open(be)
+        try:
+            be.begin()
+            t = time.perf_counter()
+            if _choose_codecs(plan, tensors, options, kind, be):
+                timings.add("codec_choice", t)  # only where a sample was compressed: steady saves reuse the choice
+            layout = destination.layout(file.fd, _writer_meta(be, chunk_bytes), skeleton,
+                                        ["cuda" if x.is_cuda else "cpu" for x in tensors], plan)
+            records = write_chunks(plan, tensors, be, file, layout, options.ring_depth, timings)
+            be.finish()
+            t = time.perf_counter()
+            destination.commit(file)
+            timings.add("commit", t)
+        except BaseException as e:
+            destination.abort(file, e)
+            raise
+        return Stats("save", destination.label, be.name, be.io_path, plan.logical_bytes,
+                     sum(r.stored for r in records), layout.file_bytes if layout.fd is not None else 0,
+                     len(plan.chunks), chunk_bytes, options.ring_depth, time.perf_counter() - t_start,
+                     dict(timings.stages), timings.latencies, stream_stats(plan, records), be.memory())
+
+
+def choose_codecs_ahead(leaves: list[Leaf], options: SaveOptions) -> int:
+    """codec="auto"'s per-stream choice for a state of `leaves`, made now from their bytes and kept
+    (codec_choice.CHOICES), so that the state's first save samples nothing (gdsckpt.reserve's
+    warm-up). The streams measured; 0 where there was nothing to choose or it was chosen before."""
+    kind = backend_kind(leaves, options)
+    with make_backend(kind, io=options.io, io_threads=options.io_threads) as be:
+        be.begin()
+        chosen = _choose_codecs(_plan(leaves, options, kind, be), [l.tensor for l in leaves], options, kind, be)
+        be.finish()
+    return chosen
+
+
+def _plan(leaves: list[Leaf], options: SaveOptions, kind: str, be: Backend) -> Plan:
+    def planned_codec(dtype: str) -> dict:
+        return codecs.resolve(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
+    return PLANS.get(tensor_specs(leaves), planned_codec, options.chunk_bytes_for(kind))
+
+
+def _choose_codecs(plan: Plan, tensors: list, options: SaveOptions, kind: str, be: Backend) -> int:
+    """codec_choice.choose_codecs for `plan` on the save's backend (after be.begin())."""
+    def candidates(dtype: str) -> list[dict]:
+        return codecs.candidates(options.codec, dtype, gpu=kind == "gpu", nvcomp_version=be.nvcomp_version)
+    return codec_choice.choose_codecs(plan, candidates, codec_choice.Sampler(be, plan, tensors))
+
+
+def _writer_meta(be: Backend, chunk_bytes: int) -> dict:
+    return {"library": f"gdsckpt {__version__}", "nvcomp": be.nvcomp_version,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "writer": {"backend": be.name, "io_path": be.io_path, "chunk_bytes": chunk_bytes,
+                       "torch": torch.__version__}}
