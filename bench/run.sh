@@ -119,7 +119,7 @@ for job in "$@"; do
     dcp)
       # 2 GPUs on one host; NVLink multicast off (NCCL's NVLS and torch's symmetric memory use it)
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m pytest -q -m gpu -v -s \
-        -W ignore::DeprecationWarning tests/test_dcp_gpu.py > "$dir/gpu-dcp-tests.log" 2>&1
+        -W ignore::DeprecationWarning tests/dcp/test_dcp_gpu.py > "$dir/gpu-dcp-tests.log" 2>&1
       status "dcp tests" $?
       tail -5 "$dir/gpu-dcp-tests.log"
       python3 bench/probes/dcp_bench.py --out "$dir/dcp-2gpu.json" --dir /tmp/dcp-bench "${args[@]}" \

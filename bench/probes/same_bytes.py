@@ -1,6 +1,6 @@
 """Byte identity on the GPU across a refactoring: the same fixed state (tests/writer_golden.py's,
 on the GPU) saved by two source trees with each GPU codec, through save and save_async, and the
-files compared as tests/test_writer_bytes.py compares them (every byte before the index, the
+files compared as tests/writing/test_writer_bytes.py compares them (every byte before the index, the
 index less its `created` time, the footer less the two checksums that cover `created`).
 
     python bench/probes/same_bytes.py BEFORE_ROOT AFTER_ROOT OUT.json

@@ -19,8 +19,8 @@ from ..dcp.layout import METADATA_FILE, RANK_FILE
 from ..dcp.metadata import read_metadata
 from gdsckpt.core.dtypes import ITEMSIZE, name_of
 from ..errors import CheckpointFormatError, GdsckptError
-from gdsckpt.engine.ring import ChunkFile, ReadsAhead
-from gdsckpt.reading.sources import ChunkSource
+from gdsckpt.engine.interfaces import ChunkFile, ReadsAhead
+from gdsckpt.reading.interfaces import ChunkSource
 from ..stores import is_remote
 from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode

@@ -21,7 +21,8 @@ from typing import Callable
 
 from gdsckpt.core.defaults import CODEC_CHOICE_CACHE, CODEC_SAMPLE_PIECE_BYTES, CODEC_SAMPLE_PIECES
 from gdsckpt.format.plan import Chunk, Plan, segments
-from .ring import Backend, ByteViews
+from .interfaces import Backend
+from .ring import ByteViews
 
 __all__ = ["CHOICES", "Choices", "Sampler", "choose_codecs", "layout_key", "pick", "sample_ranges"]
 

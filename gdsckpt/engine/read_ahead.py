@@ -25,7 +25,8 @@ import torch
 
 from gdsckpt.errors import GdsckptError
 from gdsckpt.format.file import ALIGN
-from .ring import Bytes, Completion
+from .interfaces import Bytes
+from .ring import Completion
 from gdsckpt.core.storage import open_direct
 
 # Gaps between planned records up to this size are read through rather than skipped: one request

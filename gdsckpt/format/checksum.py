@@ -9,13 +9,13 @@ Two algorithms, one per format generation (the format module picks by version, v
   the GPU computes the same value bit for bit (gdsckpt/engine/gpu/kernels.py, ``Crc64Nvme``).
 - ``legacy_sum64``: format 1.0's position-weighted sum of 64-bit words mod 2^64. Kept only to read
   1.0 files: flipping the top bit of any two 8-byte words adds 2 * 2^63 = 2^64 = 0, so such damage
-  passes it silently (issue 12, and tests/test_checksum.py shows it).
+  passes it silently (issue 12, and tests/format/test_checksum.py shows it).
 
 What CRC-64/NVME detects, exactly. A stored chunk of n bytes is m = 8n bits; a damaged copy of the
 same length differs by an error pattern e(x) of degree < m, and is missed iff P(x) divides e(x)
 (the init/xorout terms depend only on the length, so they cancel; a changed length is the index's
 stored length's job, not the CRC's). P(x) is irreducible and
-primitive: the multiplicative order of x modulo P is 2^64 - 1 (checked in tests/test_checksum.py
+primitive: the multiplicative order of x modulo P is 2^64 - 1 (checked in tests/format/test_checksum.py
 by factoring with sympy and testing x^((2^64-1)/q) != 1 for every prime q | 2^64 - 1). Hence:
 
 - every error of 1 bit, and every error of 2 bits in any chunk of fewer than 2^64 - 1 bits (two
@@ -29,7 +29,7 @@ by factoring with sympy and testing x^((2^64-1)/q) != 1 for every prime q | 2^64
   a multiple of x + 1, so odd-weight errors are NOT all caught); an exhaustive search on the GPU
   made all 2^34 residues x^b mod P, b < 2^34, and found exactly 9 pairs with x^a + x^b = 1, the
   smallest b being 3,279,135,667 (a = 1,417,578,363): flipping bits 0, 1,861,557,304 and
-  3,279,135,667 of a chunk of 409,891,959 bytes or more goes undetected (tests/test_checksum.py
+  3,279,135,667 of a chunk of 409,891,959 bytes or more goes undetected (tests/format/test_checksum.py
   shows it). So chunks larger than 409,891,958 bytes (the format allows up to 2 GiB) lose the
   3-bit guarantee, and 3-bit errors spanning 2^34 bits or more were not searched
   (bench/probes/probe_checksum.py; bench/results/2026-11-23-h100-checksum/);

@@ -52,7 +52,8 @@ from gdsckpt.engine.backend import make_backend
 from gdsckpt.errors import BackendUnavailableError, CheckpointFormatError, ChecksumError
 from gdsckpt.format.file import Index, read_index
 from gdsckpt.engine.ring import announce, verify_chunk
-from .sources import ChunkSource, LocalFile
+from .interfaces import ChunkSource
+from .sources import LocalFile
 
 # Seconds: for the child to import torch and gdsckpt and open the file (CUDA and nvCOMP start
 # inside the first chunk), and without any progress on one chunk (read + verify + decode + copy

@@ -21,9 +21,7 @@ import os
 import stat
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from gdsckpt.engine.backend import gpu_io_path
 from gdsckpt.core.defaults import (
@@ -34,44 +32,13 @@ from gdsckpt.format.file import HEADER_SIZE
 from gdsckpt.engine.read_ahead import ReadAheadFile
 # The object-store seam: the one place the reader depends on it.
 from gdsckpt.stores import is_remote, open_store, scheme_of
-from gdsckpt.engine.ring import Backend, ChunkFile, Completion
+from gdsckpt.engine.interfaces import Backend, ChunkFile
+from gdsckpt.engine.ring import Completion
 from gdsckpt.core.storage import pread_exact, user_path
+from .interfaces import ChildFile, ChunkSource
 
 # Ranged GETs a store object's host ChunkFile keeps in flight, so that reads overlap decoding.
 STORE_READ_THREADS = 4
-
-
-@dataclass(frozen=True)
-class ChildFile:
-    """A local checkpoint as a child process opens it: `path` names the descriptor `fd` that the
-    child inherits (/proc/self/fd/N: the very file the parent opened, which a rename over its
-    path cannot redirect), or the file's path once the parent has closed it (`fd` None).
-    `identity` (st_dev, st_ino) lets the child check that it opened the parent's file."""
-
-    path: str
-    fd: int | None
-    identity: tuple[int, int]
-
-
-class ChunkSource(Protocol):
-    """A checkpoint opened for reading, as the reader sees it."""
-
-    label: Path | str  # names the checkpoint in errors and stats: the user's path, or the URL
-    size: int  # bytes
-    io_threads: int | None  # the I/O workers that suit it where the caller names none; None: the backend's
-    io: str  # the I/O path that suits it where the caller asks for "auto" (backend.IO_CHOICES)
-    read_task_bytes: int | None  # KvikIO's task size that suits it (defaults.py); None: KvikIO's
-
-    def pread(self, n: int, offset: int) -> bytes:
-        """`n` bytes at `offset` of the checkpoint that was opened (fewer only past its end)."""
-
-    def open_chunks(self, backend: Backend) -> ChunkFile:
-        """A ChunkFile on the same bytes, reading into `backend`'s buffers (the ring's)."""
-
-    def child_file(self) -> ChildFile:
-        """The checkpoint as a child process can open it; a ValueError where it cannot."""
-
-    def close(self) -> None: ...
 
 
 def locate(path) -> Path | str | ChunkSource:

@@ -187,7 +187,7 @@ def reserve_memory(tier, planned: Planned, stop: Callable[[], bool]) -> Reservat
 
 
 class _Discard:
-    """ring.ChunkFile that drops every record (the warm-up's)."""
+    """interfaces.ChunkFile that drops every record (the warm-up's)."""
 
     fd = None
 

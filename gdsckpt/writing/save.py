@@ -35,7 +35,8 @@ from gdsckpt.engine.backend import check_gds, check_io, choose, make_backend
 from gdsckpt.core.defaults import CHUNK_BYTES, RING_DEPTH
 from gdsckpt.core.dtypes import BY_NAME, name_of
 from gdsckpt.format.plan import PLANS, Plan
-from gdsckpt.engine.ring import Backend, ChunkFile, Timings, write_chunks
+from gdsckpt.engine.interfaces import Backend, ChunkFile
+from gdsckpt.engine.ring import Timings, write_chunks
 from gdsckpt.stats import Stats, stream_stats
 from gdsckpt.core.storage import AtomicFile, save_target
 from gdsckpt.format.tree import Leaf

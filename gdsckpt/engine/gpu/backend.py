@@ -97,7 +97,7 @@ class _GatherTables:
 
 
 class _QueuedCrc:
-    """ring.Checksums by the CRC kernel: chunk i's launch writes word i of pinned host memory
+    """interfaces.Checksums by the CRC kernel: chunk i's launch writes word i of pinned host memory
     directly (the kernel reaches it by its host address), and values() waits once for the stream.
     A wait and a read-back per chunk left the copy engine idle while the checksum queued behind
     training kernels, and handed the GIL to the training thread of an overlapped snapshot

@@ -83,7 +83,7 @@ class NvcompCodecs:
     def release(self) -> None:
         """Let go of nvCOMP's objects (codecs, configs, results): before the stream they were made
         on, and before nvCOMP's allocators are handed back at exit (`_release`). A codec destroyed
-        after its stream segfaults: tests/test_gpu.py's header test, whose codecs own their
+        after its stream segfaults: tests/engine/test_gpu.py's header test, whose codecs own their
         stream, crashed in 7 of 12 runs before __del__ did this, 0 of 12 after (H100, 2026-11-24).
         The pipeline's codecs live as long as the process (gpu/backend.py)."""
         self.unverified.clear()

@@ -167,7 +167,7 @@ _ZEROS_CRC = tuple(crc64nvme_of_zeros(n) for n in range(8))
 class Crc64Nvme:
     """CRC-64/NVME of device buffers on one stream, one launch per call; its tables, per-thread
     constants and scratch are made once here (about 1 MiB), nothing is allocated per call.
-    Equal to gdsckpt.format.checksum.crc64nvme bit for bit (tests/test_gpu_checksum.py)."""
+    Equal to gdsckpt.format.checksum.crc64nvme bit for bit (tests/engine/test_gpu_checksum.py)."""
 
     # The fastest of 13 shapes on the H100, 256 MiB (bench/results/2026-11-23-h100-checksum/): 4-bit
     # tables 1430-1579 GB/s against 1251-1283 GB/s for byte tables; 512 threads x 2 blocks per SM.

@@ -28,7 +28,8 @@ from gdsckpt.writing.snapshot.host import DeferredLayout, HostFigures, copy_to_h
 from .slot import Slot
 from .tier import MemoryTier
 from gdsckpt.engine.pinned_pool import align_up
-from gdsckpt.engine.ring import Backend, Completion
+from gdsckpt.engine.interfaces import Backend
+from gdsckpt.engine.ring import Completion
 
 # Room for the index and footer beyond the records, per tensor and chunk: an index that needs
 # more makes the slot's file grow (through its descriptor, not the mapping).
@@ -57,7 +58,7 @@ class MemoryTarget:
 
 
 class SlotFile:
-    """ring.ChunkFile into a slot: pwrite queues the copy of a record to its offset (zeroing the
+    """interfaces.ChunkFile into a slot: pwrite queues the copy of a record to its offset (zeroing the
     padding to the next 4 KiB, which the slot may hold from an earlier step); its future's get()
     returns once the bytes are in the slot (the ring's buffer is free again)."""
 

@@ -23,7 +23,8 @@ import torch
 from gdsckpt.core.defaults import MEMORY_READ_THREADS
 from gdsckpt.errors import CheckpointFormatError, GdsckptError
 from .slot import Slot
-from gdsckpt.engine.ring import Backend, ChunkFile, Completion
+from gdsckpt.engine.interfaces import Backend, ChunkFile
+from gdsckpt.engine.ring import Completion
 
 
 class MemorySource:

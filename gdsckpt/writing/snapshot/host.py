@@ -102,7 +102,7 @@ class DeferredLayout(fmt.FileWriter):
 
 
 class PoolFile:
-    """ring.ChunkFile into the host pool. pwrite returns once the copy is queued; its future's
+    """interfaces.ChunkFile into the host pool. pwrite returns once the copy is queued; its future's
     get() returns once the bytes are in the pool (the ring's slot is free again)."""
 
     fd = None  # nothing is written to a file here
