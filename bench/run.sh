@@ -2,7 +2,7 @@
 # One bench round on a GPU host: install the .whl/ bundle the way scripts/gpu-offline-test.sh does
 # (where there is one), run the named jobs in order, and keep every log and JSON in one folder,
 # bench/results/<date>-<device>-<round>/. A failed job is reported and the next one still runs;
-# the exit status says whether any failed. bench/ROUNDS.md logs the rounds run so far.
+# the exit status says whether any failed. bench/results/README.md indexes the claims that stand.
 #
 # Usage: bench/run.sh [-d DEVICE] [-o DIR] [-p PREFIX] ROUND JOB[=ARGS]...
 #   ROUND   the round's name, a letter by habit (a, b, ... q; or a word: dcp)

@@ -13,6 +13,10 @@ and waits), the machine's uptime when the process started (a fresh machine's fir
 where --train's first saves missed), and with --profile the call's cProfile, top functions by
 cumulative time. --drop-caches (root): the page cache dropped before each process, as on a fresh
 machine, whose first process reads the libraries it loads (NVRTC's, for a kernel compiled) from disk.
+
+Backs: docs/measured.md: the first save_async after reserve, on fresh machines and an empty kernel
+cache, is 0.007-0.059 s beyond a steady one (bench/results/: 2026-11-25-h100-first-save/,
+2026-11-25-h100-unsynced/ (cold/)).
 """
 from __future__ import annotations
 

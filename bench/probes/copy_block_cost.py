@@ -13,6 +13,10 @@ synchronizing another stream after the free), "trim-stream" (synchronizing the s
 was freed on), "trim-to" (that, then cudaMemPoolTrimTo(0) on the freeing thread), "keep" (threshold above the
 block: the memory stays in CUDA's pool between saves), "torch" (copies from torch's cache).
 Writes copy_block_cost.json.
+
+Backs: docs/save_async.md and docs/measured.md: where save_async(snapshot="device")'s copy block
+comes from, and what a block given back each save costs (~16 ms) (bench/results/:
+2026-11-25-h100-device-mode/ (block/)).
 """
 from __future__ import annotations
 

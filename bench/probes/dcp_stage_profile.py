@@ -19,6 +19,11 @@ around DCP's save in that thread; its Python work holds the GIL the training loo
 with DCP's DefaultSavePlanner and with gdsckpt.dcp.CachedSavePlanner, and a cProfile of the
 last cached save's background on rank 0. Writes $OUT/dcp_stage_profile.json; the profiles go
 to stdout.
+
+Backs: docs/measured.md "Two GPUs, per rank": where a rank's blocked time in dcp.async_save +
+GdsckptWriter goes; DCP's background CPU per save, default planner against cached plans
+(bench/results/: 2026-11-23-h200x2-contention/, 2026-11-23-cpu-dcp-background/, 2026-11-23-cpu-dcp-
+overlap/).
 """
 import argparse
 import cProfile

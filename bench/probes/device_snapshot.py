@@ -10,6 +10,10 @@ method, "copied": save_async(state, path) with the pool-empty test of device_cop
 answered True during the call, so that every save takes the first save's path. Defaults:
 --methods none,async,async-device,copied,async-overlap, --output $OUT/device_snapshot.json,
 --directory $BENCH_DIR or /tmp/bench; the other options are --train's.
+
+Backs: docs/measured.md: save_async(snapshot="device") blocks 0.030 s, 0.083 +- 0.019 s idle a
+checkpoint, against 0.63 s blocked in its earlier design (bench/results/: 2026-11-25-h100-device-
+mode/ (design/)).
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ tracked object of the process (torch's ~300k), so its cost per save is what to r
 collections' seconds / saves. Prints and writes one JSON: per loop, collections and seconds by
 generation, and the tracked objects the save's objects promoted to the oldest generation
 (sampled over 10 saves after the loops).
+
+Backs: README "save_async": saves pause Python's cyclic collector while they build their objects, so
+a long run's full collections cost 1 ms a save instead of 8 (bench/results/: 2026-11-24-cpu-gc/,
+2026-11-24-h100-collector/).
 """
 
 from __future__ import annotations

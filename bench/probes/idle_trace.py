@@ -15,6 +15,11 @@ and the training stream's gaps over 1 ms after the call, each with the main thre
 operator at the gap's start (a named wait: the optimizer's hook, a copy, a sync; none: Python).
 Extra idle of the checkpoint = the call's own time + the steps' idle beyond the median idle of
 the steps before it. Writes idle_trace.json and, per method, a filtered gzip trace into $OUT.
+
+Backs: README "Measured" (issue 22's targets) and docs/measured.md "Where the idle goes": the trace
+of a checkpoint's GPU idle time (the host mode bound by its D2H copy; the overlap mode's snapshot
+thread held the GIL in nvCOMP's size read, fixed) (bench/results/: 2026-11-24-h100-idle/,
+2026-11-24-h100-fixed-costs/, 2026-11-24-h100-priority/).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ the median of --loops. On the CPU the trusted=False rule is applied to zstd chun
 backend alone never needs a child), so that the child's cost is measured where there is no GPU.
 
     python bench/probes/integrity_cost.py [--device cpu|cuda] [--mb 512] [--loops 3] [--dir DIR] [--out FILE]
+
+Backs: docs/guarantees.md and README "What gdsckpt guarantees": what load_into(atomic=True) and
+load(trusted=False) cost (bench/results/: 2026-11-23-h100-integrity/, 2026-11-23-cpu-integrity/).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Per save: the call's time (blocked_s: it waits for the save before), from the ca
 (durable_s), and the save's own stats (its write waited queued_s for the writer, where the
 "before" mode's retention after the previous save lands); each retention run's time. The state:
 random fp32 on the GPU (on the CPU without one). Writes retention_wait-keepK.json.
+
+Backs: README "Checkpointer": retention runs on its own thread, so a slow unlink does not hold the
+next save (call -> commit 5.43 -> 2.12 s) (bench/results/: 2026-11-24-h100-retention/).
 """
 from __future__ import annotations
 

@@ -10,6 +10,10 @@ every kernel off the training stream from the call's start to 300 ms after it.
 
 The snapshot thread is the thread other than the training one with the most CUDA runtime calls
 in the 20 ms after the call; the copy stream is the stream with the most device-to-host bytes.
+
+Backs: docs/measured.md: at the highest stream priority, with sizes read from nvCOMP's header, the
+overlapped snapshot's copies run back to back and it ends at 93 ms instead of 134; its GPU work by
+kernel (28.9 ms for 4.9 GB) (bench/results/: 2026-11-24-h100-priority/, 2026-11-24-h100-fused/).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ cases' (the medians are what the slow steps every ~16 steps do not move: slow_st
 writer's GB/s and CPU seconds, the interrupts a second on every CPU and (with --pin-main) on the
 training thread's, and the CPUs' time by kind from /proc/stat (steal: time the hypervisor ran
 something else on a virtual CPU that wanted to run). Writes write_phase.json.
+
+Backs: README "Measured" (issue 22's targets) and docs/measured.md: a checkpoint file's background
+write slows the training steps beside it within noise, from another process within ~1 ms of none
+(bench/results/: 2026-11-24-h100-write-window/, 2026-11-24-h100-steal/).
 """
 import argparse
 import json

@@ -60,7 +60,7 @@ class NvcompCodecs:
 
     nvCOMP reads the compressed sizes back with a small device-to-host copy, which queues behind
     the device-to-host copies in flight on the copy engine (4 ms behind one 256 MiB chunk's,
-    bench/probes/encode_wait.py) while its Python binding holds the GIL: a training thread beside
+    bench/results/2026-11-24-h100-idle/encode_wait.json) while its Python binding holds the GIL: a training thread beside
     an overlapped snapshot stood still that long per chunk (bench/results/2026-11-24-h100-idle/).
     So a native-bitstream chunk's size is read from its header by our own kernel (kernels.NativeSize,
     no copy engine), and nvCOMP's own sizes are compared with those once the save's copies are done
@@ -204,7 +204,7 @@ class NvcompCodecs:
 
     def _wait(self) -> None:
         """Wait without the GIL until reading nvCOMP's sizes is quick: for the stream's work
-        (nvCOMP's own wait holds the GIL: gil_hold.py) and the copies queued ahead of its sizes
+        (nvCOMP's own wait holds the GIL: bench/results/2026-11-23-h100-gil/) and the copies queued ahead of its sizes
         read, in one wait (each wait hands the GIL to the training thread beside a snapshot)."""
         if self._copies is not None:
             self._copied.record(self._copies)

@@ -236,7 +236,8 @@ class Crc64Nvme:
 # ---------------------------------------------------------------------------------------------
 # A chunk's stored length, from nvCOMP's native bitstream (ans, bitcomp): its header holds the
 # magic number (u32 at byte 0), the compressed payload's length (u64 at byte 8) and the payload's
-# offset (u32 at byte 40); the stored length is their sum (nvCOMP 6.0: bench/probes/nvcomp_header.py).
+# offset (u32 at byte 40); the stored length is their sum (nvCOMP 6.0:
+# bench/results/2026-11-24-h100-priority/nvcomp_header.json).
 # One thread writes them into pinned host memory, which a kernel reaches by its host address (UVA),
 # so the read uses no copy engine and never queues behind device-to-host copies.
 NVCOMP_NATIVE_MAGIC = 1385239335
