@@ -6,11 +6,14 @@
     state = gdsckpt.load("ckpt.gdsckpt")            # tensors back where they were saved from
     gdsckpt.load_into("ckpt.gdsckpt", state)       # in place; objects through load_state_dict()
     with gdsckpt.open("ckpt.gdsckpt") as ck: ck.get_tensor("model/wte.weight")
+    gdsckpt.wait_for_saves_to("ckpt.gdsckpt")      # every save_async in flight to it, done
+
+Options, the Checkpointer's grouped options and its retention policies: gdsckpt.options.
 """
 
 from ._version import __version__
 from .api import Checkpoint, Stats, load, load_into, open, save
-from .writing.async_save import save_async
+from .writing.async_save import save_async, wait_for_saves_to
 from .manager.checkpointer import Checkpointer, Restored
 from .format.stateful import RNG
 from .errors import (
@@ -33,5 +36,5 @@ __all__ = [
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
     "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
-    "MemoryTierFullError", "reserve", "Reservation",
+    "MemoryTierFullError", "reserve", "Reservation", "wait_for_saves_to",
 ]

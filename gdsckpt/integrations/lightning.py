@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 import gdsckpt
-from gdsckpt.writing.async_save import wait_for_saves_to
 from gdsckpt.errors import UnsupportedStateError
-from gdsckpt.writing.save import Snapshot, check_save_options
+from gdsckpt.options import Snapshot, check_save_options
 
 log = logging.getLogger("gdsckpt.integrations.lightning")
 
@@ -133,7 +132,7 @@ class GdsckptCheckpointIO(CheckpointIO):
         (a new Trainer's plugin, `GdsckptCheckpointIO().load_checkpoint(path)`), or for all of
         this instance's (None); then raise the first failure of any of its finished saves."""
         if resolved is not None:
-            wait_for_saves_to(resolved)
+            gdsckpt.wait_for_saves_to(resolved)
         else:
             with self._lock:
                 waiting = list(self._in_flight)

@@ -47,7 +47,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
 from gdsckpt.dcp import SUFFIX, CachedSavePlanner, GdsckptReader, GdsckptWriter, reserve
-from gdsckpt.writing.save import check_save_options
+from gdsckpt.options import check_save_options
 
 __all__ = ["GdsckptCheckpointManager"]
 

@@ -38,7 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 import gdsckpt
-from gdsckpt.writing.save import check_save_options
+from gdsckpt.options import check_save_options
 
 __all__ = ["GdsckptTrainer", "MODEL_FILE", "OPTIMIZER_FILE", "SCALER_FILE", "TRAINING_ARGS_FILE", "rng_file"]
 

@@ -16,12 +16,12 @@ progress (gdsckpt/manager/rollback.py), the thread that runs retention after com
 (gdsckpt/manager/retention.py). This module orchestrates.
 
 The policy:
-* keep the newest `keep` steps locally;
+* keep the local steps the `keep` retention policy keeps (an int n: the newest n; gdsckpt/manager/policy.py);
 * upload the 1st, (1 + every_remote)th, (1 + 2 every_remote)th ... step this manager saves;
 * an old local step is deleted only once a newer step is committed, and, with the remote tier
   on, once it or a newer step is uploaded: a step waiting for (or in) an upload is never
-  deleted, so the only copy of the newest state never goes; the remote keeps the newest
-  `keep_remote` uploaded steps (None: all);
+  deleted, so the only copy of the newest state never goes; the remote keeps the uploaded steps
+  its `keep_remote` policy keeps (None: all);
 * a damaged local step (its footer or index, or a DCP step's .metadata) does not count toward
   `keep`: retention never deletes the newest intact step (status()['local_damage']);
 * local checkpointing goes on while the store is down.
@@ -56,7 +56,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gdsckpt.core.defaults import MEMORY_KEEP
+from .options import (
+    UNSET, CheckpointerOptions, LocalOptions, MemoryOptions, RemoteOptions, checkpointer_options,
+)
 from gdsckpt.core.dirlock import try_lock
 from gdsckpt.errors import (
     CheckpointFormatError, GdsckptError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteStoreError,
@@ -64,7 +66,7 @@ from gdsckpt.errors import (
 )
 from .memory.steps import MemorySteps
 from .memory.folders import renew_directory_id
-from .policy import Policy, whole_number
+from .policy import whole_number
 from .remote.tier import RemoteTier, no_remote_status
 from .retention import RetentionThread
 from .rollback import PendingRollback, RollbackJournal, Rollbacks
@@ -92,9 +94,13 @@ class Restored:
 class Checkpointer(Rollbacks):
     """Step-numbered checkpoints in `directory` with retention and an optional object-store tier.
 
-    keep: local steps kept (>= 1). remote: "s3://bucket/prefix" or None. keep_remote: remote
-    steps kept (None: all). every_remote: upload every n-th saved step. save_options: keyword
-    arguments of gdsckpt.save (codec, chunk_bytes, io, ...; snapshot= for save_async) or of
+    The options come grouped (gdsckpt.options: local=LocalOptions, memory=MemoryOptions,
+    remote=RemoteOptions, or all in options=CheckpointerOptions) or as these keywords, shorthand
+    for the same fields (one setting given both ways is a ValueError):
+    keep: local steps kept (an int >= 1: the newest n; or a RetentionPolicy such as
+    LatestN(3) | KeepEvery(1000)). remote: "s3://bucket/prefix" or None. keep_remote: remote
+    steps kept (likewise; None: all). every_remote: upload every n-th saved step. save_options:
+    keyword arguments of gdsckpt.save (codec, chunk_bytes, io, ...; snapshot= for save_async) or of
     GdsckptWriter under torch.distributed, checked here (a ValueError naming the option, before
     anything is taken). remote_options: keyword arguments of gdsckpt.stores.open_store
     (part_bytes, concurrency, timeout, max_retries). distributed: None = whether
@@ -104,24 +110,24 @@ class Checkpointer(Rollbacks):
     memory: hold every saved step in shared memory on this host (the memory tier); then
     every_local: write every n-th saved step (the 1st, 1 + n, ...) to the directory, memory_bytes:
     the tier's cap (None: defaults.MEMORY_*, status()['memory']['cap_bytes']), keep_memory: copies
-    kept where the cap allows. read_only=True: open the directory as one this process cannot
-    write (no lock, nothing in it removed or changed; restore and the listings only), as the CLI's
-    dry runs do.
+    kept where the cap allows (an int or a RetentionPolicy). read_only=True: open the directory as
+    one this process cannot write (no lock, nothing in it removed or changed; restore and the
+    listings only), as the CLI's dry runs do.
     """
 
-    def __init__(self, directory, *, keep: int = 3, remote: str | None = None, keep_remote: int | None = None,
-                 every_remote: int = 1, save_options: dict | None = None, remote_options: dict | None = None,
-                 distributed: bool | None = None, upload: bool = True, memory: bool = False, every_local: int = 1,
-                 memory_bytes: int | None = None, keep_memory: int = MEMORY_KEEP, read_only: bool = False):
-        self.policy = Policy(keep=keep, keep_remote=keep_remote, every_remote=every_remote)
-        every_local = whole_number("every_local", every_local, 1)
-        keep_memory = whole_number("keep_memory", keep_memory, 1)
-        if memory_bytes is not None:
-            memory_bytes = whole_number("memory_bytes", memory_bytes, 1)
-        if not memory and (every_local != 1 or memory_bytes is not None):
-            raise ValueError("every_local= and memory_bytes= configure the memory tier: pass memory=True")
+    def __init__(self, directory, *, options: CheckpointerOptions | None = None, local: LocalOptions | None = None,
+                 memory: bool | MemoryOptions = False, remote: str | RemoteOptions | None = None, keep=UNSET,
+                 keep_remote=UNSET, every_remote=UNSET, save_options=UNSET, remote_options=UNSET, distributed=UNSET,
+                 upload=UNSET, every_local=UNSET, memory_bytes=UNSET, keep_memory=UNSET, read_only=UNSET):
+        self.options = o = checkpointer_options(
+            options, local=local, memory=memory, remote=remote, keep=keep, keep_remote=keep_remote,
+            every_remote=every_remote, save_options=save_options, remote_options=remote_options,
+            distributed=distributed, upload=upload, every_local=every_local, memory_bytes=memory_bytes,
+            keep_memory=keep_memory, read_only=read_only)
+        self.policy = o.policy()
+        distributed, read_only, remote, memory = o.distributed, o.read_only, o.remote, o.memory
         self.directory = Path(directory)
-        self.save_options = dict(save_options or {})
+        self.save_options = dict(o.save_options or {})
         if distributed is None:
             import torch.distributed as dist
             distributed = dist.is_available() and dist.is_initialized()
@@ -136,7 +142,7 @@ class Checkpointer(Rollbacks):
         store = None
         if remote is not None:
             from gdsckpt.stores import open_store
-            store = open_store(remote, **(remote_options or {}))
+            store = open_store(remote.url, **(remote.store_options or {}))
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._owner = self.rank == 0
@@ -166,13 +172,13 @@ class Checkpointer(Rollbacks):
         try:
             if store is not None:
                 self.remote = RemoteTier(store, self.layout, self.policy,
-                                         upload=self._owner and upload and not self.read_only,
+                                         upload=self._owner and remote.upload and not self.read_only,
                                          after_upload=self._retention.request)
             if memory and self.read_only:
                 log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
             elif memory:
-                self.memory = MemorySteps(self.layout, rank=self.rank, every_local=every_local, cap_bytes=memory_bytes,
-                                          keep=keep_memory, save_options=self.save_options,
+                self.memory = MemorySteps(self.layout, rank=self.rank, every_local=memory.every_local,
+                                          cap_bytes=memory.cap_bytes, keep=memory.keep, save_options=self.save_options,
                                           on_local_commit=self._on_commit)
             # Whether its first write forks the lineage from copies it does not see (_fork_lineage);
             # not an empty tier under torch.distributed: the other ranks' tiers took the id already.
@@ -423,7 +429,7 @@ class Checkpointer(Rollbacks):
                 out[s] = why
                 if s not in self._reported:
                     self._reported.add(s)
-                    log.warning("gdsckpt: local step %d is damaged; it does not count toward keep=%d: %s", s,
+                    log.warning("gdsckpt: local step %d is damaged; it does not count toward keep=%r: %s", s,
                                 self.policy.keep, why)
         return out
 

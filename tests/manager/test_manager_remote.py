@@ -22,6 +22,7 @@ import pytest
 import gdsckpt
 from gdsckpt.errors import BucketNotFoundError, NoCheckpointError, RemoteAccessError
 from gdsckpt.manager.checkpointer import Checkpointer, step_name
+from gdsckpt.options import KeepEvery, LatestN, RemoteOptions
 from gdsckpt.manager.remote.marker import MARKER
 from gdsckpt.manager.remote.verify import verify_object
 from gdsckpt.stores import Store, open_store
@@ -58,6 +59,22 @@ def test_uploads_verified_and_policy(tmp_path, s3_env):
     assert sorted(os.listdir(tmp_path)) == [".gdsckpt-manager.lock", step_name(4, False)]
     # the object is the local file, byte for byte
     assert store.get_bytes(step_name(4, False)) == (tmp_path / step_name(4, False)).read_bytes()
+
+
+def test_remote_retention_policy_keeps_every_nth_for_good(tmp_path, s3_env):
+    """keep_remote= takes a retention policy as keep= does (gdsckpt.options): the store keeps the
+    newest step and every other one for good, the directory only the newest."""
+    url = f"s3://{s3_env.new_bucket()}/run1"
+    with Checkpointer(tmp_path, keep=1, remote=RemoteOptions(url, keep=LatestN(1) | KeepEvery(2)),
+                      save_options=OPTS) as ck:
+        for s in (1, 2, 3, 4, 5):
+            ck.save(s, state_for(s))
+            ck.wait(uploads=True, timeout=60)
+        assert ck.status()["uploaded"] == [2, 4, 5] and ck.remote_steps().keys() == {2, 4, 5}
+        assert ck.layout.local_steps() == [5]
+        r = ck.restore(step=2)
+        assert r.source == "remote"
+        assert_same(r.state, state_for(2))
 
 
 def test_restore_from_the_store_without_a_local_copy(tmp_path, s3_env):

@@ -27,8 +27,10 @@ back without a memory tier gives the directory a new id first (`renew_directory_
 copies of steps its own replace or abandon are another run's from then on, wherever they are.
 
 Bounded: the tier holds at most `cap_bytes` (the slots' file sizes, an upper bound of the memory
-they take; defaults.MEMORY_*), and keeps the newest `keep` copies where it may (older ones go,
-oldest first). When a new step needs room under the cap, copies go in this order: the oldest
+they take; defaults.MEMORY_*), and keeps the copies its retention policy keeps where it may
+(`keep`: an int n, the newest n, or a RetentionPolicy; those it lets go leave oldest first, and
+where one of them is being read the oldest copy that may go leaves in its stead: the tier holds
+no more copies than the policy keeps). When a new step needs room under the cap, copies go in this order: the oldest
 copy whose step is also on disk, then the oldest other copy; never the newest copy while it is
 the newest intact step and on no disk (the only copy), never a copy being read (`hold`: a local
 write in progress). A step that finds no room
@@ -66,6 +68,10 @@ from .folders import (
     renew_directory_id, tier_folder,
 )
 from .slot import Slot
+from gdsckpt.manager.policy import RetentionPolicy, as_policy, kept
+
+# A retention policy's spare slots (make_spares): how many of this many consecutive steps it keeps.
+SPARE_PROBE = 256
 
 log = logging.getLogger("gdsckpt.memory")
 
@@ -102,14 +108,20 @@ class MemoryTier:
     """The memory tier of `directory`'s rank `rank` on this host, held by this manager (a lock,
     as the directory's) until close(); what close() leaves is found by the next one.
 
-    cap_bytes: None for default_cap(). keep: copies kept where the drop order allows (>= 1).
+    cap_bytes: None for default_cap(). keep: copies kept where the drop order allows (an int
+    >= 1, or a RetentionPolicy; `self.keep` is then the slots made ahead of need: how many of
+    SPARE_PROBE consecutive steps it keeps).
     on_disk(): the steps committed in the directory (the drop order asks it)."""
 
-    def __init__(self, directory: Path, *, rank: int = 0, cap_bytes: int | None = None, keep: int = MEMORY_KEEP,
+    def __init__(self, directory: Path, *, rank: int = 0, cap_bytes: int | None = None,
+                 keep: int | RetentionPolicy = MEMORY_KEEP,
                  on_disk: Callable[[], Iterable[int]] = tuple, root: Path | None = None):
         self.directory = Path(directory)
         self.rank = rank
-        self.keep = keep
+        self.retention = as_policy(keep)
+        self.keep = keep if isinstance(keep, int) else max(1, len(kept(keep, range(1, SPARE_PROBE + 1))))
+        self._beyond = (f"more than keep_memory={keep} copies" if isinstance(keep, int)
+                        else f"not kept by keep_memory={keep!r}")
         self.on_disk = on_disk
         root = root or memory_root()
         if not root.is_dir():
@@ -276,8 +288,7 @@ class MemoryTier:
 
     def _make_room(self, step: int, need: int) -> Slot | None:
         order = self._drop_order(for_room=False)
-        while order and len(self._copies) + 1 > self.keep:
-            self._drop(order.pop(0), f"more than keep_memory={self.keep} copies")
+        self._let_go(order, incoming=step)
         order = self._drop_order(for_room=True)
         fitting = min((s for s in self._free if s.mapped >= need), key=lambda s: s.mapped, default=None)
         if fitting is None and self._making:
@@ -383,13 +394,23 @@ class MemoryTier:
     def trim(self) -> list[int]:
         """Drop copies beyond `keep`, in the drop order, where they may go (after a commit, or once
         a step reached the disk); the steps dropped."""
-        out = []
         with self._cond:
-            order = self._drop_order(for_room=False)
-            while order and len(self._copies) > self.keep:
-                s = order.pop(0)
-                self._drop(s, f"more than keep_memory={self.keep} copies")
-                out.append(s)
+            return self._let_go(self._drop_order(for_room=False))
+
+    def _let_go(self, order: list[int], incoming: int | None = None) -> list[int]:
+        """Under the lock: while the copies (and the step `incoming`, about to be one) are more than
+        the retention policy keeps (the newest always counted kept), drop the first of `order` (the
+        copies that may go) it lets go, or, where none of those may go, the first of `order`."""
+        out = []
+        while order:
+            steps = sorted(set(self._copies) | ({incoming} if incoming is not None else set()))
+            keeping = kept(self.retention, steps) | {steps[-1]}
+            if len(steps) <= len(keeping):
+                break
+            s = next((s for s in order if s not in keeping), order[0])
+            order.remove(s)
+            self._drop(s, self._beyond)
+            out.append(s)
         return out
 
     def drop(self, step: int, why: str) -> bool:
