@@ -23,11 +23,11 @@ from test_manager import OPTS, state_for
 
 PACKAGE = Path(gdsckpt.__file__).parent
 INTEGRATIONS = PACKAGE / "integrations"
-PUBLIC = {"gdsckpt", "gdsckpt.options", "gdsckpt.errors", "gdsckpt.dcp", "gdsckpt.format.stateful"}
+PUBLIC = {"gdsckpt", "gdsckpt.options", "gdsckpt.errors", "gdsckpt.dcp"}
 
 
 def test_the_options_are_the_pipelines():
-    pipeline = importlib.import_module("gdsckpt.save")  # gdsckpt.save is also the function
+    pipeline = importlib.import_module("gdsckpt.writing.save")
     assert pipeline.SaveOptions is SaveOptions and pipeline.Snapshot is Snapshot
     assert SaveOptions(codec="zstd").chunk_bytes_for("cpu") > 0
     with pytest.raises(ValueError, match="^'chunk' is not a save option here"):
@@ -68,9 +68,9 @@ def test_integrations_import_only_public_modules():
 
 def test_the_import_check_sees_a_private_import(tmp_path):
     p = tmp_path / "x.py"
-    p.write_text("import gdsckpt\nfrom gdsckpt.save import SaveOptions\nfrom gdsckpt import async_save\n"
+    p.write_text("import gdsckpt\nfrom gdsckpt.writing.save import SaveOptions\nfrom gdsckpt.writing import async_save\n"
                  "from gdsckpt.options import Snapshot\nfrom ..errors import GdsckptError\nfrom .. import RNG\n")
-    assert _gdsckpt_imports(p) == ["gdsckpt", "gdsckpt.save", "gdsckpt.writing.async_save", "gdsckpt.options",
+    assert _gdsckpt_imports(p) == ["gdsckpt", "gdsckpt.writing.save", "gdsckpt.writing.async_save", "gdsckpt.options",
                                    "gdsckpt.errors", "gdsckpt"]
 
 

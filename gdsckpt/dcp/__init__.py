@@ -28,6 +28,8 @@ from .planner import CachedSavePlanner, RankStateLoadPlanner
 from .reader import GdsckptReader
 from .staging import reserve
 from .writer import GdsckptWriter
+# the state as DCP takes it, and its plain values written back after a load
+from gdsckpt.format.stateful import dcp_view, dcp_write_back
 
 __all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "RankStateLoadPlanner", "reserve", "DCP_VERSION",
            "METADATA_FILE", "SUFFIX", "item_key"]

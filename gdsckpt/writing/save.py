@@ -10,7 +10,7 @@ the bench's storage-removed targets (a `Sink`), `save_async` and DCP's compresse
 host pool: host_snapshot.PoolDestination), GdsckptWriter's rank files, and through `save` and
 `save_async` the checkpoint manager.
 
-Its options, `SaveOptions` and the snapshot modes (`Snapshot`), are gdsckpt/options.py's (public);
+Its options, `SaveOptions` and the snapshot modes (`Snapshot`), are gdsckpt/writing/options.py's (public through gdsckpt.options);
 they are imported here too, where the pipeline's callers have always found them.
 """
 
@@ -30,7 +30,7 @@ from gdsckpt.format import file as fmt
 from gdsckpt._version import __version__
 from gdsckpt.engine.backend import check_gds, choose, make_backend
 from gdsckpt.core.dtypes import name_of
-from gdsckpt.options import SaveOptions, Snapshot, check_codec, check_save_options, is_int
+from .options import SaveOptions, Snapshot, check_codec, check_save_options, is_int
 from gdsckpt.format.plan import PLANS, Plan
 from gdsckpt.engine.interfaces import Backend, ChunkFile
 from gdsckpt.engine.ring import Timings, write_chunks
