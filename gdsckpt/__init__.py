@@ -25,7 +25,7 @@ from .errors import (  # the checkpoint manager and its object-store tier
     BucketNotFoundError, CheckpointLockedError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteAccessError,
     RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
 )
-from .errors import MemoryTierFullError  # the checkpoint manager's memory tier
+from .errors import MemoryTierFullError, MemoryTierTrustError  # the checkpoint manager's memory tier
 from .writing.reserve import Reservation, reserve  # host memory ahead of the first save
 
 __all__ = [
@@ -36,5 +36,5 @@ __all__ = [
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
     "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
-    "MemoryTierFullError", "reserve", "Reservation", "wait_for_saves_to",
+    "MemoryTierFullError", "MemoryTierTrustError", "reserve", "Reservation", "wait_for_saves_to",
 ]

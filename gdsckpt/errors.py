@@ -129,3 +129,12 @@ class MemoryTierFullError(GdsckptError, RuntimeError):
     def __init__(self, message: str, *, step: int | None = None, need: int | None = None, cap: int | None = None):
         super().__init__(message)
         self.step, self.need, self.cap = step, need, cap
+
+
+class MemoryTierTrustError(GdsckptError, PermissionError):
+    """The memory tier's folder (or a segment in it) is not this user's own, or other users may
+    write it: refused, since a restore would load what it holds. `path` names it."""
+
+    def __init__(self, message: str, *, path=None):
+        super().__init__(message)
+        self.path = path

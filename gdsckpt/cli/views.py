@@ -160,6 +160,8 @@ def _memory_copies(d: Path) -> list[dict]:
 
 def _memory_state(copy: dict, deep: bool) -> str:
     from gdsckpt.manager.memory.source import check_copy
+    if copy.get("damaged"):  # relabelled or altered: not the record sealed for this step's image
+        return f"DAMAGED: {copy['damaged']}"
     return check_copy(copy["folder"], copy["record"], deep)
 
 

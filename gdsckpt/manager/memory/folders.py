@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -15,7 +16,10 @@ from pathlib import Path
 
 from gdsckpt.format import file as fmt
 from gdsckpt.core.dirlock import DirectoryLock
+from .trust import PRIVATE_FILE, make_private, read_private, unsealed, untrusted_folder, write_private
 from gdsckpt.core.storage import fsync_dir
+
+log = logging.getLogger("gdsckpt.memory")
 
 ROOT_ENV = "GDSCKPT_MEMORY_ROOT"
 DEFAULT_ROOT = "/dev/shm"
@@ -57,15 +61,27 @@ def tier_folders(directory: Path, root: Path | None = None) -> dict[int, Path]:
 
 def directory_id(directory: Path, create: bool) -> str | None:
     """The directory's tier id; made now where there is none and `create` (link(): of two
-    processes making it at once, the first wins and both read its id)."""
+    processes making it at once, the first wins and both read its id). Readable by this user
+    only (0o600: an earlier version's readable by others is made so when `create`)."""
     path = Path(directory) / ID_NAME
     try:
-        return path.read_text().strip() or None
+        ident = path.read_text().strip() or None
+        if create:
+            make_private(path)
+        return ident
     except FileNotFoundError:
         if not create:
             return None
+    except PermissionError:  # another user's directory: its copies are not this user's either
+        if not create:
+            return None
+        raise
     tmp = path.with_name(f"{ID_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
-    tmp.write_text(secrets.token_hex(16) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), PRIVATE_FILE)
+    try:
+        os.write(fd, (secrets.token_hex(16) + "\n").encode())
+    finally:
+        os.close(fd)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -83,20 +99,15 @@ def renew_directory_id(directory: Path) -> str | None:
     if not path.exists():
         return None
     ident = secrets.token_hex(16)
-    tmp = path.with_name(f"{ID_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(ident + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_private(path, ident + "\n", durable=True)
     fsync_dir(path.parent)
     return ident
 
 
 def read_record(path: Path) -> dict | None:
-    """A commit record, or None where it is not one (torn, foreign)."""
+    """A commit record, or None where it is not one (torn, not this user's own: memory_trust)."""
     try:
-        rec = json.loads(path.read_text())
+        rec = json.loads(read_private(path) or "")
         int(rec["step"]), str(rec["slot"]), int(rec["bytes"]), bytes.fromhex(rec["footer"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -109,9 +120,11 @@ def check_record(folder: Path, rec: dict) -> str | None:
     if not SLOT_NAME.match(rec["slot"]):
         return f"names {rec['slot']!r}, not a slot"
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return f"its segment {rec['slot']} is gone"
+    except OSError as e:  # a symbolic link (ELOOP), not ours to read
+        return f"its segment {rec['slot']} cannot be opened ({e.strerror})"
     try:
         size = os.fstat(fd).st_size
         n = int(rec["bytes"])
@@ -126,48 +139,70 @@ def check_record(folder: Path, rec: dict) -> str | None:
 
 def list_copies(directory: Path, root: Path | None = None) -> list[dict]:
     """Every rank's commit records of `directory` on this host, read without a lock (the CLI's
-    `ls`): [{"rank", "step", "bytes", "folder", "record"}], by rank and step; check them with
-    memory_source.check_copy."""
+    `ls`): [{"rank", "step", "bytes", "folder", "record", "damaged"}], by rank and step; check
+    them with memory_source.check_copy ("damaged": why a record is not the one sealed for its
+    step and image, or None). Folders and records not this user's own are left out."""
     ident = directory_id(directory, create=False)
     out = []
     for rank, folder in tier_folders(directory, root).items():
-        if ident is None or owner_of(folder).get("id") != ident:
-            continue  # another run's, under this path: not this directory's
+        if ident is None or trusted(folder) is None or owner_of(folder).get("id") != ident:
+            continue  # another run's, under this path (or another user's): not this directory's
         for name in sorted(os.listdir(folder)):
             m = COMMIT_NAME.match(name)
             rec = read_record(folder / name) if m else None
             if rec is None:
                 continue
             out.append({"rank": rank, "step": int(rec["step"]), "bytes": int(rec["bytes"]), "folder": folder,
-                        "record": rec})
+                        "record": rec, "damaged": unsealed(rec, name, ident)})
     return out
+
+
+def trusted(folder: Path) -> Path | None:
+    """`folder` if it is this user's own and no one else may write it, else None (logged)."""
+    try:
+        why = untrusted_folder(folder)
+    except FileNotFoundError:
+        return None
+    if why is not None:
+        log.warning("gdsckpt: %s is %s: not this user's memory tier, left alone", folder, why)
+        return None
+    return folder
 
 
 def drop_copies(directory: Path, root: Path | None = None) -> list[dict]:
     """Remove every rank's memory tier of `directory` on this host (`gdsckpt clean --memory`):
     [{"rank", "folder", "bytes", "steps"}]. CheckpointLockedError, before anything is removed,
-    if a manager holds one of them."""
-    folders = tier_folders(directory, root)
+    if a manager holds one of them. Folders not this user's own are left alone (a warning names
+    them)."""
+    folders = [(rank, f) for rank, f in tier_folders(directory, root).items() if trusted(f) is not None]
     locks = []
     try:
-        for folder in folders.values():
+        for _, folder in folders:
             locks.append(DirectoryLock(folder))
         out = []
-        for rank, folder in folders.items():
-            names = os.listdir(folder)
-            steps = sorted(int(m.group(1)) for m in map(COMMIT_NAME.match, names) if m)
-            held = sum(_size(folder / n) for n in names if SLOT_NAME.match(n))
-            for n in names:  # the lock file too, while it is held: a manager starting now makes a new folder
-                (folder / n).unlink(missing_ok=True)
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
+        for rank, folder in folders:
+            held, steps = empty_folder(folder)
             out.append({"rank": rank, "folder": str(folder), "bytes": held, "steps": steps})
         return out
     finally:
         for lock in locks:
             lock.release()
+
+
+def empty_folder(folder: Path) -> tuple[int, list[int]]:
+    """Remove a tier folder whose lock the caller holds, and everything in it (the lock file
+    too, while it is held: a manager starting now makes a new folder): (bytes its segments
+    held, the steps it had committed)."""
+    names = os.listdir(folder)
+    steps = sorted(int(m.group(1)) for m in map(COMMIT_NAME.match, names) if m)
+    held = sum(_size(folder / n) for n in names if SLOT_NAME.match(n))
+    for n in names:
+        (folder / n).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+    return held, steps
 
 
 def _size(path: Path) -> int:
@@ -178,8 +213,9 @@ def _size(path: Path) -> int:
 
 
 def owner_of(folder: Path) -> dict:
+    """The folder's owner file ({} where there is none, or it is not this user's own)."""
     try:
-        owner = json.loads((folder / OWNER).read_text())
+        owner = json.loads(read_private(folder / OWNER) or "")
         return owner if isinstance(owner, dict) else {}
-    except (OSError, ValueError):
+    except ValueError:
         return {}

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from gdsckpt.core.defaults import POOL_ARENA_BYTES
-from gdsckpt.errors import MemoryTierFullError
+from gdsckpt.errors import MemoryTierFullError, MemoryTierTrustError
+from .trust import untrusted_fd
 from gdsckpt.core.storage import pread_exact, pwrite_all
 
 log = logging.getLogger("gdsckpt.memory")
@@ -36,9 +37,13 @@ class Slot:
 
     def __init__(self, path: Path, capacity: int | None = None):
         create = capacity is not None
-        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = (os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+                 | (os.O_CREAT | os.O_EXCL if create else 0))
         fd = os.open(path, flags, 0o600)
         try:
+            why = None if create else untrusted_fd(fd)
+            if why is not None:  # never mapped, never read: another user's, or others may write it
+                raise MemoryTierTrustError(f"the memory tier's segment {str(path)!r} is {why}: refused", path=path)
             if create:
                 os.ftruncate(fd, capacity)
             size = os.fstat(fd).st_size

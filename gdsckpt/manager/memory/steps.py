@@ -29,7 +29,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
-from gdsckpt.errors import MemoryTierFullError, StateMismatchError
+from gdsckpt.errors import CheckpointFormatError, MemoryTierFullError, StateMismatchError
 from .local_writes import LocalWrites
 from gdsckpt.format.file import HEADER_SIZE
 from .snapshot import INDEX_ALLOWANCE, INDEX_PER_ENTRY, MemoryTarget
@@ -195,7 +195,11 @@ class MemorySteps:
         """`step`'s copy as a reader's source, not dropped meanwhile."""
         copy = self.tier.hold(step)
         try:
-            yield MemorySource(copy.slot, copy.nbytes, f"memory copy of step {step} ({copy.slot.path})")
+            label = f"memory copy of step {step} ({copy.slot.path})"
+            why = copy.changed()  # the image committed with this step, not another one put in its slot
+            if why is not None:
+                raise CheckpointFormatError(why, path=label)
+            yield MemorySource(copy.slot, copy.nbytes, label)
         finally:
             self.tier.release(step)
 

@@ -11,6 +11,10 @@ One folder per (checkpoint directory, rank), under /dev/shm (GDSCKPT_MEMORY_ROOT
                                   byte for byte the file it becomes
         step_00001000.commit      the step's commit record, written last
 
+Trust (gdsckpt/manager/memory/trust.py): the folder is this user's own and no one else may write it, or
+the tier refuses it (MemoryTierTrustError); a file in it that is not is removed, never read;
+identity files are 0o600, and each commit record is sealed with the step and its image's footer.
+
 Commit: a copy counts only with its commit record, written (renamed into place) after the last
 byte of the image, and only while the slot it names still holds, at the recorded length, the
 footer the record carries; a restore then verifies every chunk. A slot is uncommitted (its
@@ -68,6 +72,7 @@ from .folders import (
     renew_directory_id, tier_folder,
 )
 from .slot import Slot
+from .trust import index_checksum, make_private, own_folder, seal, unsealed, untrusted_entry, write_private
 from gdsckpt.manager.policy import RetentionPolicy, as_policy, kept
 
 # A retention policy's spare slots (make_spares): how many of this many consecutive steps it keeps.
@@ -96,11 +101,24 @@ def default_cap(root: Path | None = None) -> int:
 
 @dataclass
 class Copy:
-    """A committed copy: `step`'s image, `nbytes` long, in `slot`."""
+    """A committed copy: `step`'s image, `nbytes` long, in `slot`, ending in `footer` (its commit
+    record's, sealed with the step)."""
 
     step: int
     slot: Slot
     nbytes: int
+    footer: bytes
+
+    def changed(self) -> str | None:
+        """None if the slot still ends in the footer committed with this step, else why not (the
+        slot was overwritten or cut since: the copy is damaged)."""
+        try:
+            now = self.slot.read(fmt.FOOTER_SIZE, self.nbytes - fmt.FOOTER_SIZE)
+        except (OSError, ValueError) as e:
+            return f"its segment cannot be read ({type(e).__name__}: {e})"
+        if now != self.footer:
+            return f"its segment no longer ends in the footer committed with step {self.step}"
+        return None
 
 
 
@@ -129,7 +147,7 @@ class MemoryTier:
         self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(root)
         self.directory.mkdir(parents=True, exist_ok=True)  # as the Checkpointer does: it holds the tier id
         self.folder = tier_folder(self.directory, rank, root)
-        self.folder.mkdir(mode=0o700, exist_ok=True)
+        own_folder(self.folder)  # MemoryTierTrustError where another user's, or others may write it
         self._lock = DirectoryLock(self.folder)
         self._cond = threading.Condition()
         self._copies: dict[int, Copy] = {}
@@ -140,6 +158,7 @@ class MemoryTier:
         self._held: Counter = Counter()  # step -> readers (a local write): not dropped meanwhile
         self._next_slot = 0
         self.reclaimed: list[dict] = []  # what opening removed, and why
+        self._ident = ""  # the directory's tier id: the key of the commit records' seals
         self.dropped: deque = deque(maxlen=100)  # the last copies dropped (room, keep_memory, release), and why
         try:
             self._open(directory_id(self.directory, create=True))
@@ -149,6 +168,8 @@ class MemoryTier:
 
     # ------------------------------------------------------------ opening: reclaim what does not count
     def _open(self, ident: str) -> None:
+        self._ident = ident
+        self._refuse_strays()
         owner = owner_of(self.folder)
         if owner.get("id") != ident:
             for name in os.listdir(self.folder):
@@ -167,12 +188,18 @@ class MemoryTier:
             why = "not a commit record" if rec is None else check_record(self.folder, rec)
             if why is None and rec["slot"] in named:
                 why = f"its segment {rec['slot']} is named by another record"
+            if why is None:
+                why = unsealed(rec, name, ident)
+                if why is not None:  # damaged as a flipped byte is: never restored, and said so
+                    log.warning("gdsckpt: memory tier %s: the copy %s is damaged: %s; it is removed, not restored",
+                                self.folder, name, why)
             if why is not None:
                 self.reclaimed.append({"name": name, "why": why})
                 (self.folder / name).unlink(missing_ok=True)
                 continue
             named.add(rec["slot"])
-            self._copies[int(rec["step"])] = Copy(int(rec["step"]), Slot(self.folder / rec["slot"]), int(rec["bytes"]))
+            self._copies[int(rec["step"])] = Copy(int(rec["step"]), Slot(self.folder / rec["slot"]), int(rec["bytes"]),
+                                                  bytes.fromhex(rec["footer"]))
         for name in names:
             m = SLOT_NAME.match(name)
             if m:
@@ -186,11 +213,28 @@ class MemoryTier:
         for r in self.reclaimed:
             log.info("gdsckpt: memory tier %s: removed %s (%s)", self.folder, r["name"], r["why"])
 
+    def _refuse_strays(self) -> None:
+        """Whatever in the folder is not a regular file of this user's that no one else may write
+        (a file planted while the folder was open to others, a link) is removed, never read; this
+        user's files that others may read are made private (an earlier version's)."""
+        for name in os.listdir(self.folder):
+            path = self.folder / name
+            why = untrusted_entry(path)
+            if why is None:
+                make_private(path)
+                continue
+            log.warning("gdsckpt: memory tier %s: %s is %s: removed, never restored", self.folder, name, why)
+            self.reclaimed.append({"name": name, "why": f"not this user's own: {why}"})
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:  # a folder: it stays, and nothing reads it
+                pass
+
     def _write_owner(self, ident: str) -> None:
-        tmp = self.folder / f".{OWNER}.{os.getpid()}"
-        tmp.write_text(json.dumps({"directory": os.path.realpath(self.directory), "id": ident,
-                                   "rank": self.rank, "host": socket.gethostname()}))
-        os.replace(tmp, self.folder / OWNER)
+        write_private(self.folder / OWNER, json.dumps({"directory": os.path.realpath(self.directory), "id": ident,
+                                                        "rank": self.rank, "host": socket.gethostname()}))
 
     def renew_id(self) -> None:
         """The directory's new tier id (renew_directory_id), taken by this tier: an empty tier's
@@ -198,7 +242,8 @@ class MemoryTier:
         with self._cond:
             if self._copies:
                 raise RuntimeError("a tier that holds copies continues their lineage; it does not renew it")
-            self._write_owner(renew_directory_id(self.directory) or directory_id(self.directory, create=True))
+            self._ident = renew_directory_id(self.directory) or directory_id(self.directory, create=True)
+            self._write_owner(self._ident)
 
     # ------------------------------------------------------------ what it holds
     def steps(self) -> list[int]:
@@ -336,14 +381,16 @@ class MemoryTier:
     def commit(self, slot: Slot, step: int, nbytes: int) -> None:
         """The image in `slot` (`nbytes` long) is complete: write its commit record; it counts."""
         footer = slot.read(fmt.FOOTER_SIZE, nbytes - fmt.FOOTER_SIZE)
-        rec = {"step": step, "slot": slot.name, "bytes": nbytes, "footer": footer.hex(), "pid": os.getpid(),
-               "host": socket.gethostname(), "time": time.time()}
-        tmp = self.folder / f".{_record_name(step)}.{os.getpid()}"
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, self.folder / _record_name(step))
+        rec = {"step": step, "slot": slot.name, "bytes": nbytes, "footer": footer.hex(),
+               "index_checksum": index_checksum(footer.hex()), "pid": os.getpid(), "host": socket.gethostname(),
+               "time": time.time()}
+        with self._cond:
+            ident = self._ident
+        rec["seal"] = seal(ident, step, slot.name, nbytes, footer.hex())
+        write_private(self.folder / _record_name(step), json.dumps(rec))
         with self._cond:
             self._writing.pop(slot.name, None)
-            self._copies[step] = Copy(step, slot, nbytes)
+            self._copies[step] = Copy(step, slot, nbytes, footer)
             self._cond.notify_all()
         self.trim()
 
