@@ -18,6 +18,7 @@ JSON documents, by command (fields are only ever added):
                   "ratio", "seconds", "backend"}
   export         {"src", "dst", "to", "tensors", "bytes"[, "values_left_out"]}
   clean          {"directory", "stale": [paths], "removed", "memory_dropped": [{rank, steps, bytes, folder, ...}]}
+  clean --memory {"directory": null, "removed", "memory_gone": [{directory, rank, steps, bytes, folder, removed}]}
   ls             [{step, memory, memory_bytes, memory_state, local, local_bytes, local_state, remote,
                   remote_bytes, remote_state, remote_files}]
   restore-test   {"location", "remote", "step", "newest", "checked": [ls rows]}
@@ -95,10 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["safetensors", "torch"])
     p = command("clean", cmd_clean, "list (and with --yes remove) temporaries left by killed saves and restores")
-    p.add_argument("directory")
+    p.add_argument("directory", nargs="?",
+                   help="a checkpoint directory; left out with --memory: the memory tiers of directories that are gone")
     p.add_argument("--yes", action="store_true")
     p.add_argument("--memory", action="store_true",
-                   help="also drop the directory's memory-tier copies on this host (refused while a manager holds them)")
+                   help="also drop the directory's memory-tier copies on this host (refused while a manager holds them); "
+                        "with no directory: list (--yes: remove) this user's memory tiers whose directory was moved or "
+                        "removed")
     p = command("ls", cmd_ls, "steps of a Checkpointer directory or s3:// prefix: where, size, intact")
     p.add_argument("location", help="a checkpoint directory or s3://bucket/prefix")
     p.add_argument("--remote", help="also list this s3://bucket/prefix")

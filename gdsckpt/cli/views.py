@@ -23,6 +23,12 @@ WHERE = ("memory", "local", "remote")  # the tiers a step may be in, fastest fir
 
 
 def cmd_clean(args) -> int:
+    if args.directory is None:
+        if not args.memory:
+            print("gdsckpt clean: error: name a directory (or --memory alone: the memory tiers of directories "
+                  "that are gone)", file=sys.stderr)
+            return ExitCode.USAGE
+        return _clean_gone_memory(args)
     d = Path(args.directory)
     dropped = []
     if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
@@ -49,6 +55,28 @@ def cmd_clean(args) -> int:
         print("re-run with --yes to remove them")
     elif not stale:
         print(f"no stale gdsckpt temporaries in {args.directory}")
+    return ExitCode.OK
+
+
+def _clean_gone_memory(args) -> int:
+    """`clean --memory` without a directory: this user's memory tiers on this host whose directory
+    was moved or removed; --yes removes those no process holds (the others are listed as held)."""
+    from gdsckpt.manager.memory.folders import gone_tiers, reclaim_gone
+    tiers = gone_tiers()
+    removed = {str(t["folder"]) for t in reclaim_gone(beside_parent=False)} if args.yes else set()
+    rows = [{**{k: str(v) if isinstance(v, Path) else v for k, v in t.items() if k != "id"},
+             "removed": str(t["folder"]) in removed} for t in tiers]
+    if args.json:
+        emit_json({"directory": None, "removed": bool(args.yes), "memory_gone": rows})
+        return ExitCode.OK
+    for t in rows:
+        what = ("removed" if t["removed"] else "held by a running process, left") if args.yes else "gone"
+        print(f"{what}: the memory copies of {t['directory']} (rank {t['rank']}, steps {t['steps'] or 'none'}, "
+              f"{format_bytes(t['bytes'])}): {t['folder']}")
+    if not rows:
+        print("no memory copies of a moved or removed directory on this host")
+    elif not args.yes:
+        print("re-run with --yes to remove them")
     return ExitCode.OK
 
 

@@ -1,6 +1,8 @@
-"""Whose the memory tier's copies are (gdsckpt/manager/memory/trust.py): a folder another local user made
-under the tier's predictable name, or a file planted in it, is never restored from; what
-identifies a copy is private; a commit record relabelled with another step is a damaged copy.
+"""Whose the memory tier's copies are (gdsckpt/manager/memory/trust.py) and what becomes of those whose
+directory is gone (memory_folders.gone_tiers): a folder another local user made under the tier's
+predictable name, or a file planted in it, is never restored from; what identifies a copy is
+private; a commit record relabelled with another step is a damaged copy; the copies of a moved or
+removed directory are found and reclaimed, never those a live process holds.
 
 The second user is a real one: a forked child that drops to uid 65534 (the tests run as root;
 they are skipped otherwise)."""
@@ -19,7 +21,7 @@ import torch
 import gdsckpt
 from gdsckpt import Checkpointer, MemoryTierTrustError
 from gdsckpt.format import file as fmt
-from gdsckpt.manager.memory.folders import ID_NAME, OWNER, directory_id, tier_folder
+from gdsckpt.manager.memory.folders import ID_NAME, OWNER, directory_id, gone_tiers, tier_folder
 from gdsckpt.manager.memory.tier import MemoryTier
 from conftest import assert_same
 from test_memory_tier import OPTS, state_for
@@ -215,3 +217,87 @@ def test_a_slot_overwritten_with_another_steps_image_falls_back(tmp_path, shm):
         assert "no longer ends in the footer committed with step 4" in r.skipped[0][2]
         assert_same(r.state, state_for(3))
         assert ck.memory.steps() == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- copies of a directory that is gone
+
+
+def test_copies_of_a_moved_directory_are_found_and_reclaimed(tmp_path, shm, capsys):
+    from gdsckpt.cli import main
+    run, moved = tmp_path / "run", tmp_path / "run-moved"
+    with Checkpointer(run, memory=True, every_local=100, save_options=OPTS) as ck:
+        ck.save(1, state_for(1))
+        ck.save(2, state_for(2))
+        old = ck.memory.tier.folder
+    os.rename(run, moved)
+    capsys.readouterr()
+    assert main(["clean", "--memory"]) == 0
+    out = capsys.readouterr().out
+    assert f"gone: the memory copies of {run} (rank 0, steps [1, 2]" in out and "--yes" in out and old.exists()
+    assert main(["clean", "--memory", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["memory_gone"]
+    assert [(r["directory"], r["steps"], r["folder"], r["removed"]) for r in rows] == \
+        [(str(run), [1, 2], str(old), False)]
+    # the moved directory's own clean finds them: they carry its tier id
+    assert main(["clean", str(moved), "--memory"]) == 0
+    assert f"dropped the memory copies of rank 0 (steps [1, 2]" in capsys.readouterr().out
+    assert not old.exists()
+    # --yes removes them; one a live process holds stays
+    live_dir = tmp_path / "live"
+    live = MemoryTier(live_dir)
+    try:
+        with Checkpointer(moved, memory=True, every_local=100, save_options=OPTS) as ck:
+            ck.save(3, state_for(3))
+        os.rename(moved, run)
+        shutil.rmtree(live_dir)
+        assert main(["clean", "--memory", "--yes"]) == 0
+        out = capsys.readouterr().out
+        assert f"removed: the memory copies of {moved} (rank 0, steps [3]" in out
+        assert f"held by a running process, left: the memory copies of {live_dir}" in out
+        assert live.folder.exists() and [t["directory"] for t in gone_tiers()] == [str(live_dir)]
+    finally:
+        live.close()
+    assert gone_tiers() == []
+    with Checkpointer(run, memory=True, save_options=OPTS) as ck:
+        r = ck.restore()
+        assert (r.step, r.source) == (3, "local")
+
+
+def test_the_next_manager_reclaims_the_copies_of_directories_that_are_gone(tmp_path, shm):
+    gone, moved, elsewhere = tmp_path / "gone", tmp_path / "deep" / "run", tmp_path / "other"
+    for d in (gone, moved):
+        with Checkpointer(d, memory=True, every_local=100, save_options=OPTS) as ck:
+            ck.save(1, state_for(1))
+            ck.save(2, state_for(2))
+    folders = {d: tier_folder(d, 0) for d in (gone, moved)}
+    live_dir = tmp_path / "live"
+    live = MemoryTier(live_dir)  # a running job whose directory was removed under it: never touched
+    try:
+        shutil.rmtree(gone)
+        shutil.rmtree(tmp_path / "deep")  # its parent too: maybe a file system not mounted now, left alone
+        shutil.rmtree(live_dir)
+        with Checkpointer(elsewhere, memory=True, save_options=OPTS) as ck:
+            why = {r["name"]: r["why"] for r in ck.memory.tier.reclaimed}
+            assert why == {str(folders[gone]): f"the copies of {gone}, which is gone"}
+        assert not folders[gone].exists() and folders[moved].exists() and live.folder.exists()
+        assert live.steps() == []
+    finally:
+        live.close()
+    assert sorted(t["directory"] for t in gone_tiers()) == [str(moved)]
+
+
+@as_root
+def test_another_users_tier_of_a_gone_directory_is_left_alone(tmp_path, shm):
+    d = tmp_path / "run"
+    with Checkpointer(d, memory=True, every_local=100, save_options=OPTS) as ck:
+        ck.save(1, state_for(1))
+        ck.save(2, state_for(2))
+        folder = ck.memory.tier.folder
+    shutil.rmtree(d)
+    before = sorted(os.listdir(folder))
+    for p in [folder, *folder.iterdir()]:
+        os.chown(p, NOBODY, NOBODY)
+    assert gone_tiers() == []
+    with Checkpointer(tmp_path / "other", memory=True, save_options=OPTS) as ck:
+        assert ck.memory.tier.reclaimed == []
+    assert sorted(os.listdir(folder)) == before and "step_00000002.commit" in before  # untouched

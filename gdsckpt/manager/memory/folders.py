@@ -12,10 +12,12 @@ import logging
 import os
 import re
 import secrets
+import socket
 from pathlib import Path
 
 from gdsckpt.format import file as fmt
 from gdsckpt.core.dirlock import DirectoryLock
+from gdsckpt.errors import CheckpointLockedError
 from .trust import PRIVATE_FILE, make_private, read_private, unsealed, untrusted_folder, write_private
 from gdsckpt.core.storage import fsync_dir
 
@@ -27,6 +29,7 @@ ID_NAME = ".gdsckpt-memory-id"  # in the checkpoint directory
 OWNER = "owner.json"
 COMMIT_NAME = re.compile(r"^step_(\d{8,})\.commit$")
 SLOT_NAME = re.compile(r"^slot-(\d+)$")
+TIER_NAME = re.compile(r"^gdsckpt-.*-([0-9a-f]{12})-r\d+$")  # _prefix + rank
 
 
 def memory_root() -> Path:
@@ -170,11 +173,15 @@ def trusted(folder: Path) -> Path | None:
 
 
 def drop_copies(directory: Path, root: Path | None = None) -> list[dict]:
-    """Remove every rank's memory tier of `directory` on this host (`gdsckpt clean --memory`):
-    [{"rank", "folder", "bytes", "steps"}]. CheckpointLockedError, before anything is removed,
-    if a manager holds one of them. Folders not this user's own are left alone (a warning names
-    them)."""
+    """Remove every rank's memory tier of `directory` on this host (`gdsckpt clean --memory`),
+    and those it left under the path it had before it was moved (its tier id is theirs, their
+    directory is gone): [{"rank", "folder", "bytes", "steps"}]. CheckpointLockedError, before
+    anything is removed, if a manager holds one of them. Folders not this user's own are left
+    alone (a warning names them)."""
     folders = [(rank, f) for rank, f in tier_folders(directory, root).items() if trusted(f) is not None]
+    ident = directory_id(directory, create=False)
+    if ident is not None:
+        folders += [(t["rank"], t["folder"]) for t in gone_tiers(root) if t["id"] == ident]
     locks = []
     try:
         for _, folder in folders:
@@ -203,6 +210,79 @@ def empty_folder(folder: Path) -> tuple[int, list[int]]:
     except OSError:
         pass
     return held, steps
+
+
+# ---------------------------------------------------------------- folders whose directory is gone
+# A directory moved or removed leaves its tier folders under a name no manager of another path
+# looks for: found by their owner files (this user's, this host's), removed once no process holds
+# their lock.
+
+
+def gone_tiers(root: Path | None = None) -> list[dict]:
+    """This user's tier folders made on this host whose directory is gone (moved or removed),
+    read without a lock: [{"folder", "directory", "rank", "id", "bytes", "steps"}]."""
+    root = root or memory_root()
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    host, out = socket.gethostname(), []
+    for name in names:
+        m = TIER_NAME.match(name)
+        folder = root / name
+        try:
+            if m is None or untrusted_folder(folder) is not None:
+                continue  # not a tier, or another user's: not this user's to judge
+        except OSError:
+            continue
+        owner = owner_of(folder)
+        directory = owner.get("directory")
+        # Only the folder of this very path (its name's hash), made on this host (a container with
+        # another hostname sharing /dev/shm may see directories this one does not).
+        if (not isinstance(directory, str) or owner.get("host") != host or m.group(1) != hashlib.sha256(
+                directory.encode()).hexdigest()[:12] or not is_gone(directory)):
+            continue
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            continue
+        out.append({"folder": folder, "directory": directory, "rank": owner.get("rank"), "id": owner.get("id"),
+                    "bytes": sum(_size(folder / n) for n in entries if SLOT_NAME.match(n)),
+                    "steps": sorted(int(c.group(1)) for c in map(COMMIT_NAME.match, entries) if c)})
+    return out
+
+
+def is_gone(path: str) -> bool:
+    """Whether nothing is at `path` (not: cannot be looked at, say a folder above it not ours)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def reclaim_gone(root: Path | None = None, *, beside_parent: bool) -> list[dict]:
+    """Remove this user's tier folders whose directory is gone (gone_tiers) and that no process
+    holds (their lock is free): what went, as gone_tiers lists it. beside_parent: only those whose
+    directory's parent folder is still there (a whole tree missing may be a file system not
+    mounted now; the CLI's `clean --memory --yes` removes those too)."""
+    out = []
+    for t in gone_tiers(root):
+        if beside_parent and is_gone(os.path.dirname(t["directory"])):
+            continue
+        try:
+            lock = DirectoryLock(t["folder"])
+        except (CheckpointLockedError, OSError):
+            continue  # a live manager holds it (or it went meanwhile)
+        try:
+            if is_gone(t["directory"]) and owner_of(t["folder"]).get("id") == t["id"]:
+                t["bytes"], t["steps"] = empty_folder(t["folder"])
+                out.append(t)
+        finally:
+            lock.release()
+    return out
 
 
 def _size(path: Path) -> int:

@@ -14,6 +14,8 @@ One folder per (checkpoint directory, rank), under /dev/shm (GDSCKPT_MEMORY_ROOT
 Trust (gdsckpt/manager/memory/trust.py): the folder is this user's own and no one else may write it, or
 the tier refuses it (MemoryTierTrustError); a file in it that is not is removed, never read;
 identity files are 0o600, and each commit record is sealed with the step and its image's footer.
+A folder whose directory was moved or removed is reclaimed by the next manager of any directory
+(memory_folders.reclaim_gone), unless a process holds it.
 
 Commit: a copy counts only with its commit record, written (renamed into place) after the last
 byte of the image, and only while the slot it names still holds, at the recorded length, the
@@ -69,7 +71,7 @@ from gdsckpt.core.dirlock import DirectoryLock
 from gdsckpt.errors import MemoryTierFullError
 from .folders import (
     COMMIT_NAME, OWNER, ROOT_ENV, SLOT_NAME, check_record, directory_id, memory_root, owner_of, read_record,
-    renew_directory_id, tier_folder,
+    reclaim_gone, renew_directory_id, tier_folder,
 )
 from .slot import Slot
 from .trust import index_checksum, make_private, own_folder, seal, unsealed, untrusted_entry, write_private
@@ -165,6 +167,7 @@ class MemoryTier:
         except BaseException:
             self._lock.release()
             raise
+        self._reclaim_gone(root)
 
     # ------------------------------------------------------------ opening: reclaim what does not count
     def _open(self, ident: str) -> None:
@@ -231,6 +234,19 @@ class MemoryTier:
                 pass
             except OSError:  # a folder: it stays, and nothing reads it
                 pass
+
+    def _reclaim_gone(self, root: Path) -> None:
+        """This user's tier folders whose directory is gone, held by no process: removed (a
+        directory moved or removed would otherwise keep its copies in memory until a reboot)."""
+        try:
+            gone = reclaim_gone(root, beside_parent=True)
+        except Exception as e:  # noqa: BLE001 - never a reason for this tier not to open
+            log.warning("gdsckpt: looking for memory tiers of directories that are gone: %s: %s", type(e).__name__, e)
+            return
+        for t in gone:
+            log.warning("gdsckpt: removed the memory copies of %s (rank %s, steps %s, %d bytes): that directory is "
+                        "gone (moved or removed)", t["directory"], t["rank"], t["steps"] or "none", t["bytes"])
+            self.reclaimed.append({"name": str(t["folder"]), "why": f"the copies of {t['directory']}, which is gone"})
 
     def _write_owner(self, ident: str) -> None:
         write_private(self.folder / OWNER, json.dumps({"directory": os.path.realpath(self.directory), "id": ident,
