@@ -1,5 +1,8 @@
 """torch.distributed.checkpoint storage plugin: each rank saves through gdsckpt, PyTorch plans.
 
+    import gdsckpt.dcp
+    fut = gdsckpt.dcp.async_save(state, "/ckpt/step100")  # writer, CachedSavePlanner, dcp_view, overlap: set up
+
     import torch.distributed.checkpoint as dcp
     from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, reserve
 
@@ -19,6 +22,7 @@ The parts, one job each:
 | `results.py` | write results after a staging, prepared once per layout; their compact pickling to the coordinator |
 | `reader.py` | `GdsckptReader`: only the chunks each rank needs, decoded into its shards |
 | `metadata.py` | `.metadata` written with a checksum (pickled once per layout), read with an allowlist unpickler |
+| `recipe.py` | `gdsckpt.dcp.save` / `async_save`: the writer, the planner, the DCP view and the overlap in one call |
 | `planner.py` | `CachedSavePlanner`: DCP's plan cache, reused only while nothing changed (no plan built for stand-ins) |
 | `layout.py` | the directory's file names and each write item's key |
 """
@@ -26,10 +30,11 @@ The parts, one job each:
 from .layout import DCP_VERSION, METADATA_FILE, SUFFIX, item_key
 from .planner import CachedSavePlanner, RankStateLoadPlanner
 from .reader import GdsckptReader
+from .recipe import async_save, save
 from .staging import reserve
 from .writer import GdsckptWriter
 # the state as DCP takes it, and its plain values written back after a load
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
 
-__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "RankStateLoadPlanner", "reserve", "DCP_VERSION",
-           "METADATA_FILE", "SUFFIX", "item_key"]
+__all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "RankStateLoadPlanner", "reserve", "save",
+           "async_save", "DCP_VERSION", "METADATA_FILE", "SUFFIX", "item_key"]

@@ -1,5 +1,6 @@
 """GdsckptWriter's staging for dcp.async_save: what the state dict becomes before
-dcp.async_save returns, for each snapshot mode (save.Snapshot).
+dcp.async_save returns, for each snapshot mode (snapshot_modes.py; "cpu", GdsckptWriter's alone,
+is registered here).
 
 * `stage_compressed` (HOST, and the background part of OVERLAP and DEVICE): the rank's tensors
   compressed into the host pool by save_flat, and a stand-in state dict for DCP to plan with.
@@ -17,16 +18,17 @@ from typing import Any
 
 import torch
 
+from gdsckpt.writing.snapshot import modes as snapshot_modes
 from gdsckpt.engine.device_copy import cuda_device_of, on_device, snapshot_tensors
 from ..errors import UnsupportedStateError
 from gdsckpt.writing.snapshot.host import PoolDestination
-from gdsckpt.writing.save import SaveOptions, save_flat
+from gdsckpt.writing.save import SaveOptions, Snapshot, save_flat
 from ..stats import Stats
 from gdsckpt.format.tree import flatten
 from .standins import STAND_INS, StandInElements, data_address
 
 __all__ = ["Staged", "StandInElements", "stage_compressed", "staged_tensors", "snapshot_state_dict", "state_tensors",
-           "data_address", "reserve"]
+           "data_address", "reserve", "stateful_values", "CpuStaging"]
 
 
 @dataclass
@@ -124,14 +126,23 @@ def reserve(state_dict, *, wait: bool = False, snapshot: str | None = None, **wr
     which would otherwise grow it in its staging (beside the training, in the overlap mode).
     writer_options: GdsckptWriter's (those a save takes are used). snapshot "cpu" stages without
     the pool: nothing is reserved, the future's result is None."""
-    if snapshot == "cpu":
+    if snapshot is not None and not snapshot_modes.lookup(snapshot, snapshot_modes.DCP).uses_pool:
         nothing: Future = Future()
         nothing.set_result(None)
         return nothing
     from gdsckpt.writing.reserve import reserve as reserve_pool
     names = {f.name for f in fields(SaveOptions)}
     save_options = {k: v for k, v in writer_options.items() if k in names}
-    return reserve_pool(staged_tensors(state_dict), wait=wait, **save_options)
+    return reserve_pool(staged_tensors(stateful_values(state_dict)), wait=wait, **save_options)
+
+
+def stateful_values(state_dict):
+    """`state_dict` with each top-level Stateful (dcp_view's trees, modules, optimizers) replaced
+    by its state_dict(), as dcp.save and dcp.async_save replace them before staging."""
+    from torch.distributed.checkpoint.stateful import Stateful
+    if not isinstance(state_dict, dict):
+        return state_dict
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def snapshot_state_dict(obj, keep=lambda t: False, block=None):
@@ -209,3 +220,29 @@ def state_tensors(obj) -> list[torch.Tensor]:
     finally:
         collect = None  # noqa: F841 - a recursive closure is a reference cycle; broken, `found` goes with the call
     return found
+
+
+class CpuStaging:
+    """snapshot="cpu" (a snapshot_modes.SnapshotMode, GdsckptWriter's alone): the state dict
+    copied to host memory as torch.distributed.checkpoint's DefaultStager copies it (no GPU
+    memory, no pool; the background save then compresses on the CPU)."""
+
+    name = Snapshot.CPU
+    used_by = (snapshot_modes.DCP,)
+    optimizer = "unused"
+    with_optimizer = None
+    uses_pool = False
+
+    def save(self, call):
+        raise NotImplementedError("snapshot='cpu' is GdsckptWriter's alone")
+
+    def stage(self, call):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            return stager.stage(call.state_dict)
+        finally:
+            stager.close()
+
+
+snapshot_modes.register(CpuStaging())

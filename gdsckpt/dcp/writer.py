@@ -20,7 +20,9 @@ returns.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 import uuid
 import weakref
 from concurrent.futures import Future as ConcurrentFuture
@@ -34,40 +36,58 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from gdsckpt.writing.snapshot import modes as snapshot_modes
 from gdsckpt.core.defaults import RING_DEPTH
 from gdsckpt.engine.device_copy import (
     copy_first, cuda_device_of, may_copy_first, on_device, outside_cache, settle,
 )
 from ..errors import CheckpointExistsError, DCPPlanError, UnsupportedStateError
-from gdsckpt.writing.snapshot.overlap import StepOwned, run_overlapped, wait_for_snapshot
-from gdsckpt.writing.save import NewFile, SaveOptions, Snapshot, check_optimizer, save_flat
+from gdsckpt.writing.snapshot.overlap import run_overlapped, wait_for_snapshot
+from gdsckpt.writing.save import NewFile, SaveOptions, Snapshot, save_flat
 from ..stats import Stats
 from gdsckpt.core.storage import fsync_dir
 from gdsckpt.format.tree import flatten
 from .layout import DCP_VERSION, RANK_FILE, SUFFIX, item_key, local_dir_id, metadata_path
 from .metadata import write_metadata
+from .planner import CachedSavePlanner
 from .results import PreparedWrite, RankResults, byte_tensor, prepare_write, reuse_write, storage_data_of
 from .staging import Staged, data_address, snapshot_state_dict, stage_compressed, state_tensors
 
-__all__ = ["GdsckptWriter", "WRITER_MODES"]
+__all__ = ["GdsckptWriter"]
 
-WRITER_MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE, Snapshot.CPU)  # GdsckptWriter(snapshot=)
+log = logging.getLogger("gdsckpt.dcp")
+_warned_uncached = threading.Event()  # the warning about a planner without plan caching: said once per process
 
 
-def _staging_mode(snapshot, async_staging, optimizer) -> Snapshot:
-    """GdsckptWriter's snapshot mode from snapshot= or its earlier spelling async_staging= (where
-    "host" with optimizer= means "overlap", as it always did); by default "overlap" where an
-    optimizer is given, else "host"; optimizer= as save.check_optimizer takes it."""
+def _warn_uncached(planner) -> None:
+    """Say once, loudly, what a dcp.async_save through GdsckptWriter costs without plan caching."""
+    if isinstance(planner, CachedSavePlanner) or getattr(planner, "_enable_plan_caching", False) \
+            or _warned_uncached.is_set():
+        return
+    _warned_uncached.set()
+    log.warning("gdsckpt: dcp.async_save through GdsckptWriter with %s, which caches no plan: every save "
+                "plans afresh and exchanges every rank's plan on DCP's background thread, holding the GIL "
+                "beside the training (2-4x the GPU idle per checkpoint of the cached path). One-line fix: "
+                "gdsckpt.dcp.async_save(state, path), or pass planner=gdsckpt.dcp.CachedSavePlanner() to "
+                "dcp.async_save", type(planner).__name__)
+
+
+def _staging_mode(snapshot, async_staging, optimizer):
+    """GdsckptWriter's snapshot mode (snapshot_modes.SnapshotMode) from snapshot= or its earlier
+    spelling async_staging= (where "host" with optimizer= means "overlap", as it always did); by
+    default "overlap" where an optimizer is given, else "host"; optimizer= as
+    snapshot_modes.check_optimizer takes it."""
     if async_staging is not None:
         if snapshot is not None:
             raise ValueError("snapshot= and async_staging= (its earlier spelling) name the same choice: pass one")
-        mode = Snapshot.parse(async_staging, (Snapshot.HOST, Snapshot.DEVICE, Snapshot.CPU), "async_staging")
-        if optimizer is not None and mode is Snapshot.HOST:
-            mode = Snapshot.OVERLAP
+        Snapshot.parse(async_staging, (Snapshot.HOST, Snapshot.DEVICE, Snapshot.CPU), "async_staging")
+        name = snapshot_modes.with_optimizer(async_staging) if optimizer is not None else async_staging
+    elif snapshot is None:
+        name = snapshot_modes.with_optimizer(Snapshot.HOST) if optimizer is not None else Snapshot.HOST
     else:
-        default = Snapshot.OVERLAP if optimizer is not None else Snapshot.HOST
-        mode = Snapshot.parse(default.value if snapshot is None else snapshot, WRITER_MODES)
-    check_optimizer(mode, optimizer, "dcp.async_save")
+        name = snapshot
+    mode = snapshot_modes.lookup(name, snapshot_modes.DCP)
+    snapshot_modes.check_optimizer(mode, optimizer, "dcp.async_save")
     return mode
 
 
@@ -130,8 +150,9 @@ class GdsckptWriter(StorageWriter, AsyncStager):
                  io_threads: int | None = None, backend: str | None = None, snapshot: str | None = None,
                  optimizer=None, async_staging: str | None = None):
         super().__init__()
-        self.snapshot = _staging_mode(snapshot, async_staging, optimizer)
-        self.optimizer = optimizer if self.snapshot is Snapshot.OVERLAP else None  # only its step waits
+        self.mode = _staging_mode(snapshot, async_staging, optimizer)
+        self.snapshot = self.mode.name  # a save.Snapshot for the built-in modes
+        self.optimizer = optimizer if self.mode.optimizer == "needed" else None  # only its step waits
         self.path = Path(path)
         self.overwrite = overwrite
         self.options = SaveOptions(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
@@ -145,6 +166,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         # a staging that failed on this rank: write_data raises it, inside DCP's collectives, so
         # DCP reports it on every rank (raised in stage(), it would leave the others in a collective)
         self._stage_error: BaseException | None = None
+        self._staged_async = False  # stage() ran for the coming write_data: a dcp.async_save
         weakref.finalize(self, _drop_staged, self._staged)
 
     # -- StorageWriter
@@ -187,6 +209,9 @@ class GdsckptWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         error, self._stage_error = self._stage_error, None
+        if self._staged_async:  # dcp.async_save staged this save
+            self._staged_async = False
+            _warn_uncached(planner)
         if error is not None:
             raise error
         prefix = plan.storage_data
@@ -320,6 +345,7 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         error is raised by write_data, so every rank's save fails alike instead of one rank
         leaving the others in DCP's collectives."""
         self._stage_error = None
+        self._staged_async = True
         try:
             staged = self._stage(state_dict)
         except Exception as e:
@@ -340,40 +366,17 @@ class GdsckptWriter(StorageWriter, AsyncStager):
         return staged
 
     def _stage(self, state_dict):
-        if self.snapshot is Snapshot.CPU:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            stager = DefaultStager(StagingOptions(False, False, False, False))
-            try:
-                return stager.stage(state_dict)
-            finally:
-                stager.close()
-        wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
-        _drop_staged(self._staged)  # an earlier staging that no write_data took
-        if self.snapshot is Snapshot.DEVICE:  # every staging from a copy in torch's cache, as save_async's
-            staging = self._stage_copied(state_dict, None, cuda_device_of(state_tensors(state_dict)))
-        else:
-            gpu = copy_first(state_tensors(state_dict)) if may_copy_first() else None
-            staging = self._stage_copied(state_dict, outside_cache, gpu) if gpu is not None else None
-            if staging is None and self.snapshot is Snapshot.OVERLAP:
-                owned = StepOwned(self.optimizer)  # the snapshot reads the optimizer's memory: fence its GPU
-                staging = self._in_background(snapshot_state_dict(state_dict, keep=owned.__contains__), owned.gpu(),
-                                              self.optimizer)
-        if staging is not None:
-            return staging
+        if self.mode.uses_pool:
+            wait_for_snapshot()  # an overlapped staging still running owns the ring and the pool
+            _drop_staged(self._staged)  # an earlier staging that no write_data took
+        return self.mode.stage(_StageCall(self, state_dict))
+
+    def take_staged(self, state_dict):
+        """The compressed staging of `state_dict` now (a StageCall's take): the stand-in state dict."""
         state, self._staged[0] = stage_compressed(state_dict, self.options)
         return state
 
-    def _stage_copied(self, state_dict, block, gpu: int | None) -> ConcurrentFuture | None:
-        """The compressed staging from a copy of every tensor taken now (snapshot_tensors' `block`:
-        a first staging's outside torch's cache, device mode's in it), as save_async's _copied_save
-        takes it; no optimizer step waits. None where CUDA had no room for the copy."""
-        try:
-            frozen = snapshot_state_dict(state_dict, block=block)
-        except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
-            return None
-        return self._in_background(frozen, gpu, None)
-
-    def _in_background(self, frozen, gpu: int | None, optimizer) -> ConcurrentFuture:
+    def stage_in_background(self, frozen, gpu: int | None, optimizer) -> ConcurrentFuture:
         """stage_compressed(frozen) on a background thread (overlap.run_overlapped: with an
         optimizer, its next step waits for it); the future of the stand-in state dict."""
         staging: ConcurrentFuture = ConcurrentFuture()
@@ -395,3 +398,40 @@ class GdsckptWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         pass
+
+
+class _StageCall:
+    """snapshot_modes.StageCall of one GdsckptWriter.stage."""
+
+    def __init__(self, writer: GdsckptWriter, state_dict):
+        self.writer, self.state_dict, self.optimizer = writer, state_dict, writer.optimizer
+
+    def take(self):
+        return self.writer.take_staged(self.state_dict)
+
+    def in_background(self, keep, optimizer) -> ConcurrentFuture:
+        first: list[int] = []  # the first CUDA device met: the GPU whose work the snapshot fences
+
+        def noted(t) -> bool:
+            if not first and t.is_cuda:
+                first.append(t.device.index if t.device.index is not None else torch.cuda.current_device())
+            return keep(t)
+        frozen = snapshot_state_dict(self.state_dict, keep=noted)
+        return self.writer.stage_in_background(frozen, first[0] if first else None, optimizer)
+
+    def copied(self, block=None) -> ConcurrentFuture | None:
+        return self._copied(block, cuda_device_of(state_tensors(self.state_dict)))
+
+    def copy_first(self) -> ConcurrentFuture | None:
+        gpu = copy_first(state_tensors(self.state_dict)) if may_copy_first() else None
+        return None if gpu is None else self._copied(outside_cache, gpu)
+
+    def _copied(self, block, gpu: int | None) -> ConcurrentFuture | None:
+        """The compressed staging from a copy of every tensor taken now (snapshot_tensors' `block`:
+        a first staging's outside torch's cache, device mode's in it), as save_async's copies
+        take it; no optimizer step waits. None where CUDA had no room for the copy."""
+        try:
+            frozen = snapshot_state_dict(self.state_dict, block=block)
+        except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+            return None
+        return self.writer.stage_in_background(frozen, gpu, None)

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from gdsckpt import api
-from gdsckpt.writing.async_save import MODES, SaveFuture, save_async
+from gdsckpt.writing.snapshot import modes as snapshot_modes
+from gdsckpt.writing.async_save import SaveFuture, save_async
 from gdsckpt.errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
 from gdsckpt.writing.save import check_save_options
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
@@ -247,7 +248,7 @@ def async_options(save_options: dict, optimizer) -> dict:
     if optimizer is None:
         return save_options
     mode = save_options.get("snapshot", "host")
-    return {**save_options, "optimizer": optimizer, "snapshot": "overlap" if mode == "host" else mode}
+    return {**save_options, "optimizer": optimizer, "snapshot": snapshot_modes.with_optimizer(mode)}
 
 
 class _Steps:
@@ -314,7 +315,7 @@ class FileSteps(_Steps):
     def check_options(save_options: dict) -> None:
         """A ValueError for an option gdsckpt.save and save_async do not both take (snapshot=:
         save_async's alone), or a bad value."""
-        check_save_options(save_options, {"snapshot"}, MODES)
+        check_save_options(save_options, {"snapshot"}, snapshot_modes.names(snapshot_modes.SAVE_ASYNC))
 
     def committed(self, path: Path) -> bool:
         return path.is_file()
@@ -374,9 +375,9 @@ class DcpSteps(_Steps):
     def check_options(save_options: dict) -> None:
         """A ValueError for an option GdsckptWriter does not take (optimizer= is save_async's
         argument), or a bad value."""
-        from gdsckpt.dcp.writer import WRITER_MODES, GdsckptWriter
+        from gdsckpt.dcp.writer import GdsckptWriter
         check_save_options(save_options, set(inspect.signature(GdsckptWriter).parameters) - {"path", "optimizer"},
-                           WRITER_MODES)
+                           snapshot_modes.names(snapshot_modes.DCP))
 
     def committed(self, path: Path) -> bool:
         return path.is_dir() and (path / DCP_METADATA).is_file()
@@ -397,10 +398,8 @@ class DcpSteps(_Steps):
         return None
 
     def save_async(self, step: int, state, optimizer) -> Future:
-        import torch.distributed.checkpoint as dcp
-        from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter
-        writer = GdsckptWriter(self.path(step), **async_options(self.save_options, optimizer))
-        fut = dcp.async_save(dcp_view(state), storage_writer=writer, planner=CachedSavePlanner())
+        from gdsckpt.dcp import async_save  # the writer, CachedSavePlanner, dcp_view, and the state's own optimizer
+        fut = async_save(state, self.path(step), **async_options(self.save_options, optimizer))
         from torch.distributed.checkpoint.api import CheckpointException
         fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
         path = self.path(step)

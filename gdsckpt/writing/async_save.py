@@ -22,7 +22,8 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   writer to free room (back-pressure): that wait is part of the call, reported as
   `pool_wait_s` / `pool_waits` in the stats.
 
-* snapshot="overlap", optimizer=opt: the same snapshot, but on a background thread, so that it runs
+* snapshot="overlap", optimizer=opt (the default where `state` holds its optimizer itself, see
+  save_async): the same snapshot, but on a background thread, so that it runs
   during the next forward and backward; save_async returns at once. It relies on this contract:
 
   - parameters of `opt` and tensors in `opt.state` (the AdamW moments and step counts) may be
@@ -89,25 +90,24 @@ from concurrent.futures import Future
 from dataclasses import fields
 
 from gdsckpt.core import collector
+from .snapshot import modes as snapshot_modes
 from gdsckpt.core.defaults import POOL_HOST_FRACTION, POOL_STATE_FRACTION
 from gdsckpt.engine.device_copy import (
     block_bytes, copy_first, cuda_device_of, on_device, outside_cache, snapshot_tensors,
 )
 from gdsckpt.errors import BackgroundSaveError, SaveInFlightError
 from .snapshot.host import PoolDestination, SnapshotDestination, SnapshotTarget
-from .snapshot.overlap import HookTimer, freeze_for_overlap, run_overlapped, wait_for_snapshot
+from .snapshot.overlap import HookTimer, StepOwned, freeze, optimizer_in, run_overlapped, wait_for_snapshot
 from .snapshot.overlap import memory_of, optimizer_memory  # importable from here, as before
 from gdsckpt.engine.pinned_pool import align_up, pools, release_pools
-from .save import SaveOptions, Snapshot, check_optimizer, save_flat
+from .save import SaveOptions, Snapshot, save_flat
 from gdsckpt.stats import AsyncStats, Stats
 from gdsckpt.core.storage import save_target, user_path
 from gdsckpt.format.tree import Leaf, flatten
 
 __all__ = ["save_async", "AsyncStats", "SaveFuture", "SaveInFlightError", "BackgroundSaveError",
-           "release_pools", "pools", "default_pool_limit", "check_pool_bytes", "MODES", "memory_of",
-           "optimizer_memory", "wait_for_saves_to"]
-
-MODES = (Snapshot.HOST, Snapshot.OVERLAP, Snapshot.DEVICE)  # the snapshots save_async takes
+           "release_pools", "pools", "default_pool_limit", "check_pool_bytes", "memory_of",
+           "optimizer_memory", "wait_for_saves_to", "inferred_overlap"]
 
 
 class SaveFuture(Future):
@@ -133,7 +133,7 @@ class SaveFuture(Future):
 
 log = logging.getLogger("gdsckpt.save_async")
 _calls = threading.Lock()  # one save_async call at a time
-_tracked: list[tuple[SaveFuture, Snapshot, str]] = []  # (future, mode, path) of calls not known finished
+_tracked: list[tuple[SaveFuture, str, str]] = []  # (future, mode, path) of calls not known finished
 
 
 def wait_for_saves_to(path) -> None:
@@ -165,7 +165,7 @@ def check_pool_bytes(pool_bytes) -> None:
 
 
 @collector.paused()  # the call's objects (the skeleton, a Leaf per tensor) meet one young collection
-def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, optimizer=None,
+def save_async(state, path, *, snapshot: str | None = None, overlap: bool | None = None, optimizer=None,
                pool_bytes: int | None = None, wait: bool = True, memory: SnapshotTarget | None = None,
                **save_options) -> SaveFuture:
     """Save `state` to `path` without stopping training; returns a SaveFuture of AsyncStats,
@@ -174,9 +174,13 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
 
     snapshot: "host" (default: compressed into a host pool), "overlap" (with optimizer=opt: the
     host snapshot taken during the next forward/backward; the next opt.step() waits for it) or
-    "device" (a same-device copy); save.Snapshot. optimizer= with "host" is a ValueError (it would
-    go unused); with "device" it is accepted and unused. overlap=True: the earlier spelling of
-    snapshot="overlap". pool_bytes: the host pool's bound for this save (None: the state's
+    "device" (a same-device copy); save.Snapshot, or a mode registered in snapshot_modes.
+    optimizer= with "host" is a ValueError (it would go unused); with "device" it is accepted and
+    unused. overlap=True: the earlier spelling of snapshot="overlap". Where none of snapshot=,
+    overlap= and optimizer= is given and `state` holds one optimizer itself (the object, whose
+    step takes hooks) and every tensor of the state is its parameters' or its state's memory, the
+    save overlaps with it as optimizer= would; else it takes the host snapshot. overlap=False (or
+    snapshot="host") keeps the host snapshot. pool_bytes: the host pool's bound for this save (None: the state's
     logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an
     earlier save_async is unfinished. memory: the memory tier's target for this save (the
     Checkpointer's, memory=True): the compressed snapshot goes into its shared memory instead of
@@ -186,13 +190,7 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     Raised here: an unsupported state (before anything is copied), bad options, an earlier
     unseen background failure (BackgroundSaveError), and errors of the snapshot itself.
     """
-    mode = Snapshot.parse(snapshot, MODES)
-    if overlap:  # the earlier spelling of snapshot="overlap"
-        check_optimizer(Snapshot.OVERLAP, optimizer, "save_async")
-        if mode is Snapshot.DEVICE:
-            raise ValueError("overlap=True takes the host snapshot; snapshot='device' copies the state before returning")
-        mode = Snapshot.OVERLAP
-    check_optimizer(mode, optimizer, "save_async")
+    mode, optimizer = _mode_of(state, snapshot, overlap, optimizer)
     if memory is not None and pool_bytes is not None:
         raise ValueError("memory= takes the compressed snapshot into the memory tier, not the pool: not with pool_bytes=")
     check_pool_bytes(pool_bytes)
@@ -200,6 +198,8 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
     t0 = time.perf_counter()
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
     skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
+    if mode is _INFERRED:
+        mode, optimizer = inferred_overlap(optimizer, [l.tensor for l in leaves])
     if not _calls.acquire(blocking=wait):
         raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                 "(call .result() on its future first, or pass wait=True)")
@@ -213,84 +213,117 @@ def save_async(state, path, *, snapshot: str = "host", overlap: bool = False, op
             dest = memory.destination(target, options)
         else:
             dest = PoolDestination(target, pool_bytes or default_pool_limit, options.chunk_bytes)
-        fut = None
-        if mode is Snapshot.DEVICE:
-            fut = _copied_save(skeleton, leaves, dest, mode, cuda_device_of(l.tensor for l in leaves), options, t0,
-                               block=None)
-            if fut is None:
-                log.warning("gdsckpt: save_async(snapshot='device') of %s: no room on the GPU for a copy of the "
-                            "state; took the host snapshot in the call", path)
-        elif memory is None and (gpu := copy_first([l.tensor for l in leaves])) is not None:
-            fut = _copied_save(skeleton, leaves, dest, mode, gpu, options, t0)  # None: no memory for the copy
-        if fut is None:
-            fut = (_overlap_save(skeleton, leaves, dest, optimizer, options, t0) if mode is Snapshot.OVERLAP
-                   else _host_save(skeleton, leaves, dest, options, t0))
-        _tracked.append((fut, mode, str(path)))
+        call = _Call(skeleton, leaves, dest, str(getattr(mode.name, "value", mode.name)), optimizer, options, t0,
+                     str(path), first_copy=memory is None)
+        fut = mode.save(call)
+        _tracked.append((fut, call.mode, str(path)))
         return fut
     finally:
         _calls.release()
 
 
-# ---------------------------------------------------------------- host snapshot (host, overlap)
+_INFERRED = object()  # _mode_of's answer where the state's own optimizer decides, once the state is walked
 
 
-def _host_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, options: SaveOptions, t0: float) -> SaveFuture:
-    fut = _new_future()
-    with on_device(cuda_device_of(l.tensor for l in leaves)):
-        snap = save_flat(skeleton, leaves, dest, options)  # on error: raised here, the job aborted, the room freed
-    _link(fut, dest, snap, Snapshot.HOST, t0, time.perf_counter() - t0)
-    return fut
+def _mode_of(state, snapshot, overlap, optimizer):
+    """save_async's mode and optimizer from its arguments: snapshot= (None: the default), the
+    earlier spelling overlap=True, or, where neither is given nor optimizer=, (_INFERRED, the
+    optimizer in `state`) for inferred_overlap to decide once the state's tensors are known."""
+    if snapshot is None and overlap is None and optimizer is None:
+        found = optimizer_in(state)
+        if found is not None:
+            return _INFERRED, found
+    mode = snapshot_modes.lookup(Snapshot.HOST if snapshot is None else snapshot, snapshot_modes.SAVE_ASYNC)
+    if overlap:  # the earlier spelling of snapshot="overlap"
+        overlapped = snapshot_modes.lookup(Snapshot.OVERLAP, snapshot_modes.SAVE_ASYNC)
+        snapshot_modes.check_optimizer(overlapped, optimizer, "save_async")
+        if mode.name != Snapshot.HOST:
+            raise ValueError(f"overlap=True takes the host snapshot; snapshot={str(snapshot)!r} is another mode")
+        mode = overlapped
+    snapshot_modes.check_optimizer(mode, optimizer, "save_async")
+    return mode, optimizer
 
 
-def _overlap_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, optimizer, options: SaveOptions,
-                  t0: float) -> SaveFuture:
-    tensors = freeze_for_overlap([l.tensor for l in leaves], optimizer)
-    frozen = [l if l.tensor is t else Leaf(l.key, t) for l, t in zip(leaves, tensors)]
-    return _in_background(skeleton, frozen, dest, Snapshot.OVERLAP, cuda_device_of(tensors), optimizer, options, t0)
+def inferred_overlap(optimizer, tensors: list):
+    """(mode, optimizer) of a save whose state holds `optimizer` itself and that named no mode:
+    "overlap" with it where every tensor of the state is memory only its step changes (its
+    parameters, a model's state_dict() views of them, its moments), so that its step pre-hook
+    fences everything the background snapshot reads; else ("host", None), the plain default."""
+    owned = StepOwned(optimizer)
+    if tensors and all(t in owned for t in tensors):
+        return snapshot_modes.lookup(Snapshot.OVERLAP, snapshot_modes.SAVE_ASYNC), optimizer
+    return snapshot_modes.lookup(Snapshot.HOST, snapshot_modes.SAVE_ASYNC), None
 
 
-def _copied_save(skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int | None,
-                 options: SaveOptions, t0: float, block=outside_cache) -> SaveFuture | None:
-    """A first save (its host pool not there yet) or a device-mode one: the state copied on its GPU
-    (snapshot_tensors' block: a first save's from CUDA's stream-ordered allocator, device mode's
-    from torch's cache), then the host snapshot taken from the copy on a background thread, as an
-    overlapped one is (growing the pool there, if it must); the copy goes back once that thread has
-    ended. The call blocks for the copy alone, and no optimizer step waits. None where CUDA had no
-    room for the copy (the caller then takes the snapshot as usual)."""
-    try:
-        copies = snapshot_tensors([l.tensor for l in leaves], block=block)
-    except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
-        return None
-    copied = block_bytes(c for c in copies if c.is_cuda)
-    return _in_background(skeleton, [Leaf(l.key, c) for l, c in zip(leaves, copies)], dest, mode, gpu, None,
-                          options, t0, copied=copied)
+class _Call:
+    """snapshot_modes.SaveCall of one save_async: the ways a mode may take its snapshot."""
+
+    def __init__(self, skeleton, leaves: list[Leaf], dest: SnapshotDestination, mode: str, optimizer,
+                 options: SaveOptions, t0: float, label: str, first_copy: bool):
+        self.skeleton, self.leaves, self.dest, self.mode = skeleton, leaves, dest, mode
+        self.optimizer, self.options, self.t0, self.label = optimizer, options, t0, label
+        self.tensors = [l.tensor for l in leaves]
+        self._first_copy = first_copy
+
+    def take(self) -> SaveFuture:
+        fut = _new_future()
+        with on_device(cuda_device_of(self.tensors)):
+            snap = save_flat(self.skeleton, self.leaves, self.dest, self.options)  # on error: raised here, the room freed
+        _link(fut, self.dest, snap, Snapshot.HOST.value, self.t0, time.perf_counter() - self.t0)
+        return fut
+
+    def in_background(self, keep, optimizer) -> SaveFuture:
+        tensors = freeze(self.tensors, keep)
+        frozen = [l if l.tensor is t else Leaf(l.key, t) for l, t in zip(self.leaves, tensors)]
+        return self._background(frozen, cuda_device_of(tensors), optimizer)
+
+    def copied(self, block=None) -> SaveFuture | None:
+        return self._copied(cuda_device_of(self.tensors), block)
+
+    def copy_first(self) -> SaveFuture | None:
+        if not self._first_copy:
+            return None
+        gpu = copy_first(self.tensors)
+        return None if gpu is None else self._copied(gpu, outside_cache)
+
+    def _copied(self, gpu: int | None, block) -> SaveFuture | None:
+        """The state copied on its GPU (snapshot_tensors' block: a first save's from CUDA's
+        stream-ordered allocator, device mode's from torch's cache), then the host snapshot taken
+        from the copy on a background thread, as an overlapped one is (growing the pool there, if
+        it must); the copy goes back once that thread has ended. The call blocks for the copy
+        alone, and no optimizer step waits. None where CUDA had no room for the copy."""
+        try:
+            copies = snapshot_tensors(self.tensors, block=block)
+        except (RuntimeError, MemoryError):  # CUDA's out of memory, or a device without memory pools
+            return None
+        copied = block_bytes(c for c in copies if c.is_cuda)
+        return self._background([Leaf(l.key, c) for l, c in zip(self.leaves, copies)], gpu, None, copied)
+
+    def _background(self, frozen: list[Leaf], gpu: int | None, optimizer, copied: int = 0) -> SaveFuture:
+        """The host snapshot of `frozen` on a background thread (overlap.run_overlapped; with an
+        optimizer, its next step waits for it); the call's time so far is what it blocked."""
+        fut = _new_future()
+        hook = HookTimer() if optimizer is not None else None
+        blocked = time.perf_counter() - self.t0
+        skeleton, dest, options, mode, t0 = self.skeleton, self.dest, self.options, self.mode, self.t0
+
+        def finish(snap, error):
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                _link(fut, dest, snap, mode, t0, blocked, hook, copied)
+
+        held = [frozen]
+
+        def snapshot():
+            leaves = held.pop()  # a copy's memory goes back as this returns, before the next save may start
+            return save_flat(skeleton, leaves, dest, options)
+
+        run_overlapped(snapshot, gpu, optimizer, finish, hook)
+        return fut
 
 
-def _in_background(skeleton, frozen: list[Leaf], dest: SnapshotDestination, mode: Snapshot, gpu: int | None,
-                   optimizer, options: SaveOptions, t0: float, copied: int = 0) -> SaveFuture:
-    """The host snapshot of `frozen` on a background thread (overlap.run_overlapped; with an
-    optimizer, its next step waits for it); the call's time so far is what it blocked."""
-    fut = _new_future()
-    hook = HookTimer() if optimizer is not None else None
-    blocked = time.perf_counter() - t0
-
-    def finish(snap, error):
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            _link(fut, dest, snap, mode, t0, blocked, hook, copied)
-
-    held = [frozen]
-
-    def snapshot():
-        leaves = held.pop()  # a copy's memory goes back as this returns, before the next save may start
-        return save_flat(skeleton, leaves, dest, options)
-
-    run_overlapped(snapshot, gpu, optimizer, finish, hook)
-    return fut
-
-
-def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: Snapshot, t0: float, blocked: float,
+def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: str, t0: float, blocked: float,
           hook: HookTimer | None = None, copied: int = 0) -> None:
     """Complete `fut` when the bytes are where they go: the file committed by the writer, or the
     memory copy committed (or failed)."""
@@ -312,7 +345,7 @@ def _link(fut: SaveFuture, dest: SnapshotDestination, snap: Stats, mode: Snapsho
         base = _stats_fields(snap)
         base.update(path=dest.label, io_path=fig.io_path, file_bytes=fig.file_bytes, seconds=time.perf_counter() - t0,
                     memory=dict(snap.memory, pinned_host_bytes=fig.pinned_bytes, pool_host_bytes=fig.host_bytes))
-        stats = AsyncStats(**base, mode=mode.value, blocked_s=blocked, snapshot_s=snap.seconds,
+        stats = AsyncStats(**base, mode=mode, blocked_s=blocked, snapshot_s=snap.seconds,
                            queued_s=report.queued_s, background_s=report.background_s, write_s=report.write_s,
                            fsync_s=report.fsync_s, commit_s=report.commit_s, direct_io=report.direct_io,
                            pool_bytes=fig.host_bytes, pool_peak_bytes=fig.peak_bytes, pool_limit_bytes=fig.limit_bytes,

@@ -47,7 +47,8 @@ class SaveOptions:
     state is walked or anything written), so that a SaveOptions in hand is valid.
 
     codec: "auto" (on the GPU typed ANS, or byte-plane ANS for a float stream where a sample of it
-    stores smaller so; on the CPU byte-shuffled zstd), "ans", "ans-planes", "bitcomp", "zstd", "raw",
+    stores smaller so; on the CPU byte-shuffled zstd, or raw on a host of few cores:
+    codecs.cpu_auto_compresses), "ans", "ans-planes", "bitcomp", "zstd", "raw",
     or {dtype name: codec}. chunk_bytes: None (or 0) for the backend's default (defaults.CHUNK_BYTES).
     io: "auto", "gds" (fail if unavailable) or "compat" (GPU backend). backend: None/"auto"
     (the GPU where a tensor is on one and the GPU stack is usable), "cpu" or "gpu"."""
@@ -79,7 +80,8 @@ class SaveOptions:
 
 class Snapshot(str, enum.Enum):
     """Where a save that must not stop training takes its snapshot, before the caller may change
-    the state again: save_async(snapshot=) and GdsckptWriter(snapshot=) take these names.
+    the state again: save_async(snapshot=) and GdsckptWriter(snapshot=) take these names, the
+    built-in modes of writing/snapshot/modes.py (which looks each up by name, and takes others registered).
 
     HOST: the save ring compresses the live tensors into the host pool during the call (no copy
         of the state; the caller waits for the compression, not for the disk).
@@ -95,13 +97,16 @@ class Snapshot(str, enum.Enum):
     CPU = "cpu"
 
     @classmethod
-    def parse(cls, value, allowed: tuple[Snapshot, ...], keyword: str = "snapshot") -> Snapshot:
-        if isinstance(value, str) and value in {m.value for m in allowed}:
-            return cls(value)
-        raise ValueError(f"{keyword} must be one of {', '.join(repr(m.value) for m in allowed)}, not {value!r}")
+    def parse(cls, value, allowed: tuple, keyword: str = "snapshot") -> Snapshot | str:
+        """`value` where it is one of `allowed` (members, or names of registered snapshot modes):
+        the member of that name, or the name of a mode registered beyond them."""
+        names = [str(getattr(m, "value", m)) for m in allowed]
+        if isinstance(value, str) and value in names:
+            return cls(value) if value in cls._value2member_map_ else str(value)
+        raise ValueError(f"{keyword} must be one of {', '.join(map(repr, names))}, not {value!r}")
 
 
-def check_save_options(options: dict, extra=(), modes: tuple[Snapshot, ...] = ()) -> None:
+def check_save_options(options: dict, extra=(), modes: tuple = ()) -> None:
     """Save options given once for saves to come (a Checkpointer's, an integration's), checked
     before the first of them: each name a SaveOptions field or one of `extra`, the values valid
     (SaveOptions' own ValueErrors), and snapshot= one of `modes`. A ValueError naming the option."""

@@ -40,7 +40,8 @@ from typing import Callable
 
 import torch
 
-from .async_save import MODES, check_pool_bytes, default_pool_limit
+from .snapshot import modes as snapshot_modes
+from .async_save import check_pool_bytes, default_pool_limit
 from gdsckpt.codecs import GPU_AUTO_PLANES
 from gdsckpt.core.defaults import CODEC_SAMPLE_PIECE_BYTES
 from gdsckpt.engine.device_copy import cuda_device_of, on_device
@@ -99,7 +100,7 @@ def plan_for(state, save_options: dict) -> Planned:
     step it holds no moments, so the plan (and a reservation) would be sized without them.
     snapshot= (save_async's) is checked and changes nothing: every mode compresses into the pool."""
     save_options = dict(save_options)
-    Snapshot.parse(save_options.pop("snapshot", Snapshot.HOST.value), MODES)
+    snapshot_modes.lookup(save_options.pop("snapshot", Snapshot.HOST), snapshot_modes.SAVE_ASYNC)
     options = SaveOptions(**save_options)
     for key in _optimizers_without_state(state):
         warnings.warn(f"gdsckpt.reserve: the optimizer at {key or 'the top'!r} holds no state yet: if it keeps "

@@ -39,27 +39,12 @@ from gdsckpt.core.storage import AtomicFile, save_target
 from gdsckpt.format.tree import Leaf
 
 __all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_flat", "choose_codecs_ahead",
-           "backend_kind", "tensor_specs", "check_codec", "check_optimizer", "check_save_options", "is_int"]
+           "backend_kind", "tensor_specs", "check_codec", "check_save_options", "is_int"]
 
 
 # ---------------------------------------------------------------- options
 
 
-def check_optimizer(mode: Snapshot, optimizer, caller: str) -> None:
-    """The optimizer an overlapped snapshot needs: given, and an optimizer (it has step hooks);
-    none with the host snapshot, taken before `caller` returns, which would leave it unused (the
-    overlap its caller likely meant never running). "device" and "cpu" take it unused: a caller
-    that always passes its optimizer (the Checkpointer) may still choose them."""
-    if mode is Snapshot.HOST and optimizer is not None:
-        raise ValueError(f"optimizer= is for snapshot='overlap' (the snapshot taken during the next forward/backward, "
-                         f"the next opt.step() waiting for it); snapshot='host' takes the snapshot before {caller} "
-                         "returns: pass snapshot='overlap', or no optimizer=")
-    if mode is Snapshot.OVERLAP and optimizer is None:
-        raise ValueError("snapshot='overlap' (overlap=True) needs optimizer=: the snapshot runs during the next "
-                         "forward/backward, and only a step pre-hook on the optimizer keeps the step from "
-                         "changing the state under it")
-    if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
-        raise ValueError(f"optimizer= must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
 
 
 # ---------------------------------------------------------------- destinations

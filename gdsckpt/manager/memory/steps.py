@@ -35,6 +35,7 @@ from gdsckpt.format.file import HEADER_SIZE
 from .snapshot import INDEX_ALLOWANCE, INDEX_PER_ENTRY, MemoryTarget
 from .source import MemorySource
 from .tier import MemoryTier
+from gdsckpt.writing.snapshot.overlap import optimizer_in
 from gdsckpt.manager.steps import DAMAGE, StepLayout, agreed, async_options
 
 log = logging.getLogger("gdsckpt.manager.checkpointer")
@@ -79,7 +80,9 @@ class MemorySteps:
             return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
         # The overlap and device modes' snapshot reserves its room on a thread of its own, where no
         # fall-back to the directory can run: their room is checked against this very state.
-        threaded = async_options(self.save_options, optimizer).get("snapshot", "host") != "host"
+        options = async_options(self.save_options, optimizer)
+        threaded = options.get("snapshot", "host") != "host" or (  # or an overlap save_async infers
+            optimizer is None and "snapshot" not in options and optimizer_in(state) is not None)
         why = None if self.distributed else self._no_room(state, every_time=threaded)
         if why is None:
             try:

@@ -26,7 +26,7 @@ from gdsckpt.core.defaults import CHUNK_BYTES
 from gdsckpt.engine.device_copy import side_stream
 from gdsckpt.engine.pinned_pool import align_up, pool_for
 from gdsckpt.engine.ring import Completion
-from gdsckpt.writing.save import Destination
+from gdsckpt.writing.save import Destination, Snapshot
 
 UNBOUNDED = 1 << 62
 
@@ -268,3 +268,23 @@ class PoolDestination:
         self.job.label = self.label
         submit(self.job, path)
         return self.job
+
+
+class HostSnapshot:
+    """snapshot="host", the default (a snapshot_modes.SnapshotMode): the ring compresses the live
+    tensors into the host pool in the call; a first save, whose pool is not there yet, copies
+    the state on its GPU and compresses the copy off the call instead (device_copy.copy_first).
+    Given an optimizer where it is only the default, a save overlaps ("overlap")."""
+
+    name = Snapshot.HOST
+    used_by = ("save_async", "dcp")
+    optimizer = "refused"
+    with_optimizer = Snapshot.OVERLAP
+    uses_pool = True
+
+    def save(self, call):
+        return call.copy_first() or call.take()
+
+    def stage(self, call):
+        staged = call.copy_first()
+        return call.take() if staged is None else staged

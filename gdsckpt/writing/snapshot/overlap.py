@@ -19,10 +19,11 @@ from typing import Any, Callable
 import torch
 
 from gdsckpt.engine.device_copy import on_device, side_stream, snapshot_tensors
+from gdsckpt.writing.save import Snapshot
 from gdsckpt.stats import AsyncStats
 
-__all__ = ["run_overlapped", "wait_for_snapshot", "freeze_for_overlap", "StepOwned", "optimizer_memory",
-           "memory_of", "HookTimer"]
+__all__ = ["run_overlapped", "wait_for_snapshot", "freeze_for_overlap", "freeze", "StepOwned", "optimizer_memory",
+           "memory_of", "HookTimer", "OverlapSnapshot", "optimizer_in"]
 
 _snapshot_done = threading.Event()  # the last overlapped snapshot has ended
 _snapshot_done.set()
@@ -32,9 +33,14 @@ _hooks: list = []  # [handle, done event] of step pre-hooks not yet removed
 def freeze_for_overlap(tensors: list, optimizer) -> list:
     """`tensors` as a snapshot taken during the next forward/backward may read them: those that
     only `optimizer`'s step changes as they are, every other one (buffers) copied now."""
-    owned = StepOwned(optimizer)
+    return freeze(tensors, StepOwned(optimizer).__contains__)
+
+
+def freeze(tensors: list, keep) -> list:
+    """`tensors` with those for which keep(t) holds as they are, every other one copied now on
+    its own device (snapshot_tensors)."""
     tensors = list(tensors)
-    loose = [i for i, t in enumerate(tensors) if t not in owned]
+    loose = [i for i, t in enumerate(tensors) if not keep(t)]
     for i, copy in zip(loose, snapshot_tensors([tensors[i] for i in loose])):
         tensors[i] = copy
     return tensors
@@ -183,6 +189,29 @@ class StepOwned:
         return next((device.index for device, _ in self._params if device.type == "cuda"), None)
 
 
+def optimizer_in(state, depth: int = 0):
+    """The optimizer `state` holds itself (a torch.optim.Optimizer object whose step() runs its
+    hooks, among its values and the dicts, lists and tuples under them), where it holds exactly
+    one; None where it holds none or several (no single step fences the state)."""
+    found: dict[int, object] = {}
+
+    def walk(o, depth):
+        if isinstance(o, torch.optim.Optimizer):
+            if getattr(type(o).step, "hooked", False):  # torch wrapped its step: the step pre-hooks run
+                found[id(o)] = o
+            else:
+                found[id(o)] = None  # a step that may skip the hooks fences nothing
+        elif isinstance(o, dict) and depth < 8:
+            for v in o.values():
+                walk(v, depth + 1)
+        elif isinstance(o, (list, tuple)) and depth < 8:
+            for v in o:
+                walk(v, depth + 1)
+
+    walk(state, depth)
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
 def optimizer_memory(optimizer) -> set:
     """The memory of every parameter of `optimizer` and every tensor in its state: what only
     its step changes."""
@@ -207,3 +236,25 @@ def memory_of(t: torch.Tensor):
     if t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr())
+
+
+class OverlapSnapshot:
+    """snapshot="overlap" (a snapshot_modes.SnapshotMode; optimizer= needed): the tensors only the
+    optimizer's step changes are read by a snapshot on a background thread during the next
+    forward/backward, the others copied in the call; the next step() waits for the snapshot. A
+    first save, whose pool is not there yet, copies the state instead (no step waits)."""
+
+    name = Snapshot.OVERLAP
+    used_by = ("save_async", "dcp")
+    optimizer = "needed"
+    with_optimizer = None
+    uses_pool = True
+
+    def save(self, call):
+        return call.copy_first() or call.in_background(StepOwned(call.optimizer).__contains__, call.optimizer)
+
+    def stage(self, call):
+        staged = call.copy_first()
+        if staged is None:
+            staged = call.in_background(StepOwned(call.optimizer).__contains__, call.optimizer)
+        return staged

@@ -1,0 +1,75 @@
+"""gdsckpt.dcp.save / gdsckpt.dcp.async_save: torch.distributed.checkpoint through gdsckpt in one
+call, set up as its fast path needs:
+
+    gdsckpt.dcp.reserve(dcp_view(state))              # optional, before the loop: the staging's pool
+    fut = gdsckpt.dcp.async_save(state, "ckpt/step2000")
+
+- the state as DCP takes it (stateful.dcp_view: modules and optimizers through torch's
+  get_/set_model_state_dict and get_/set_optimizer_state_dict), its state_dict() taken once here;
+- GdsckptWriter(path, ...) as the storage writer and its async stager;
+- CachedSavePlanner: no plan exchange after the first save (without it DCP gathers every rank's
+  plan on its background thread each save, holding the GIL beside the training);
+- the optimizer `state` holds itself (one torch.optim.Optimizer object, whose step takes hooks)
+  overlapping the snapshot with the next forward/backward, as gdsckpt.save_async infers it: where
+  every tensor of the state is that optimizer's parameters' or state's memory, and neither
+  optimizer= nor snapshot= is given.
+
+A first save without reserve() takes its compressed staging from a copy of the state on its GPU,
+off the call, where half the GPU's free memory holds it (device_copy.copy_first); reserve() makes
+the pool ahead of need instead (call it before the loop: a reservation still growing the pool
+makes a first save grow it in its call).
+"""
+
+from __future__ import annotations
+
+import os
+
+from gdsckpt.writing.snapshot.overlap import StepOwned, optimizer_in
+from gdsckpt.format.stateful import dcp_view
+from .planner import CachedSavePlanner
+from .staging import state_tensors, stateful_values
+from .writer import GdsckptWriter
+
+__all__ = ["save", "async_save"]
+
+
+def _state_dict(state) -> dict:
+    """`state`'s DCP view with each Stateful's state_dict() taken, as DCP would take it."""
+    return stateful_values(dcp_view(state))
+
+
+def _writer_options(state, state_dict: dict, writer_options: dict) -> dict:
+    """writer_options with the optimizer `state` holds itself, where the overlap is inferred."""
+    if "optimizer" in writer_options or "snapshot" in writer_options or "async_staging" in writer_options:
+        return writer_options
+    opt = optimizer_in(state)
+    if opt is None:
+        return writer_options
+    owned = StepOwned(opt)
+    tensors = state_tensors(state_dict)
+    if tensors and all(t in owned for t in tensors):
+        return {**writer_options, "optimizer": opt}
+    return writer_options
+
+
+def async_save(state, path: str | os.PathLike, *, process_group=None, **writer_options):
+    """dcp.async_save of `state` (gdsckpt's state: modules, optimizers, plain values, as
+    gdsckpt.save takes it) into the DCP directory `path`, through GdsckptWriter and
+    CachedSavePlanner. writer_options: GdsckptWriter's (codec, snapshot, optimizer, ...). Returns
+    what dcp.async_save returns: DCP's AsyncSaveResponse where the snapshot overlaps (its
+    `staging_completion`, `upload_completion`), else a Future of the metadata."""
+    import torch.distributed.checkpoint as dcp
+    state_dict = _state_dict(state)
+    writer = GdsckptWriter(path, **_writer_options(state, state_dict, writer_options))
+    return dcp.async_save(state_dict, storage_writer=writer, planner=CachedSavePlanner(),
+                          process_group=process_group)
+
+
+def save(state, path: str | os.PathLike, *, process_group=None, **writer_options):
+    """dcp.save of `state` into `path` through GdsckptWriter and CachedSavePlanner; durable on
+    return (DCP's Metadata returned). writer_options: GdsckptWriter's save options."""
+    import torch.distributed.checkpoint as dcp
+    writer = GdsckptWriter(path, **writer_options)
+    return dcp.save(_state_dict(state), storage_writer=writer, planner=CachedSavePlanner(),
+                    process_group=process_group)
+
