@@ -22,6 +22,15 @@ def _gpu_ready() -> tuple[bool, str]:
     return gpu_status()
 
 
+def pytest_configure(config):
+    """codec="auto" on the CPU compresses in every test process, whatever cores the runner has (on
+    a host of few cores it stores raw: defaults.CPU_AUTO_COMPRESS_MIN_CORES), so that tests and
+    goldens of the compressed format mean the same on every runner; test_codec_choice sets it
+    back to test that choice."""
+    from gdsckpt.core import defaults
+    defaults.CPU_AUTO_COMPRESS_MIN_CORES = 1
+
+
 def pytest_collection_modifyitems(config, items):
     ok, why = _gpu_ready()
     if ok:

@@ -11,6 +11,9 @@ from a sample of the stream, is gdsckpt/engine/codec_choice.py's).
 
 from __future__ import annotations
 
+import os
+
+from gdsckpt.core import defaults
 from gdsckpt.core.defaults import ZSTD_FRAME_BYTES
 from ..errors import CodecUnavailableError
 from .ans import Ans
@@ -29,7 +32,7 @@ CODECS: tuple[Codec, ...] = (
     Bitcomp(),
 )
 _BY_NAME = {c.name: c for c in CODECS}
-GPU_AUTO = "ans"  # codec="auto" on the GPU: typed ANS (on the CPU: cpu_auto_spec, byte-shuffled zstd)
+GPU_AUTO = "ans"  # codec="auto" on the GPU: typed ANS (on the CPU: cpu_auto_spec, byte-shuffled zstd, or raw on few cores)
 # ...or, for streams of these dtypes, byte-plane ANS where a sample of the stream stores smaller
 # with it (candidates; codec_choice.py samples). AdamW's fp32 moments: exp_avg_sq 17.8% saved with
 # byte planes against 15.0% typed (H100, nvCOMP 6).
@@ -40,7 +43,7 @@ NVCOMP_CODECS = tuple(c.name for c in CODECS if c.nvcomp_native)  # their bitstr
 MAX_EXPANSION = {c.name: c.max_expansion for c in CODECS}
 
 __all__ = ["ALL_CODECS", "CODECS", "FRAME_ALIGN", "MAX_EXPANSION", "NVCOMP_CODECS", "SHUFFLE_WIDTHS",
-           "ZSTD_FRAME_BYTES", "ZSTD_HEADER_MAX", "Codec", "candidates", "check_zstd_header", "cpu_auto_spec",
+           "ZSTD_FRAME_BYTES", "ZSTD_HEADER_MAX", "Codec", "candidates", "check_zstd_header", "cpu_auto_compresses", "cpu_auto_spec",
            "cpu_can_decode", "frame_bounds", "frame_offsets", "gpu_can_decode", "lookup", "no_cpu_decoder",
            "of", "resolve", "spec_for"]
 
@@ -69,7 +72,7 @@ def resolve(codec, dtype: str, *, gpu: bool, nvcomp_version: str | None) -> dict
         codec = codec.get(dtype, "auto")
     if codec == "auto":
         if not gpu:
-            return cpu_auto_spec(dtype)
+            return cpu_auto_spec(dtype) if cpu_auto_compresses() else {"name": "raw"}
         codec = GPU_AUTO
     chosen = lookup(codec)
     if chosen is not None and not gpu and not chosen.cpu_encodes:
@@ -77,6 +80,17 @@ def resolve(codec, dtype: str, *, gpu: bool, nvcomp_version: str | None) -> dict
             f"codec {codec!r} needs nvCOMP on a GPU; this save runs on the CPU. "
             "Use codec='zstd' (portable) or install gdsckpt[cu12]/[cu13] and save CUDA tensors")
     return spec_for(codec, dtype, nvcomp_version, "gpu" if gpu else "cpu")
+
+
+def cpu_auto_compresses() -> bool:
+    """Whether codec="auto" on the CPU compresses (cpu_auto_spec): where this process may run on
+    defaults.CPU_AUTO_COMPRESS_MIN_CORES cores or more; on fewer it stores raw, which saves faster
+    there than the shuffle and zstd sharing the cores with the writes."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return cores >= defaults.CPU_AUTO_COMPRESS_MIN_CORES
 
 
 def candidates(codec, dtype: str, *, gpu: bool, nvcomp_version: str | None) -> list[dict]:

@@ -66,6 +66,12 @@ CPU_IO_THREADS = 2
 # above 1 cost time for no gain on byte planes (2026-11-23-cpu-compare/README.md).
 CPU_AUTO_LEVEL = 1
 
+# ...on hosts with at least this many cores the save may use; on fewer, codec="auto" on the CPU
+# stores raw. On the 2-core VM, shared with other processes, compressing a 64 MB AdamW state
+# (18.7% saved) made the save slower than torch.save + fsync, raw faster: the shuffle and zstd
+# compete for the cores with the writes and the page cache's writeback (docs/cpu-codec.md).
+CPU_AUTO_COMPRESS_MIN_CORES = 4
+
 # zstd's match finder for shuffled chunks, on top of the spec's level: an 8-bit hash table,
 # 7-byte minimum matches, a 128 KiB window. Byte planes of floats are mostly literals (Huffman
 # coded); a small match finder compressed them 1.0-1.4 GB/s instead of level 1's 0.65, for 0.3%

@@ -5,6 +5,8 @@ byte-plane ANS: tests/codecs/test_gpu_ans_planes.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from gdsckpt.core.dtypes import name_of
 from gdsckpt.format.plan import Plan, Plans, make_plan
 from gdsckpt.engine.ring import ByteViews
 from gdsckpt.format.tree import flatten
+from conftest import assert_same
 
 A = {"name": "ans", "data_type": "<f4", "nvcomp": "6.0.0", "uncomp_chunk_size": 512 << 10}
 B = {"name": "ans-planes", "data_type": "|u1", "nvcomp": "6.0.0", "uncomp_chunk_size": 512 << 10, "shuffle": 4}
@@ -209,3 +212,22 @@ def test_a_cpu_save_samples_nothing(tmp_path):
     assert "codec_choice" not in stats.stages
     assert all(codecs.candidates("auto", d, gpu=False, nvcomp_version=None) == [codecs.cpu_auto_spec(d)]
                for d in ("float32", "bfloat16", "int64"))
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_on_a_host_of_few_cores_cpu_auto_stores_raw(tmp_path, monkeypatch, cores):
+    """codec="auto" on the CPU of a host with fewer cores than CPU_AUTO_COMPRESS_MIN_CORES stores
+    raw (shuffle and zstd there cost more time than the bytes they save); the file reads back
+    bit-exact. With the cores, byte-shuffled zstd as before."""
+    from gdsckpt.core import defaults
+    monkeypatch.setattr(defaults, "CPU_AUTO_COMPRESS_MIN_CORES", 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    state = adamw_state(steps=1)
+    stats = gdsckpt.save(state, tmp_path / "a.gdsckpt", backend="cpu")
+    assert stats.stored_bytes == stats.logical_bytes
+    with gdsckpt.open(tmp_path / "a.gdsckpt") as ck:
+        assert {s.codec["name"] for s in ck.index.plan.streams} == {"raw"}
+    assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), state)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert codecs.resolve("auto", "float32", gpu=False, nvcomp_version=None) == codecs.cpu_auto_spec("float32")
+    assert codecs.resolve("auto", "float32", gpu=True, nvcomp_version="5.0.0")["name"] != "raw"
