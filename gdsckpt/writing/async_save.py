@@ -82,7 +82,6 @@ call to the commit. Stats of an overlap save are updated with `hook_wait_s` when
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -131,7 +130,6 @@ class SaveFuture(Future):
                 self.observed = True
 
 
-log = logging.getLogger("gdsckpt.save_async")
 _calls = threading.Lock()  # one save_async call at a time
 _tracked: list[tuple[SaveFuture, str, str]] = []  # (future, mode, path) of calls not known finished
 
