@@ -76,7 +76,7 @@ class AsyncStats(Stats):
     pool_waits: int = 0  # chunk copies that waited for the writer to free room (back-pressure)
     pool_wait_s: float = 0.0
     pool_alloc_s: float = 0.0  # growing the pool (the first saves)
-    device_copy_bytes: int = 0  # a device-mode save, or one that found its pool empty: the state's copy on its GPU (async_save._copied_save)
+    device_copy_bytes: int = 0  # a device-mode save, or one that found its pool empty: the state's copy on its GPU (a SaveCall's copied or copy_first)
 
 
 def stream_stats(plan, records) -> list[dict]:

@@ -44,7 +44,7 @@ takes too; `overlap=True` is the earlier spelling of snapshot="overlap" and stil
   (the process's first, or the first after release_pools): the state is copied on the GPU where
   defaults.FIRST_SAVE_COPY_FREE_FRACTION of its free memory holds the copy, save_async returns,
   and the host snapshot is taken from the copy on a background thread, growing the pool there
-  (_copied_save, device_copy.copy_first); no optimizer step waits for it. Page-locking a pool
+  (a SaveCall's copy_first, device_copy.copy_first); no optimizer step waits for it. Page-locking a pool
   of ~5 GB in the call blocked a first save 2 s on the H100's VMs; the copy, 0.07-0.13 s beyond
   a steady save.
 
