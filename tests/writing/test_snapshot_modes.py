@@ -160,3 +160,15 @@ def test_the_default_stays_the_host_snapshot_where_the_overlap_is_not_safe_or_no
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
     stats = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", **kwargs, **SMALL).result(60)
     assert stats.mode == "host" and len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_the_checkpointer_overlaps_with_the_states_optimizer_without_being_told(tmp_path):
+    model, opt = _model_and_optimizer()
+    want = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1})
+    ck = gdsckpt.Checkpointer(tmp_path / "ck", save_options=SMALL)
+    fut = ck.save_async(1, {"model": model, "optim": opt, "step": 1})
+    assert len(opt._optimizer_step_pre_hooks) == 1  # the next step waits for the snapshot
+    assert fut.result(60).mode == "overlap"
+    ck.wait()
+    assert_same(gdsckpt.load(tmp_path / "ck" / ck.layout.name(1)), want)
+    ck.close()
