@@ -42,7 +42,10 @@ A directory this process cannot write is opened read-only: steps(), latest_step(
 restore() work; save, save_async and prune raise ReadOnlyCheckpointerError.
 Under torch.distributed the directory is shared by the ranks: rank 0 holds the lock, deletes,
 uploads and finishes a rollback recorded there (opening is a collective: every rank constructs
-its Checkpointer); every rank saves and restores, the step rank 0 chooses.
+its Checkpointer); every rank saves and restores, the step rank 0 chooses. save_async's
+collectives, which run on DCP's thread, use a process group the Checkpointer makes when
+constructed (gdsckpt/core/process_groups.py): the training loop's own collectives on the default group
+may run meanwhile.
 """
 
 from __future__ import annotations
@@ -153,7 +156,10 @@ class Checkpointer(Rollbacks):
         if self.read_only:
             log.info("gdsckpt: %s cannot be written: this Checkpointer restores only", self.directory)
         if self.distributed:
-            self.layout: StepLayout = DcpSteps(self.directory, self.save_options, self.rank)
+            # dcp.async_save's collectives run on its thread: on a group of their own, never
+            # interleaved with the training loop's on the default group (process_groups)
+            from gdsckpt.core.process_groups import own_group
+            self.layout: StepLayout = DcpSteps(self.directory, self.save_options, self.rank, group=own_group())
         else:  # read-only: a step from the store is downloaded elsewhere
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)

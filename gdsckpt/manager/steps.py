@@ -362,14 +362,17 @@ class FileSteps(_Steps):
 
 
 class DcpSteps(_Steps):
-    """One DCP directory per step, written and read by every rank (gdsckpt.dcp)."""
+    """One DCP directory per step, written and read by every rank (gdsckpt.dcp). group: the
+    process group of save_async's collectives, which run on DCP's thread (process_groups.own_group;
+    None: the default group, which the caller's own collectives must then not use meanwhile)."""
 
     distributed = True
     loads_in_place = True
 
-    def __init__(self, directory: Path, save_options: dict, rank: int):
+    def __init__(self, directory: Path, save_options: dict, rank: int, group=None):
         super().__init__(directory, save_options)
         self.rank = rank
+        self.group = group
 
     @staticmethod
     def check_options(save_options: dict) -> None:
@@ -399,7 +402,8 @@ class DcpSteps(_Steps):
 
     def save_async(self, step: int, state, optimizer) -> Future:
         from gdsckpt.dcp import async_save  # the writer, CachedSavePlanner, dcp_view, and the state's own optimizer
-        fut = async_save(state, self.path(step), **async_options(self.save_options, optimizer))
+        fut = async_save(state, self.path(step), process_group=self.group,
+                         **async_options(self.save_options, optimizer))
         from torch.distributed.checkpoint.api import CheckpointException
         fut = getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse when staging is overlapped
         path = self.path(step)
