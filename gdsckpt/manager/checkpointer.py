@@ -219,6 +219,8 @@ class Checkpointer(Rollbacks):
             self._share_rollback(pending, failed)
         if failed is not None:
             raise failed
+        if self.distributed and self.memory is not None:  # a step one rank's tier kept alone counts on none
+            self.memory.agree()
         if self.remote is not None and self.remote.uploading:
             newest = self.layout.local_steps()
             if newest:  # a restarted run: its newest step may never have reached the store

@@ -80,3 +80,89 @@ def test_two_ranks_save_async_beside_the_loops_collectives(tmp_path, monkeypatch
                   timeout=120)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a step one rank's memory tier kept alone
+
+def _own_memory_root(rank: int) -> None:
+    """Each rank its own memory root, as each node has its own /dev/shm."""
+    os.environ["GDSCKPT_MEMORY_ROOT"] = os.path.join(os.environ["TEST_MEMORY_ROOTS"], f"r{rank}")
+
+
+def _killed_saving_step_2(rank: int, root: str, roots: str) -> None:
+    """Step 1 on disk; rank 0 killed while saving step 2 into its memory tier, before its copy's
+    commit record; rank 1 commits its copy, then is killed too (the job torn down)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ["TEST_MEMORY_ROOTS"] = roots
+    _own_memory_root(rank)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store-killed"), WORLD), rank=rank,
+                            world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+    from gdsckpt import Checkpointer
+    from gdsckpt.manager.memory.tier import MemoryTier
+    mesh = init_device_mesh("cpu", (WORLD,))
+    ck = Checkpointer(Path(root) / "ck", memory=True, every_local=2, save_options=OPTS)
+    ck.save(1, sharded(full_state(1), mesh))  # a DCP checkpoint
+    if rank == 0:
+        MemoryTier.commit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    ck.save_async(2, sharded(full_state(2), mesh)).result()  # memory only
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resume_after_the_kill(rank: int, root: Path, mesh) -> None:
+    from gdsckpt import Checkpointer
+    _own_memory_root(rank)
+    ck = Checkpointer(root / "ck", memory=True, every_local=2, save_options=OPTS)
+    _restores_exactly(ck, mesh, 1, "local")
+    ck.save(2, sharded(full_state(2), mesh))  # on every rank (a DCP checkpoint: the manager's first save)
+    dropped = ck.status()["memory"]["dropped"]  # rank 1's copy of step 2 went when the manager opened
+    assert [(d["step"], d["why"]) for d in dropped] == ([] if rank == 0 else [
+        (2, "rank(s) [0] hold no copy of it, so no rank restores it from memory")]), dropped
+    ck.save(3, sharded(full_state(3), mesh))  # memory only
+    _restores_exactly(ck, mesh, 3, "memory")
+
+    # in the run: rank 0 has no room for step 5, rank 1 keeps it; a restore agrees on step 4, and
+    # step 5 is saved again on every rank
+    ck.save(4, sharded(full_state(4), mesh))  # a DCP checkpoint
+    cap = ck.memory.tier.cap_bytes
+    if rank == 0:
+        ck.memory.tier.cap_bytes = 1
+    ck.save_async(5, sharded(full_state(5), mesh))
+    ck.wait()
+    ck.memory.tier.cap_bytes = cap
+    assert ck.memory.steps() == ([3] if rank == 0 else [3, 5]), ck.memory.steps()
+    _restores_exactly(ck, mesh, 4, "local")
+    assert ck.memory.steps() == [3] and ck.steps() == [1, 2, 3, 4]  # on every rank
+    ck.save(5, sharded(full_state(5), mesh))  # on every rank (a DCP checkpoint: the 5th save)
+    _restores_exactly(ck, mesh, 5, "local")
+    ck.release_memory()
+    ck.close()
+
+
+def test_two_ranks_a_step_one_ranks_memory_kept_alone_is_saved_again(tmp_path):
+    """Before, rank 1's leftover copy of step 2 counted there: the resumed run restored step 1 on
+    every rank, then save(2) raised "step 2 is not newer than step 2, already committed" on rank
+    1 alone while rank 0 waited in the save's collectives."""
+    import torch.multiprocessing as mp
+    roots = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
+    try:
+        for r in range(WORLD):
+            (roots / f"r{r}").mkdir()
+        ctx = mp.start_processes(_killed_saving_step_2, args=(str(tmp_path), str(roots)), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + 300
+        for p in ctx.processes:
+            p.join(max(0.1, deadline - time.monotonic()))
+        codes = [p.exitcode for p in ctx.processes]
+        for p in ctx.processes:
+            if p.exitcode is None:
+                p.kill()
+        assert codes == [-signal.SIGKILL] * WORLD, codes
+        records = [sorted(n for f in (roots / f"r{r}").iterdir() for n in os.listdir(f) if n.endswith(".commit"))
+                   for r in range(WORLD)]
+        assert records == [[], ["step_00000002.commit"]], records  # rank 1's tier alone kept step 2
+        run_ranks(tmp_path, _resume_after_the_kill, env={"TEST_MEMORY_ROOTS": str(roots)}, pg_timeout=30, timeout=300)
+    finally:
+        shutil.rmtree(roots, ignore_errors=True)
+

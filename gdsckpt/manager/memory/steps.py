@@ -16,7 +16,9 @@
 Under torch.distributed (a DcpSteps layout) each rank holds its own shards in its own tier
 (gdsckpt/manager/memory/ranks.py); a step due in the directory is a DCP checkpoint, saved as without the
 tier and not also held in memory (one snapshot per step); a memory step is restored only when
-every rank holds it and can read it into its shards (the ranks agree, and fall back together);
+every rank holds it and can read it into its shards (the ranks agree, and fall back together),
+and a copy some rank lacks (a rank killed while saving the step) is dropped where it is, at open
+and at every restore, so that it counts as committed on no rank;
 a rank without room for a step keeps none of it (a warning; no rank saves to the directory
 alone), and close() writes no memory-only step (no rank can make a DCP checkpoint of it alone).
 """
@@ -160,14 +162,28 @@ class MemorySteps:
     # ------------------------------------------------------------ restoring
     def restorable(self) -> list[int]:
         """Steps a restore may take from memory: this process's copies; under torch.distributed,
-        those every rank holds."""
-        mine = self.tier.steps()
-        if not self.distributed:
-            return mine
+        those every rank holds (agree(): the others' copies are dropped)."""
+        return self.agree() if self.distributed else self.tier.steps()
+
+    def agree(self) -> list[int]:
+        """Under torch.distributed, a collective (at open and at every restore): the steps every
+        rank holds a copy of. This rank's copies of other steps are dropped, as no rank restores
+        them from memory (a rank killed while saving the step, a rank without room for it): a
+        step the ranks agreed not to restore counts as committed on none of them, so that the
+        next save of its number runs on every rank (kept, it was refused as already committed on
+        the rank that held it alone, while the others went on into the save's collectives)."""
         import torch.distributed as dist
+        mine = self.tier.steps()
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-        return sorted(set.intersection(*(set(s) for s in every)))
+        common = set.intersection(*(set(s) for s in every))
+        for step in mine:
+            if step not in common:
+                why = f"rank(s) {[r for r, s in enumerate(every) if step not in s]} hold no copy of it, " \
+                      "so no rank restores it from memory"
+                if self.tier.drop(step, why):
+                    log.warning("gdsckpt: rank %d's memory copy of step %d is dropped: %s", self.tier.rank, step, why)
+        return sorted(common)
 
     def load(self, step: int, state, device, strict: bool) -> tuple[object, str, object]:
         """(state, label, stats) of `step` restored from memory; DAMAGE where it cannot be (under
