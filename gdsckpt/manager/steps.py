@@ -23,6 +23,7 @@ from gdsckpt import api
 from gdsckpt.writing.snapshot import modes as snapshot_modes
 from gdsckpt.writing.async_save import SaveFuture, save_async
 from gdsckpt.errors import CheckpointFormatError, GdsckptError, StateMismatchError, VersionError
+from gdsckpt.dcp.rank_values import check_alike
 from gdsckpt.writing.save import check_save_options
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
 from gdsckpt.core.storage import fsync_dir, stale_temporaries, temp_path_for
@@ -393,6 +394,7 @@ class DcpSteps(_Steps):
         import torch.distributed.checkpoint as dcp
         from gdsckpt.dcp import CachedSavePlanner, GdsckptWriter
         from torch.distributed.checkpoint.api import CheckpointException
+        check_alike(state, self.group)  # refused on every rank where one would be given another's value
         try:
             dcp.save(dcp_view(state), storage_writer=GdsckptWriter(self.path(step), **self.sync_options),
                      planner=CachedSavePlanner())
@@ -402,6 +404,7 @@ class DcpSteps(_Steps):
 
     def save_async(self, step: int, state, optimizer) -> Future:
         from gdsckpt.dcp import async_save  # the writer, CachedSavePlanner, dcp_view, and the state's own optimizer
+        check_alike(state, self.group)  # on the caller's thread: no save of this Checkpointer's is in flight
         fut = async_save(state, self.path(step), process_group=self.group,
                          **async_options(self.save_options, optimizer))
         from torch.distributed.checkpoint.api import CheckpointException

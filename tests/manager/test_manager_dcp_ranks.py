@@ -2,7 +2,8 @@
 (2 CPU ranks over gloo, real processes): save_async's collectives, which run on DCP's thread,
 never pair with the loop's own on the default group; a step one rank's memory tier kept and
 another's lost (a rank killed while saving it) counts on no rank, so that the resumed run saves
-it again on every rank."""
+it again on every rank; a value that differs across ranks under one key is refused at the save,
+naming the key, never restored on every rank as one rank's."""
 
 from __future__ import annotations
 
@@ -166,3 +167,40 @@ def test_two_ranks_a_step_one_ranks_memory_kept_alone_is_saved_again(tmp_path):
     finally:
         shutil.rmtree(roots, ignore_errors=True)
 
+
+# ---------------------------------------------------------------- values that differ across ranks under one key
+
+def _values_that_differ_across_ranks(rank: int, root: Path, mesh) -> None:
+    from gdsckpt import RNG, Checkpointer
+    from gdsckpt.errors import UnsupportedStateError
+    ck = Checkpointer(root / "ck", keep=2, save_options=OPTS)
+    loader = {"epoch": 3, "pos": 100 + rank, "seen": {"a", "b", "c"}}  # a set: alike, whatever each hash seed
+    with pytest.raises(UnsupportedStateError, match=r"^'loader\.pos' differ across ranks: DCP keeps one copy"):
+        ck.save(1, sharded(full_state(1), mesh) | {"loader": loader})
+    torch.manual_seed(rank)
+    names = r"^('extra\.rng\.numpy', )?'extra\.rng\.python\.1', 'extra\.rng\.torch' differ across ranks"
+    with pytest.raises(UnsupportedStateError, match=names):  # an RNG() deeper than the top level
+        ck.save_async(1, sharded(full_state(1), mesh) | {"extra": {"rng": RNG()}})  # refused in the call
+    assert ck.steps() == []
+
+    # each rank's under a key of its own, a top-level RNG(), values alike on every rank: saved, and
+    # each rank restores its own
+    state = sharded(full_state(1), mesh) | {f"loader_{rank}": loader, "rng": RNG(),
+                                            "alike": {"epoch": 3, "seen": {"a", "b", "c"}}}
+    ck.save_async(1, state)
+    ck.wait()
+    expected = torch.rand(4)
+    torch.manual_seed(1000)
+    target = sharded(full_state(0), mesh) | {f"loader_{rank}": {"epoch": 0, "pos": 0, "seen": set()}, "rng": RNG(),
+                                             "alike": {"epoch": 0, "seen": set()}}
+    assert ck.restore(target).step == 1
+    same_local(target, sharded(full_state(1), mesh))
+    assert target[f"loader_{rank}"] == loader and target["alike"] == {"epoch": 3, "seen": {"a", "b", "c"}}
+    assert torch.equal(torch.rand(4), expected)  # this rank's generator, as it was at the save
+    ck.close()
+
+
+def test_two_ranks_values_that_differ_across_ranks(tmp_path):
+    """Before, DCP saved rank 0's loader position (and RNG state) once, and rank 1 restored it as
+    its own, without a word."""
+    run_ranks(tmp_path, _values_that_differ_across_ranks, pg_timeout=30)
