@@ -43,3 +43,19 @@ def _default_timeout() -> datetime.timedelta | None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return None
+
+
+_SHARED: list = []  # [(the default group, its own_group())]: the one made for calls on every rank alike
+
+
+def shared_group():
+    """own_group(), made once per default group, for calls that every rank makes alike and that
+    run collectives off the caller's thread (gdsckpt.dcp.async_save with no process_group=); None
+    where torch.distributed is not initialised. Made at the first such call, on every rank."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if not _SHARED or _SHARED[0][0] is not world:  # a new default group (destroyed and made again)
+        _SHARED[:] = [(world, own_group())]
+    return _SHARED[0][1]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+from gdsckpt.core.process_groups import shared_group
 from gdsckpt.writing.snapshot.overlap import StepOwned, optimizer_in
 from gdsckpt.format.stateful import dcp_view
 from .planner import CachedSavePlanner
@@ -57,12 +58,14 @@ def async_save(state, path: str | os.PathLike, *, process_group=None, **writer_o
     gdsckpt.save takes it) into the DCP directory `path`, through GdsckptWriter and
     CachedSavePlanner. writer_options: GdsckptWriter's (codec, snapshot, optimizer, ...). Returns
     what dcp.async_save returns: DCP's AsyncSaveResponse where the snapshot overlaps (its
-    `staging_completion`, `upload_completion`), else a Future of the metadata."""
+    `staging_completion`, `upload_completion`), else a Future of the metadata. process_group:
+    where DCP's collectives run, on its background thread; by default a group of gdsckpt's own
+    (process_groups.shared_group), never the default group the training's collectives use."""
     import torch.distributed.checkpoint as dcp
     state_dict = _state_dict(state)
     writer = GdsckptWriter(path, **_writer_options(state, state_dict, writer_options))
     return dcp.async_save(state_dict, storage_writer=writer, planner=CachedSavePlanner(),
-                          process_group=process_group)
+                          process_group=process_group if process_group is not None else shared_group())
 
 
 def save(state, path: str | os.PathLike, *, process_group=None, **writer_options):
