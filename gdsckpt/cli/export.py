@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from .. import api, codecs
-from gdsckpt.engine.backend import choose
+from gdsckpt.engine.backend import choose, gpu_status
 from gdsckpt.core.dtypes import BY_NAME
-from ..errors import UnsupportedStateError
+from ..errors import CodecUnavailableError, UnsupportedStateError
 from gdsckpt.format.file import Index
 from gdsckpt.writing.save import NewFile, SaveOptions, save_flat
 from gdsckpt.core.storage import AtomicFile, export_target, pwrite_all, save_target, temp_path_for, user_path
@@ -34,9 +34,10 @@ from gdsckpt.format.tree import Leaf
 from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode
 from .output import emit_json, progress
-from .torch_export import TORCH_HELP, export_torch
+from .paths import CHECKPOINT, expect_path
+from .torch_export import export_torch
 
-__all__ = ["convert", "export_safetensors", "cmd_convert", "cmd_export", "SAFETENSORS_DTYPES", "EXPORT_HELP"]
+__all__ = ["convert", "export_safetensors", "cmd_convert", "cmd_export", "SAFETENSORS_DTYPES"]
 
 ALIGN = 64  # where each tensor starts in the scratch file and in the safetensors data (any dtype's alignment)
 
@@ -120,6 +121,14 @@ def convert(src, dst, *, codec: str = "zstd", bar=None):
 
 
 def cmd_convert(args) -> int:
+    expect_path(args.src, CHECKPOINT)
+    if args.codec != "auto" and not codecs.lookup(args.codec).cpu_encodes:
+        usable, why = gpu_status()
+        if not usable:  # convert() would say it in the API's words (codec=, CUDA tensors)
+            raise CodecUnavailableError(
+                f"--codec {args.codec} compresses with nvCOMP on a GPU, and none is usable here ({why}). "
+                f"Convert with --codec zstd (any CPU reads it) or --codec auto, or run this command on a "
+                f"machine with a GPU and gdsckpt[cu12] or [cu13] installed")
     with api.open(args.src) as ck:
         total, count = ck.index.plan.logical_bytes, len(ck.index.plan.tensors)
     bar = progress(total, f"convert {Path(args.src).name}")
@@ -207,12 +216,10 @@ def _plain_values(node: dict) -> int:
 
 
 EXPORTERS = {"safetensors": export_safetensors, "torch": export_torch}
-EXPORT_HELP = """write the checkpoint in another format, one tensor at a time (never the whole state in
-memory). safetensors: every key (a tied weight as a copy under each of its keys); plain values
-(step, lr) have no place there and are left out. torch: """ + TORCH_HELP
 
 
 def cmd_export(args) -> int:
+    expect_path(args.src, CHECKPOINT)
     with api.open(args.src) as ck:
         total = sum(ck.info(k)["nbytes"] for k in ck.keys()) if args.to == "safetensors" \
             else ck.index.plan.logical_bytes

@@ -8,7 +8,6 @@ present, and every rank file verified like a single file.
 
 from __future__ import annotations
 
-import errno
 import math
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ..stores import is_remote
 from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode
 from .output import describe_error, emit_json, progress
+from .paths import FILE_OR_FOLDER, expect_path
 
 __all__ = ["Target", "resolve", "inspect_file", "dcp_summary", "cmd_inspect", "cmd_verify"]
 
@@ -42,9 +42,8 @@ class Target:
 def resolve(path: str) -> Target:
     if is_remote(path):
         return Target(path, "file", [path])
+    expect_path(path, FILE_OR_FOLDER)
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
     if not p.is_dir():
         return Target(path, "file", [path])
     if not (p / METADATA_FILE).is_file():
@@ -93,10 +92,37 @@ def _check_references(root: str, summary: dict, ck, name: str) -> None:
 
 
 def inspect_file(path: str) -> dict:
-    """{"path", "metadata", "streams", "tensors": {key: {dtype, shape, nbytes, codec, device}}}."""
+    """{"path", "metadata", "streams", "tensors": {key: {dtype, shape, nbytes, codec, device}},
+    "values": {key: value}} (plain_values)."""
     with api.open(path) as ck:
         return {"path": str(path), "metadata": ck.metadata, "streams": ck.streams(),
-                "tensors": {k: {**ck.info(k), "shape": list(ck.info(k)["shape"])} for k in ck.keys()}}
+                "tensors": {k: {**ck.info(k), "shape": list(ck.info(k)["shape"])} for k in ck.keys()},
+                "values": plain_values(ck.index.skeleton)}
+
+
+def plain_values(skeleton: dict) -> dict:
+    """The plain values a checkpoint holds besides its tensors (step, lr, a name), by key path as
+    the tensors' ("<root>" for a state that is one value). A list or tuple of nothing but plain
+    values (an optimizer's betas, its param_groups' parameter ids) is one entry: the list."""
+    out = {}
+
+    def visit(node: dict, key: str, depth: int) -> None:
+        (kind, body), = node.items()
+        if kind == "value":
+            out[key or "<root>"] = body
+            return
+        if kind in ("list", "tuple") and body and all("value" in n for n in body):
+            values = [n["value"] for n in body]
+            out[key or "<root>"] = values if kind == "list" else tuple(values)
+            return
+        if kind == "odict":
+            kind, body = "dict", body["items"]
+        children = body if kind == "dict" else enumerate(body) if kind in ("list", "tuple") else ()
+        for k, child in children:
+            visit(child, f"{key}/{k}" if depth else str(k), depth + 1)
+
+    visit(skeleton, "", 0)
+    return out
 
 
 def cmd_inspect(args) -> int:
@@ -138,6 +164,23 @@ def _print_file(info: dict, *, summary: bool) -> None:
         print(f"\n{'tensor':<60}{'dtype':<16}{'shape':<24}{'device':<7}")
         for k, i in tensors.items():
             print(f"{k:<60}{i['dtype']:<16}{str(i['shape']):<24}{i['device']:<7}")
+        if info["values"]:
+            print("\nvalue")
+            for k, v in info["values"].items():
+                print(f"{k:<60}{_shown(v)}")
+
+
+def _shown(value, width: int = 60) -> str:
+    """A plain value as inspect prints it: its repr, a long list cut in the middle with its length."""
+    text = repr(value)
+    if len(text) <= width:
+        return text
+    if isinstance(value, (list, tuple)):
+        head, tail = ", ".join(map(repr, value[:3])), repr(value[-1])
+        opening, closing = "[]" if isinstance(value, list) else "()"
+        return f"{opening}{head}, ..., {tail}{closing} ({len(value)} values)" if len(head) + len(tail) < width \
+            else f"({len(value)} values)"
+    return text[:width - 3] + "..."
 
 
 # ---------------------------------------------------------------- verify
@@ -244,11 +287,11 @@ def cmd_verify(args) -> int:
         bar.close()
     errors = [e["error"] for e in [result["metadata"] or {}, *result["files"]] if e.get("error")]
     result["ok"] = not errors
-    for e in errors:  # on stderr whatever stdout holds
-        print(f"gdsckpt verify: error: {e['message']}", file=sys.stderr)
-    if args.json:
+    if args.json:  # the JSON on stdout, each failure's message on stderr too (as every command's error)
+        for e in errors:
+            print(f"gdsckpt verify: error: {e['message']}", file=sys.stderr)
         emit_json(result)
-    else:
+    else:  # the report on stdout, each failure once in it (its DAMAGED line)
         _print_verify(result, args)
     return ExitCode.DAMAGED if errors else ExitCode.OK  # a part missing from a folder is damage too
 

@@ -14,11 +14,12 @@ import contextlib
 import json
 import os
 import sys
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
-__all__ = ["emit_json", "progress", "quiet_pipe", "describe_error"]
+__all__ = ["emit_json", "progress", "quiet_pipe", "describe_error", "message_of"]
 
 
 def emit_json(document) -> None:
@@ -28,12 +29,23 @@ def emit_json(document) -> None:
 
 def describe_error(error: BaseException) -> dict:
     """An error as the JSON documents hold it: {"type": its class name, "message"}."""
-    return {"type": type(error).__name__, "message": str(error)}
+    return {"type": type(error).__name__, "message": message_of(error)}
+
+
+def message_of(error: BaseException) -> str:
+    """What the CLI says of `error`: an OSError about a path as "PATH: what" (its str() is
+    "[Errno 2] No such file or directory: 'PATH'"), anything else as its str()."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        names = [n if isinstance(n, str) else os.fsdecode(n) if isinstance(n, bytes) else str(n)
+                 for n in (error.filename, error.filename2) if n is not None]
+        return f"{' -> '.join(names)}: {error.strerror}"
+    return str(error)
 
 
 def progress(total: float | None, desc: str, unit: str = "B") -> tqdm:
     """A progress bar (update(n) as work is done; close() at the end), shown on a terminal only.
     unit "B": bytes, scaled in decimal units as the rest of the CLI shows them."""
+    from tqdm import tqdm  # here: a fraction of a second that --help and a usage error need not wait
     shown = _isatty(sys.stdout) and _isatty(sys.stderr) and not os.environ.get("TQDM_DISABLE")
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1000,
                 disable=None if shown else True, leave=False, file=sys.stderr, dynamic_ncols=True)

@@ -29,12 +29,7 @@ from gdsckpt.core.dtypes import BY_NAME
 from gdsckpt.core.storage import AtomicFile, export_target
 from gdsckpt.format.tree import TYPED, unflatten
 
-__all__ = ["export_torch", "TORCH_HELP"]
-
-TORCH_HELP = """what gdsckpt.load returns, as torch.save writes it (NumPy arrays and bytes as
-tensors, so torch.load(weights_only=True) reads it). A torch.save file is a zip whose one pickle
-describes every tensor: torch.save itself writes that pickle and empty records
-(torch.serialization.skip_data), and the records are then filled one tensor at a time."""
+__all__ = ["export_torch"]
 
 
 def _stored(ck) -> list:

@@ -6,7 +6,6 @@ the Checkpointer's own retention, run now).
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 from pathlib import Path
@@ -16,9 +15,11 @@ from gdsckpt.core.storage import stale_temporaries
 from gdsckpt.core.units import format_bytes
 from .exitcodes import ExitCode
 from .output import emit_json
+from .paths import CHECKPOINTER_DIR, expect_directory
 
 __all__ = ["describe", "restore_test", "cmd_ls", "cmd_restore_test", "cmd_prune", "cmd_clean"]
 
+LOCATION = f"{CHECKPOINTER_DIR} or an s3://bucket/prefix"  # what ls and restore-test take
 WHERE = ("memory", "local", "remote")  # the tiers a step may be in, fastest first
 
 
@@ -30,6 +31,8 @@ def cmd_clean(args) -> int:
             return ExitCode.USAGE
         return _clean_gone_memory(args)
     d = Path(args.directory)
+    if not args.memory:  # with --memory: also a directory removed whole, whose copies are left here
+        expect_directory(d, "a checkpoint directory")
     dropped = []
     if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
         from gdsckpt.manager.memory.folders import drop_copies
@@ -234,6 +237,7 @@ def _where(r) -> str:
 
 
 def cmd_ls(args) -> int:
+    expect_directory(args.location, LOCATION)
     rows = describe(args.location, remote=args.remote, deep=args.verify)
     if args.json:
         emit_json(rows)
@@ -254,6 +258,7 @@ def cmd_restore_test(args) -> int:
     """0: the newest step is intact; 1: it is not (an older one, or none, would be restored);
     3: there is no step at all."""
     from .output import progress
+    expect_directory(args.location, LOCATION)
     bar = progress(None, "restore-test", unit="step")
     try:
         step, checked = restore_test(args.location, remote=args.remote, on_step=lambda r: bar.update(1))
@@ -283,8 +288,7 @@ def cmd_prune(args) -> int:
     temporary removed, a pending rollback only looked at). With --yes, a pending rollback is
     finished first (its steps are among those removed), then the policy applied."""
     from gdsckpt.manager.checkpointer import Checkpointer
-    if not Path(args.directory).is_dir():  # a typo: never create it (the Checkpointer would)
-        raise FileNotFoundError(errno.ENOENT, "No such checkpoint directory", args.directory)
+    expect_directory(args.directory, CHECKPOINTER_DIR)  # a typo: never create it (the Checkpointer would)
     if args.keep_remote is not None and args.remote is None:
         raise ValueError("--keep-remote applies to the store's steps: name the store with --remote")
     options = {"keep": args.keep, "remote": args.remote, "keep_remote": args.keep_remote, "upload": False}

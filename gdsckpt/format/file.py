@@ -19,11 +19,11 @@ from . import checksum as _ck
 from gdsckpt.core import collector
 from gdsckpt.core import dtypes
 from gdsckpt import codecs
+from gdsckpt._version import FORMAT_MAJOR as MAJOR, FORMAT_MINOR as MINOR
 from gdsckpt.errors import CheckpointFormatError, UnsupportedStateError, VersionError
 from .plan import Chunk, Plan, Stream, TensorEntry, segments
 from gdsckpt.core.storage import pwrite_all
 
-MAJOR, MINOR = 1, 1
 # The checksum of every chunk record, the index and the footer, by format version (FORMAT.md,
 # "Checksum"): 1.0 wrote a position-weighted sum that two flipped top bits cancel; 1.1 writes
 # CRC-64/NVME. What this version writes (defined with the algorithms, in checksum.py):

@@ -35,7 +35,7 @@ def test_prune_of_a_missing_directory_creates_nothing(tmp_path):
     for yes in ([], ["--yes"]):
         rc, out, err = run_cli("prune", typo, "--keep", "1", *yes)
         assert rc == 3 and out == "", (rc, out, err)  # 3: not found
-        assert err == f"gdsckpt prune: error: [Errno 2] No such checkpoint directory: '{typo}'\n"
+        assert err == f"gdsckpt prune: error: {typo}: No such directory (expected a Checkpointer directory)\n"
     assert list(tmp_path.iterdir()) == []
 
 

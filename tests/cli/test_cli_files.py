@@ -43,13 +43,41 @@ def test_inspect_and_verify_a_dcp_folder(tmp_path):
     assert [f["ok"] for f in doc["files"]] == [True] * len(rank_files)
 
 
+def test_inspect_shows_plain_values(tmp_path):
+    """step, lr, a name: the values beside the tensors, by key path; a list of values (betas, an
+    optimizer's parameter ids) as one entry, a long one shortened in the table (whole in --json)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(20)])
+    opt = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.9))
+    model(torch.randn(1, 2)).sum().backward()
+    opt.step()
+    p = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"model": model, "optim": opt, "step": 1200, "lr": 3e-4, "run": "gpt2-medium", "note": None,
+                  "schedule": {"warmup": 100, "decay": [0.5, 0.25]}}, p)
+    rc, out, _ = run_cli("inspect", p)
+    assert rc == 0, out
+    values = out.split("\nvalue\n", 1)[1].splitlines()
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in values}
+    assert rows["step"] == "1200" and rows["lr"] == "0.0003" and rows["run"] == "'gpt2-medium'", rows
+    assert rows["note"] == "None" and rows["schedule/warmup"] == "100" and rows["schedule/decay"] == "[0.5, 0.25]"
+    assert rows["optim/param_groups/0/betas"] == "(0.8, 0.9)", rows
+    assert rows["optim/param_groups/0/params"] == "[0, 1, 2, ..., 39] (40 values)", rows
+    rc, out, _ = run_cli("inspect", p, "--json")
+    doc = json.loads(out)["values"]
+    assert doc["step"] == 1200 and doc["run"] == "gpt2-medium" and doc["optim/param_groups/0/params"] == list(range(40))
+    rc, out, _ = run_cli("inspect", p, "--summary")
+    assert "\nvalue\n" not in out  # streams only
+
+
 def test_verify_finds_a_damaged_rank_file_a_missing_one_and_damaged_metadata(tmp_path):
     d = _dcp_folder(tmp_path / "a")
     rank = next(d.glob("*.gdsckpt"))
     flip_chunk_byte(rank, 5, 0x10)
     rc, out, err = run_cli("verify", d)
-    assert rc == 1 and f"{rank}: DAMAGED: ChecksumError" in out and "chunk 0" in err, (out, err)
+    assert rc == 1 and f"{rank}: DAMAGED: ChecksumError" in out and "chunk 0" in out, (out, err)
     assert out.splitlines()[-1] == f"{d}: DAMAGED"
+    assert out.count("chunk 0") == 1 and err == ""  # one message per failure: the report's DAMAGED line
+    rc, out, err = run_cli("verify", d, "--json")  # stdout is the document: the message on stderr too
+    assert rc == 1 and err.count("chunk 0") == 1 and err.startswith("gdsckpt verify: error: "), err
 
     d = _dcp_folder(tmp_path / "b")
     rank = next(d.glob("*.gdsckpt"))
@@ -73,7 +101,8 @@ def test_a_folder_that_is_not_a_checkpoint(tmp_path):
         rc, out, err = run_cli(cmd, tmp_path)
         assert rc == 1 and "not a DCP step folder" in err and out == "", (cmd, out, err)
     rc, _, err = run_cli("verify", tmp_path / "missing")
-    assert rc == 3 and "No such file or directory" in err
+    assert rc == 3 and err == (f"gdsckpt verify: error: {tmp_path / 'missing'}: No such file or directory "
+                               "(expected a gdsckpt checkpoint file or a DCP step folder)\n"), err
 
 
 def test_verify_of_a_missing_store_object_is_not_found(tmp_path, s3_env):

@@ -71,6 +71,43 @@ def test_usage_and_not_found_codes_and_the_json_error_document(tmp_path):
     assert json.loads(out)["error"]["type"] == "FileNotFoundError" and json.loads(out)["error"]["exit_code"] == 3
 
 
+def test_a_missing_path_is_named_with_what_the_command_expected(tmp_path):
+    """Not a bare "[Errno 2]": the path, and what should have been there; exit 3 (not found)."""
+    gone = tmp_path / "gone"
+    expected = {"inspect": "a gdsckpt checkpoint file or a DCP step folder", "verify":
+                "a gdsckpt checkpoint file or a DCP step folder", "convert": "a gdsckpt checkpoint file",
+                "export": "a gdsckpt checkpoint file", "ls": "a Checkpointer directory or an s3://bucket/prefix",
+                "restore-test": "a Checkpointer directory or an s3://bucket/prefix",
+                "prune": "a Checkpointer directory", "clean": "a checkpoint directory"}
+    extra = {"convert": [tmp_path / "out.gdsckpt"], "export": [tmp_path / "out", "--to", "torch"]}
+    for cmd, what in expected.items():
+        rc, out, err = run_cli(cmd, gone, *extra.get(cmd, []))
+        noun = "directory" if cmd in ("ls", "restore-test", "prune", "clean") else "file or directory"
+        assert (rc, out) == (3, ""), (cmd, rc, out, err)
+        assert err == f"gdsckpt {cmd}: error: {gone}: No such {noun} (expected {what})\n", (cmd, err)
+    rc, out, err = run_cli("ls", tmp_path / "gone", "--json")
+    assert json.loads(out)["error"]["message"] == f"{gone}: No such directory (expected {expected['ls']})"
+    p = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"x": torch.zeros(3)}, p)
+    rc, _, err = run_cli("ls", p)  # a file where a directory belongs: a usage error, saying so
+    assert rc == 2 and err == f"gdsckpt ls: error: {p}: Not a directory (expected {expected['ls']})\n", err
+    rc, _, err = run_cli("convert", p, tmp_path / "no" / "dir" / "b.gdsckpt")
+    assert rc == 3 and err.startswith(f"gdsckpt convert: error: {tmp_path}/no/dir/b.gdsckpt: No such directory "), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a usable GPU")
+def test_convert_to_a_gpu_codec_without_a_gpu_says_what_to_type(tmp_path):
+    """In the command line's words (--codec ...), not the API's (codec=, "save CUDA tensors")."""
+    p = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"x": torch.zeros(3)}, p)
+    for codec in ("ans", "bitcomp", "ans-planes"):
+        rc, out, err = run_cli("convert", p, tmp_path / "b.gdsckpt", "--codec", codec)
+        assert rc == 1 and out == "" and err.startswith(f"gdsckpt convert: error: --codec {codec} compresses with "
+                                                        "nvCOMP on a GPU"), err
+        assert "--codec zstd" in err and "codec=" not in err and "CUDA tensors" not in err, err
+    assert not (tmp_path / "b.gdsckpt").exists()
+
+
 def test_json_of_the_manager_commands(tmp_path):
     d = tmp_path / "run"
     with Checkpointer(d, keep=5, save_options=OPTS) as ck:
