@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .core.units import format_bytes
+
 __all__ = ["Stats", "AsyncStats", "stream_stats", "INNER_STAGES", "outer_seconds"]
 
 # Stages timed inside another one (read_ahead.py's, within the ring's read_wait or atomic_read), or
@@ -55,8 +57,17 @@ class Stats:
         d["gbps"] = self.gbps
         return d
 
+    def __repr__(self) -> str:  # one line of the key figures; every field is an attribute, and in to_dict()
+        return f"{type(self).__name__}({self._figures()})"
 
-@dataclass
+    def _figures(self) -> str:
+        """One line: what, where, bytes, ratio, seconds, GB/s and the I/O path."""
+        return (f"{self.op} {self.path!r}: {format_bytes(self.logical_bytes)} -> {format_bytes(self.stored_bytes)} "
+                f"stored (ratio {self.ratio:.2f}), {self.seconds:.3f} s, {self.gbps:.3g} GB/s, "
+                f"{self.backend} backend, io {self.io_path}")
+
+
+@dataclass(repr=False)  # Stats' one line, and the caller's stall
 class AsyncStats(Stats):
     """A save_async's Stats. The caller's stall is `blocked_s` (+ `hook_wait_s` in overlap mode)."""
 
@@ -77,6 +88,10 @@ class AsyncStats(Stats):
     pool_wait_s: float = 0.0
     pool_alloc_s: float = 0.0  # growing the pool (the first saves)
     device_copy_bytes: int = 0  # a device-mode save, or one that found its pool empty: the state's copy on its GPU (a SaveCall's copied or copy_first)
+
+    def _figures(self) -> str:
+        stall = f"blocked {self.blocked_s:.3f} s" + (f" + {self.hook_wait_s:.3f} s in step()" if self.hook_wait_s else "")
+        return f"{super()._figures()}; {self.mode} mode, {stall}"
 
 
 def stream_stats(plan, records) -> list[dict]:

@@ -55,6 +55,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,11 @@ class Restored:
     path: str
     skipped: list = field(default_factory=list)
     stats: object = None
+
+    def __repr__(self) -> str:  # not the state: a model's worth of tensors
+        keys = f", keys={len(self.state)}" if isinstance(self.state, Mapping) else ""
+        return (f"Restored(step={self.step}, source={self.source!r}{keys}, path={self.path!r}"
+                + (f", skipped={len(self.skipped)}" if self.skipped else "") + ")")
 
 
 class Checkpointer(Rollbacks):
@@ -524,6 +530,7 @@ class Checkpointer(Rollbacks):
                 if skipped:
                     warnings.warn(f"gdsckpt: restored step {s} ({where}), not the newer " +
                                   "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped), stacklevel=2)
+                log.info("restored step %d from %s (%s)", s, where, path)
                 return Restored(out, s, where, path, skipped, stats)
         what = f"step {step}" if step is not None else "committed, intact step"
         raise NoCheckpointError(f"no {what} in {str(self.directory)!r}"
