@@ -42,7 +42,7 @@ def save(state, path, *, codec="auto", chunk_bytes: int | None = None, ring_dept
     destination = NewFile(target)
     options = SaveOptions(codec=codec, chunk_bytes=chunk_bytes, ring_depth=ring_depth, io=io,
                           io_threads=io_threads, backend=backend)
-    skeleton, leaves = flatten(state)
+    skeleton, leaves = flatten(state, saving=True)
     return save_flat(skeleton, leaves, destination, options, started=started)
 
 

@@ -10,7 +10,10 @@ set_state(), and `RNG()` is the process's global generators as one Stateful.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import sys
 import warnings
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,6 +51,64 @@ def load_state(obj, value, *, strict: bool) -> None:
         obj.load_state_dict(value, strict=strict)
     else:
         obj.load_state_dict(value)
+
+
+# ---------------------------------------------------------------- an optimizer saved before its first step
+
+# Hyperparameters of the optimizers that keep state (moments, buffers) once they step: the betas
+# and eps of Adam and its kin (AdamW, NAdam, RAdam, Adamax, Adafactor), and Adagrad's eps, RMSprop's
+# alpha, Adadelta's rho, Rprop's etas, ASGD's lambd; SGD's momentum where it is not 0. SGD without
+# momentum keeps no state, and an optimizer of one's own with none of these may not either: their
+# empty state is no sign of a missed step.
+STATEFUL_HYPERPARAMETERS = ("betas", "eps", "alpha", "rho", "etas", "lambd")
+
+
+def unstepped_parameters(state, param_groups) -> int:
+    """How many parameters an optimizer (its `state` and `param_groups`, or its state_dict()'s)
+    names while holding no state of them, where it would keep some once it steps (Adam's moments:
+    STATEFUL_HYPERPARAMETERS); 0 if it holds state, names none, or would keep none."""
+    if state or not isinstance(param_groups, (list, tuple)):
+        return 0
+    count, keeps_state = 0, False
+    for group in param_groups:
+        if not isinstance(group, dict):
+            return 0
+        params, momentum = group.get("params"), group.get("momentum")
+        count += len(params) if isinstance(params, (list, tuple)) else 0
+        keeps_state = (keeps_state or any(h in group for h in STATEFUL_HYPERPARAMETERS)
+                       or (isinstance(momentum, (int, float)) and momentum != 0))
+    return count if keeps_state else 0
+
+
+_warned_unstepped = False  # the warning below: once a process
+
+
+def warn_unstepped(state_dict: dict, key: str) -> None:
+    """Warn, once a process, that the dict at `key` being saved is an optimizer's state_dict()
+    without its moments (unstepped_parameters): taken before the optimizer's first step."""
+    global _warned_unstepped
+    if _warned_unstepped or type(state_dict.get("state")) is not dict:
+        return
+    count = unstepped_parameters(state_dict["state"], state_dict.get("param_groups"))
+    if count:
+        _warned_unstepped = True
+        warnings.warn(
+            f"gdsckpt: the optimizer state saved at {key or '<root>'!r} holds no moments: its param_groups name "
+            f"{count} parameter(s) but its 'state' is empty, as before the optimizer's first step(). Unless this "
+            "save is meant to precede training, the state_dict() was taken too early (build it at each save, or "
+            "put the optimizer itself in the state); a restore from it starts the moments from zero. "
+            "(Warned once a process.)", stacklevel=_first_caller_outside())
+
+
+def _first_caller_outside() -> int:
+    """The warnings stacklevel, from the function that calls this one, of the first frame outside
+    gdsckpt (and contextlib, whose decorators wrap some of its functions): the caller's save."""
+    package = sys.modules[__name__.partition(".")[0]]
+    inside = (os.path.dirname(os.path.abspath(package.__file__)) + os.sep, contextlib.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class RNG:

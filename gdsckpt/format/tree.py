@@ -25,7 +25,7 @@ import torch
 
 from gdsckpt.core import collector, dtypes
 from gdsckpt.errors import UnsupportedStateError
-from .stateful import is_stateful, state_of
+from .stateful import is_stateful, state_of, warn_unstepped
 from .file import INT_LIMIT, MAX_DEPTH, MAX_NDIM, MAX_TENSORS, metadata_problem, shape_problem
 
 
@@ -42,8 +42,10 @@ class Leaf(NamedTuple):
 
 
 @collector.paused()  # the walk's objects meet one young collection, when the save is done with them
-def flatten(state) -> tuple[dict, list[Leaf]]:
-    """Check the whole state, then split it. Raises before anything is written.
+def flatten(state, *, saving: bool = False) -> tuple[dict, list[Leaf]]:
+    """Check the whole state, then split it. Raises before anything is written. saving: the state
+    is being saved (not sized or reserved): an optimizer's state_dict() in it taken before its
+    first step is warned of (stateful.warn_unstepped).
 
     Runs on every save over thousands of nodes: keys ("/"-joined, "" for a bare tensor) are
     built as strings on the way down, and the tensors are checked after the walk, all of them
@@ -77,6 +79,8 @@ def flatten(state) -> tuple[dict, list[Leaf]]:
                 return place(_bytes_tensor(obj), key, "bytes")
             _check_not_a_subclass(obj, key)
         if isinstance(obj, dict):
+            if saving and "param_groups" in obj:  # an optimizer's state_dict()
+                warn_unstepped(obj, key)
             items = []
             for k, v in obj.items():
                 if type(k) is not str:

@@ -195,7 +195,7 @@ def save_async(state, path, *, snapshot: str | None = None, overlap: bool | None
     options = SaveOptions(**save_options)
     t0 = time.perf_counter()
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
-    skeleton, leaves = flatten(state)  # validates the whole state before anything is copied; the only walk
+    skeleton, leaves = flatten(state, saving=True)  # validates the whole state before anything is copied; the only walk
     if mode is _INFERRED:
         mode, optimizer = inferred_overlap(optimizer, [l.tensor for l in leaves])
     if not _calls.acquire(blocking=wait):

@@ -50,6 +50,7 @@ from gdsckpt.manager.memory.snapshot import slot_bytes
 from gdsckpt.engine.pinned_pool import align_up, pool_for
 from gdsckpt.format.plan import Plan, make_plan
 from gdsckpt.engine.ring import Completion
+from gdsckpt.format.stateful import unstepped_parameters
 from .save import SaveOptions, Sink, Snapshot, backend_kind, choose_codecs_ahead, save_flat, tensor_specs
 from gdsckpt.format.tree import Leaf, flatten
 
@@ -121,14 +122,14 @@ def plan_for(state, save_options: dict) -> Planned:
 
 def _optimizers_without_state(obj, path: str = "", depth: int = 0) -> list[str]:
     """Where in `state` an optimizer (the object, or its state_dict()) has parameters but no
-    state: the top-level values and the containers under them."""
+    state, where it keeps some once it steps (stateful.unstepped_parameters): the top-level values
+    and the containers under them."""
     if isinstance(obj, torch.optim.Optimizer):
-        has_params = any(g["params"] for g in obj.param_groups)
-        return [path] if has_params and not obj.state else []
+        return [path] if unstepped_parameters(obj.state, obj.param_groups) else []
     if not isinstance(obj, (dict, list, tuple)) or depth > 8:
         return []
     if isinstance(obj, dict) and obj.keys() == {"state", "param_groups"}:  # an optimizer's state_dict()
-        if not obj["state"] and any(g.get("params") for g in obj["param_groups"] if isinstance(g, dict)):
+        if unstepped_parameters(obj["state"], obj["param_groups"]):
             return [path]
     items = obj.items() if isinstance(obj, dict) else enumerate(obj)
     return [found for k, v in items for found in _optimizers_without_state(v, f"{path}/{k}" if path else str(k), depth + 1)]

@@ -16,6 +16,7 @@ import torch
 
 import gdsckpt
 from gdsckpt.format import file as fmt
+from gdsckpt.format import stateful
 from gdsckpt.core.dtypes import NUMPY_NAMES
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
 from ckpt_tools import rebuild, split
@@ -594,3 +595,66 @@ def test_objects_on_the_gpu_through_the_checkpointer(tmp_path):
     st = opt2.state[next(iter(model2.parameters()))]
     assert st["exp_avg"].is_cuda and st["exp_avg_sq"].is_cuda and st["step"].device.type == "cpu"
     assert [cuda_step(model2, opt2, sched2) for _ in range(4)] == want
+
+
+# ---------------------------------------------------------------- an optimizer saved before its first step
+
+
+@pytest.fixture
+def warn_again(monkeypatch):
+    """The warning of an unstepped optimizer comes once a process: armed again for the test
+    (monkeypatch puts the process's flag back after it)."""
+    monkeypatch.setattr(stateful, "_warned_unstepped", False)
+
+
+def _unstepped_warnings(caught) -> list[warnings.WarningMessage]:
+    return [w for w in caught if "holds no moments" in str(w.message)]
+
+
+def test_saving_an_optimizer_before_its_first_step_warns_once_naming_the_key(tmp_path, warn_again):
+    """opt.state_dict() taken before the first step() holds no moments: saved every time as it
+    was, a restore starts them from zero. Said once a process, naming where it is, at the
+    caller's line; the object itself, save_async and the Checkpointer are looked at too."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gdsckpt.save({"model": model.state_dict(), "train": {"optim": opt.state_dict()}}, tmp_path / "a.gdsckpt")
+        gdsckpt.save({"optim": opt.state_dict()}, tmp_path / "b.gdsckpt")  # once a process
+    found = _unstepped_warnings(caught)
+    assert len(found) == 1 and found[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+    assert "'train/optim'" in str(found[0].message) and "2 parameter(s)" in str(found[0].message)
+    assert gdsckpt.load(tmp_path / "a.gdsckpt")["train"]["optim"]["state"] == {}  # saved all the same
+
+    def checkpointer_save(state):
+        with gdsckpt.Checkpointer(tmp_path / "run") as ck:
+            ck.save(1, state)
+
+    for save in (lambda state: gdsckpt.save_async(state, tmp_path / "c.gdsckpt").result(), checkpointer_save):
+        stateful._warned_unstepped = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save({"model": model, "opt": opt})  # the optimizer object: its state_dict() is what is saved
+        found = _unstepped_warnings(caught)
+        assert len(found) == 1 and "'opt'" in str(found[0].message), [str(w.message) for w in caught]
+
+
+def test_no_warning_for_an_optimizer_that_stepped_or_keeps_no_state(tmp_path, warn_again):
+    model = torch.nn.Linear(8, 8)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: no state, ever
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    adam.step()
+    none = torch.optim.AdamW([torch.zeros(2, requires_grad=True)])
+    none.param_groups[0]["params"] = []  # holds no parameter: nothing to miss
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gdsckpt.save({"sgd": sgd.state_dict(), "adam": adam, "none": none.state_dict(),
+                      "not_an_optimizer": {"state": {}, "param_groups": "x"}}, tmp_path / "a.gdsckpt")
+        gdsckpt.reserve({"sgd": sgd}, wait=True)  # reserve's own warning: not for SGD without momentum
+    assert _unstepped_warnings(caught) == [] and not [w for w in caught if "holds no state" in str(w.message)]
+    momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # keeps a buffer once it steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gdsckpt.save({"sgd": momentum.state_dict()}, tmp_path / "b.gdsckpt")
+    assert len(_unstepped_warnings(caught)) == 1
