@@ -8,54 +8,59 @@
     with gdsckpt.open("ckpt.gdsckpt") as ck: ck.get_tensor("model/wte.weight")
 """
 
-# `import gdsckpt` imports neither torch nor the modules below: each public name is imported from
-# its module on first use (PEP 562), so that the command line answers `gdsckpt --version`, --help
-# and a usage error before torch loads (seconds on a busy machine).
+# `import gdsckpt` imports neither torch nor the modules below until a name of the package is first
+# used (PEP 562 __getattr__), so that the command line answers `gdsckpt --version`, --help and a
+# usage error before torch loads (seconds on a busy machine).
 
-import importlib
 import sys
 import types
 
 from ._version import __version__
 
-# module -> the public names it defines
-_EXPORTS = {
-    "api": ("Checkpoint", "Stats", "load", "load_into", "open", "save"),
-    "async_save": ("save_async",),
-    "manager": ("Checkpointer", "Restored"),
-    "stateful": ("RNG",),
-    "errors": (
-        "BackendUnavailableError", "BackgroundSaveError", "CheckpointExistsError", "CheckpointFormatError",
-        "ChecksumError", "CodecUnavailableError", "DCPPlanError", "GDSUnavailableError", "GdsckptError",
-        "SaveInFlightError", "StateMismatchError", "UnsupportedStateError", "VersionError",
-        # the checkpoint manager and its object-store tier
-        "BucketNotFoundError", "CheckpointLockedError", "NoCheckpointError", "ReadOnlyCheckpointerError",
-        "RemoteAccessError", "RemoteNotFoundError", "RemoteStoreError", "RemoteTimeoutError",
-        "RemoteUnavailableError", "UploadIncompleteError",
-        "MemoryTierFullError",  # the checkpoint manager's memory tier
-    ),
-    "reserve": ("Reservation", "reserve"),  # host memory ahead of the first save
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = [
+    "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
+    "GdsckptError", "UnsupportedStateError", "CheckpointFormatError", "ChecksumError", "VersionError",
+    "CodecUnavailableError", "StateMismatchError", "GDSUnavailableError", "BackendUnavailableError",
+    "SaveInFlightError", "BackgroundSaveError", "DCPPlanError", "CheckpointExistsError",
+    "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
+    "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
+    "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
+    "MemoryTierFullError", "reserve", "Reservation",
+]
 
-__all__ = ["__version__", *_MODULE_OF]
+
+def _import_public_names() -> dict:
+    """What `import gdsckpt` imported before it was lazy: the public names (and, as a side effect,
+    the submodules they come from, as attributes of the package)."""
+    from .api import Checkpoint, Stats, load, load_into, open, save
+    from .writing.async_save import save_async
+    from .manager.checkpointer import Checkpointer, Restored
+    from .format.stateful import RNG
+    from .errors import (
+        BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,
+        CodecUnavailableError, DCPPlanError, GDSUnavailableError, GdsckptError, SaveInFlightError,
+        StateMismatchError, UnsupportedStateError, VersionError,
+    )
+    from .errors import (  # the checkpoint manager and its object-store tier
+        BucketNotFoundError, CheckpointLockedError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteAccessError,
+        RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
+    )
+    from .errors import MemoryTierFullError  # the checkpoint manager's memory tier
+    from .writing.reserve import Reservation, reserve  # host memory ahead of the first save
+    return locals()
 
 
 def __getattr__(name: str):
-    """A public name, imported from its module on first use; or a submodule not imported yet
-    (`gdsckpt.stats` after a bare `import gdsckpt`, as when this package imported them all)."""
-    module = _MODULE_OF.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-        globals()[name] = value  # the next use is a plain attribute
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":  # the module exists; something it imports does not
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """A public name not imported yet: the public names are imported (all of them, once; with them
+    the submodules they come from become attributes, as when this package imported them eagerly)."""
+    if name in __all__:
+        namespace = globals()
+        if name not in namespace:
+            namespace.update(_import_public_names())
+        return namespace[name]
+    # Not a submodule either, here: a submodule's `from . import x` asks for `x` first, then imports it.
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (if it is a submodule: import "
+                         f"{__name__}.{name} first)")
 
 
 def __dir__() -> list[str]:
@@ -65,10 +70,10 @@ def __dir__() -> list[str]:
 class _Package(types.ModuleType):
     """This package, as a module that keeps a public name over the submodule of the same name:
     importing gdsckpt.save or gdsckpt.reserve (as gdsckpt itself does) binds the module here, where
-    `gdsckpt.save` and `gdsckpt.reserve` are the functions (the module: sys.modules)."""
+    `gdsckpt.save` and `gdsckpt.reserve` are the functions (the modules: sys.modules)."""
 
     def __setattr__(self, name: str, value) -> None:
-        if name in _MODULE_OF and isinstance(value, types.ModuleType):
+        if name in __all__ and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

@@ -48,36 +48,24 @@ CODECS = ("raw", "zstd", "ans", "ans-planes", "bitcomp")
 EXPORT_HELP = """write the checkpoint in another format, one tensor at a time (never the whole state in
 memory). safetensors: every key (a tied weight as a copy under each of its keys); plain values
 (step, lr) have no place there and are left out. torch: what gdsckpt.load returns, as torch.save
-writes it (NumPy arrays and bytes as tensors, so torch.load(weights_only=True) reads it). A
-torch.save file is a zip whose one pickle describes every tensor: torch.save itself writes that
-pickle and empty records (torch.serialization.skip_data), and the records are then filled one
-tensor at a time."""
+writes it (NumPy arrays and bytes as tensors, so torch's weights-only loader reads it). torch.save
+itself writes the file's description of every tensor and empty records for their bytes
+(torch.serialization.skip_data), which are then filled one tensor at a time."""
 
 EPILOG = """exit codes: 0 ok; 1 damaged, failed verification or failed (I/O, store, no decoder here);
 2 usage error; 3 not found. --json on any command prints one JSON document on stdout."""
 
 class _VersionAction(argparse.Action):
-    """--version: the installed versions, read from the packages' metadata (importing torch, or
-    probing the GPU stack for the nvCOMP it would load, takes seconds)."""
+    """--version: the installed versions (versions.py), without importing torch or probing the GPU."""
 
     def __init__(self, option_strings, dest, **kw):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"gdsckpt {__version__} (file format {FORMAT_MAJOR}.{FORMAT_MINOR}, torch {_installed('torch')}, "
-              f"nvCOMP {_installed('nvidia-nvcomp-cu13', 'nvidia-nvcomp-cu12')})")
+        from .versions import installed
+        print(f"gdsckpt {__version__} (file format {FORMAT_MAJOR}.{FORMAT_MINOR}, torch {installed('torch')}, "
+              f"nvCOMP {installed('nvidia-nvcomp-cu13', 'nvidia-nvcomp-cu12')})")
         parser.exit()
-
-
-def _installed(*distributions: str) -> str:
-    """The version of the first of `distributions` installed, else "not installed"."""
-    from importlib import metadata
-    for name in distributions:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return "not installed"
 
 
 def build_parser() -> argparse.ArgumentParser:

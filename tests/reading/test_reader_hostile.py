@@ -577,7 +577,7 @@ def test_hostile_case_count():
 
 # cli/torch_export.py is not: it writes torch.save files (and maps the one it has just written)
 LOAD_PATH_MODULES = ["__init__", "__main__", "api", "backend", "checksum", "cli/__init__", "cli/exitcodes", "cli/export",
-                     "cli/files", "cli/output", "cli/views", "dtypes", "errors", "format",
+                     "cli/files", "cli/output", "cli/paths", "cli/views", "dtypes", "errors", "format",
                      "plan", "reader", "ring", "sources", "stats", "storage", "tree", "gpu/__init__", "gpu/backend",
                      "gpu/codecs", "gpu/io", "gpu/kernels"]
 LOAD_PATH_PACKAGES = ["codecs"]  # every module in them
