@@ -6,14 +6,14 @@
     state = gdsckpt.load("ckpt.gdsckpt")            # tensors back where they were saved from
     gdsckpt.load_into("ckpt.gdsckpt", state)       # in place; objects through load_state_dict()
     with gdsckpt.open("ckpt.gdsckpt") as ck: ck.get_tensor("model/wte.weight")
+    gdsckpt.wait_for_saves_to("ckpt.gdsckpt")      # every save_async in flight to it, done
+
+Options, the Checkpointer's grouped options and its retention policies: gdsckpt.options.
 """
 
 # `import gdsckpt` imports neither torch nor the modules below until a name of the package is first
 # used (PEP 562 __getattr__), so that the command line answers `gdsckpt --version`, --help and a
 # usage error before torch loads (seconds on a busy machine).
-
-import sys
-import types
 
 from ._version import __version__
 
@@ -25,7 +25,7 @@ __all__ = [
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
     "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
-    "MemoryTierFullError", "reserve", "Reservation",
+    "MemoryTierFullError", "MemoryTierTrustError", "reserve", "Reservation", "wait_for_saves_to",
 ]
 
 
@@ -33,7 +33,7 @@ def _import_public_names() -> dict:
     """What `import gdsckpt` imported before it was lazy: the public names (and, as a side effect,
     the submodules they come from, as attributes of the package)."""
     from .api import Checkpoint, Stats, load, load_into, open, save
-    from .writing.async_save import save_async
+    from .writing.async_save import save_async, wait_for_saves_to
     from .manager.checkpointer import Checkpointer, Restored
     from .format.stateful import RNG
     from .errors import (
@@ -45,7 +45,7 @@ def _import_public_names() -> dict:
         BucketNotFoundError, CheckpointLockedError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteAccessError,
         RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
     )
-    from .errors import MemoryTierFullError  # the checkpoint manager's memory tier
+    from .errors import MemoryTierFullError, MemoryTierTrustError  # the checkpoint manager's memory tier
     from .writing.reserve import Reservation, reserve  # host memory ahead of the first save
     return locals()
 
@@ -65,17 +65,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """This package, as a module that keeps a public name over the submodule of the same name:
-    importing gdsckpt.save or gdsckpt.reserve (as gdsckpt itself does) binds the module here, where
-    `gdsckpt.save` and `gdsckpt.reserve` are the functions (the modules: sys.modules)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in __all__ and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
