@@ -135,7 +135,7 @@ def test_no_private_names_across_modules():
 
 # The packages, lowest first: a module imports from its own part or from parts below it. The top
 # level holds only the public face (the modules named here without a package) and the entry points.
-LAYERS = ["errors", "stats", "_version", "core", "codecs", "stores", "format", "engine", "writing",
+LAYERS = ["errors", "_version", "core", "stats", "codecs", "stores", "format", "engine", "writing",
           "reading", "api", "dcp", "manager", "options", "integrations", "cli", "bench", "__main__", ""]
 # The one arrow back up: reserve() sizes the memory tier's slots ahead of need with the tier's own
 # rule, so that a slot made ahead always fits the step it is made for.

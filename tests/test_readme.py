@@ -60,5 +60,5 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
         if "the resume example" in (note or ""):
             lines = out.getvalue().splitlines()
             assert lines[0].startswith("step 1 loss ") and lines[-1].startswith("step 60 loss "), lines[:2]
-    assert ran >= 5
+    assert ran >= 4
     assert (tmp_path / "run7" / "step_00000060.gdsckpt").is_file()

@@ -30,7 +30,7 @@ The parts, one job each:
 from .layout import DCP_VERSION, METADATA_FILE, SUFFIX, item_key
 from .planner import CachedSavePlanner, RankStateLoadPlanner
 from .reader import GdsckptReader
-from .recipe import async_save, save
+from .recipe import async_save, load, save
 from .staging import reserve
 from .writer import GdsckptWriter
 # the state as DCP takes it, and its plain values written back after a load

@@ -1,8 +1,9 @@
-"""gdsckpt.dcp.save / gdsckpt.dcp.async_save: torch.distributed.checkpoint through gdsckpt in one
+"""gdsckpt.dcp.save / async_save / load: torch.distributed.checkpoint through gdsckpt in one
 call, set up as its fast path needs:
 
     gdsckpt.dcp.reserve(dcp_view(state))              # optional, before the loop: the staging's pool
     fut = gdsckpt.dcp.async_save(state, "ckpt/step2000")
+    gdsckpt.dcp.load(state, "ckpt/step2000")          # into the objects, resharded by DCP
 
 - the state as DCP takes it (stateful.dcp_view: modules and optimizers through torch's
   get_/set_model_state_dict and get_/set_optimizer_state_dict), its state_dict() taken once here;
@@ -26,12 +27,13 @@ import os
 
 from gdsckpt.core.process_groups import shared_group
 from gdsckpt.writing.snapshot.overlap import StepOwned, optimizer_in
-from gdsckpt.format.stateful import dcp_view
-from .planner import CachedSavePlanner
+from gdsckpt.format.stateful import dcp_view, dcp_write_back
+from .planner import CachedSavePlanner, RankStateLoadPlanner
+from .reader import GdsckptReader
 from .staging import state_tensors, stateful_values
 from .writer import GdsckptWriter
 
-__all__ = ["save", "async_save"]
+__all__ = ["save", "async_save", "load"]
 
 
 def _state_dict(state) -> dict:
@@ -76,3 +78,14 @@ def save(state, path: str | os.PathLike, *, process_group=None, **writer_options
     return dcp.save(_state_dict(state), storage_writer=writer, planner=CachedSavePlanner(),
                     process_group=process_group)
 
+
+def load(state, path: str | os.PathLike, *, strict: bool = True, process_group=None):
+    """dcp.load of the DCP directory `path` into `state` (as gdsckpt.load_into takes it): tensors
+    into the state's own (resharded by DCP where the world or the sharding changed), objects
+    through load_state_dict(), plain values written back. strict: a key the step lacks, or a
+    tensor of another dtype or shape, is a StateMismatchError naming it before anything is read."""
+    import torch.distributed.checkpoint as dcp
+    view = dcp_view(state)
+    dcp.load(view, storage_reader=GdsckptReader(path), planner=RankStateLoadPlanner(view, strict),
+             process_group=process_group)
+    dcp_write_back(state, view)

@@ -59,9 +59,9 @@ def test_import_gdsckpt_imports_names_on_first_use():
 import sys
 import gdsckpt
 assert "torch" not in sys.modules and "gdsckpt.api" not in sys.modules, "eager"
-import gdsckpt.save, gdsckpt.reserve  # the modules of the same names as two functions
-assert callable(gdsckpt.save) and gdsckpt.writing.save.__module__ == "gdsckpt.api", gdsckpt.save
-assert gdsckpt.writing.reserve.__module__ == "gdsckpt.reserve" and callable(gdsckpt.reserve), gdsckpt.reserve
+import gdsckpt.writing.save, gdsckpt.writing.reserve  # the pipeline's modules: gdsckpt.save stays the function
+assert callable(gdsckpt.save) and gdsckpt.save.__module__ == "gdsckpt.api", gdsckpt.save
+assert gdsckpt.reserve.__module__ == "gdsckpt.writing.reserve" and callable(gdsckpt.reserve), gdsckpt.reserve
 from gdsckpt import *
 assert Checkpointer is gdsckpt.manager.checkpointer.Checkpointer and ChecksumError.__module__ == "gdsckpt.errors"
 assert all(hasattr(gdsckpt, name) for name in gdsckpt.__all__)
