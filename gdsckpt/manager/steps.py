@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import os
 import re
-import shutil
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
@@ -26,6 +25,7 @@ from gdsckpt.errors import CheckpointFormatError, GdsckptError, StateMismatchErr
 from gdsckpt.dcp.rank_values import check_alike
 from gdsckpt.writing.save import check_save_options
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
+from .step_removal import remove_step_path
 from gdsckpt.core.storage import fsync_dir, stale_temporaries, temp_path_for
 
 SUFFIX = ".gdsckpt"
@@ -219,7 +219,8 @@ class StepLayout(Protocol):
         damaged or incomplete."""
 
     def delete(self, step: int) -> None:
-        """Uncommit, then remove the step (a kill mid-way leaves nothing that counts)."""
+        """Uncommit, then remove the step (a kill mid-way leaves nothing that counts); a step that
+        is a symlink, or a link inside its directory, is unlinked, never followed (step_removal)."""
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         """(local file, name relative to the store's prefix) of the step, its commit point last."""
@@ -340,8 +341,7 @@ class FileSteps(_Steps):
 
     def delete(self, step: int) -> None:
         self._checked.pop(step, None)
-        self.path(step).unlink(missing_ok=True)
-        fsync_dir(self.directory)
+        remove_step_path(self.path(step))  # a linked step: the link alone
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         return [(self.path(step), self.name(step))]
@@ -464,13 +464,9 @@ class DcpSteps(_Steps):
 
     def delete(self, step: int) -> None:
         self._checked.pop(step, None)
-        p = self.path(step)
-        meta = p / DCP_METADATA
-        if meta.exists():  # uncommit first: a kill mid-removal leaves an uncommitted directory
-            meta.unlink(missing_ok=True)
-            fsync_dir(p)
-        shutil.rmtree(p, ignore_errors=True)
-        fsync_dir(self.directory)
+        # uncommitted first: a kill mid-removal leaves an uncommitted directory; a linked step
+        # (a shared base checkpoint linked in): the link alone, never what it points to
+        remove_step_path(self.path(step), commit_point=DCP_METADATA)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         """The rank files its .metadata names, then the .metadata (DCP's commit point); a step
@@ -499,11 +495,13 @@ class DcpSteps(_Steps):
         if self.rank == 0:
             try:
                 tmp = self.directory / f".{name}.download"
-                shutil.rmtree(tmp, ignore_errors=True)
+                if os.path.lexists(tmp):  # a killed download's, or a link: never followed
+                    remove_step_path(tmp)
                 tmp.mkdir()
                 for rel in store.list(name):  # "step_.../__0_0.gdsckpt", relative to the prefix
                     store.download(rel, tmp / rel.split("/", 1)[1])
-                shutil.rmtree(final, ignore_errors=True)
+                if os.path.lexists(final):  # the damaged local copy (or a link to one) it replaces
+                    remove_step_path(final, commit_point=DCP_METADATA)
                 os.replace(tmp, final)
                 fsync_dir(self.directory)
             except Exception as e:

@@ -440,3 +440,46 @@ def _each_rank_its_own_generators(rank: int, root: Path, mesh) -> None:
 
 def test_two_ranks_each_rank_restores_its_own_generators(tmp_path):
     run_ranks(tmp_path, _each_rank_its_own_generators)
+
+
+def _linked_base_step(rank: int, root: Path, mesh) -> None:
+    """Issue 44, 4: a run directory whose step_00000000 is a link to another run's step (a shared
+    base checkpoint linked in), saved on with keep=2. Retention unlinked the other run's
+    .metadata, its commit point, through the link (then its rmtree of the link failed, silently);
+    now the link alone goes, with a warning naming it and its target, and the other run's step
+    stays whole and restorable."""
+    import logging
+    from gdsckpt import Checkpointer
+    base, d = root / "base", root / "ck"
+    ck = Checkpointer(base, keep=1)
+    ck.save(0, sharded(full_state(0), mesh))
+    ck.close()
+    shared = base / step_name(0, True)
+    files = sorted(os.listdir(shared))
+    if rank == 0:
+        d.mkdir()
+        (d / step_name(0, True)).symlink_to(shared)
+    dist.barrier()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())
+    logging.getLogger("gdsckpt.manager.checkpointer").addHandler(handler)
+    ck = Checkpointer(d, keep=2)
+    assert ck.steps() == [0]
+    for s in (1, 2):
+        ck.save(s, sharded(full_state(s), mesh))
+    dist.barrier()  # rank 0's retention is done: its save waited for it
+    assert ck.steps() == [1, 2], ck.steps()
+    assert not os.path.lexists(d / step_name(0, True))
+    assert sorted(os.listdir(shared)) == files and ".metadata" in files, files
+    if rank == 0:
+        assert any(f"{d / step_name(0, True)} is a symlink to {shared}: removing the link only" in m
+                   for m in said), said
+    ck.close()
+    ck = Checkpointer(base, keep=1)
+    _restores_exactly(ck, mesh, 0)
+    ck.close()
+
+
+def test_two_ranks_retention_unlinks_a_linked_base_step(tmp_path):
+    run_ranks(tmp_path, _linked_base_step)
