@@ -72,6 +72,7 @@ from .memory.steps import MemorySteps
 from .memory.folders import renew_directory_id
 from .policy import whole_number
 from .remote.tier import RemoteTier, no_remote_status
+from .kept_checks import KeptChecks
 from .retention import RetentionThread
 from .rollback import PendingRollback, RollbackJournal, Rollbacks
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
@@ -171,6 +172,7 @@ class Checkpointer(Rollbacks):
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
         self._deleting = threading.Lock()  # one deleter at a time: the retention thread, prune() and rollback()
         self._retention = RetentionThread(self._retain)  # after commits and uploads, off their threads
+        self._kept_checks = KeptChecks(self.layout, self.policy.keep, lambda steps: self._damaged(steps, deep=()))
         self._closed = False
         self._pending: tuple[int, Future, threading.Event | None] | None = None  # step, future, its commit handled
         self._saves = 0
@@ -284,9 +286,9 @@ class Checkpointer(Rollbacks):
         damaged = {s: why for s, why in self._unrestorable.items() if s in found}  # every rank's alike
         if not self.distributed:  # retention's findings too (the owner's alone under torch.distributed)
             damaged = self.layout.known_damage() | damaged
-        local = sorted((set(found) - set(damaged)) | set(self._memory_steps()))
-        if local and step <= local[-1]:
-            raise ValueError(f"step {step} is not newer than step {local[-1]}, already committed in "
+        newest = max([next((s for s in reversed(found) if s not in damaged), -1), *self._memory_steps()])
+        if step <= newest:
+            raise ValueError(f"step {step} is not newer than step {newest}, already committed in "
                              f"{str(self.directory)!r}{' or its memory tier' if self.memory else ''} "
                              f"(rollback(n) with n < {step} removes the newer steps; or use a new directory)")
         self._fork_lineage()
@@ -398,6 +400,7 @@ class Checkpointer(Rollbacks):
                 fut.result()  # raises it, once: a failure the caller has seen is not raised again
 
     def _on_commit(self, step: int) -> None:
+        self.layout.noted(step)  # the directory's listing records it
         self._saves += 1
         if self.remote is not None and self.remote.uploading and self.policy.uploads(self._saves):
             self.remote.enqueue(step)
@@ -425,7 +428,7 @@ class Checkpointer(Rollbacks):
         if pending is not None:
             protected.add(pending[0])
         while True:
-            damaged = self._damaged(local, deep=())
+            damaged = self._kept_checks.damaged(local)  # the steps that decide, not every one kept
             doomed = self.policy.doomed_local(local, set(damaged), protected, uploaded, remote=self.remote is not None)
             left = [s for s in local if s not in damaged and s not in doomed]
             if not doomed or len(left) != 1 or (uploaded and left[0] in uploaded):

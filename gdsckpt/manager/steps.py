@@ -25,6 +25,7 @@ from gdsckpt.errors import CheckpointFormatError, GdsckptError, StateMismatchErr
 from gdsckpt.dcp.rank_values import check_alike
 from gdsckpt.writing.save import check_save_options
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
+from .step_listing import StepListing
 from .step_removal import remove_step_path
 from gdsckpt.core.storage import fsync_dir, stale_temporaries, temp_path_for
 
@@ -242,6 +243,13 @@ class StepLayout(Protocol):
     def known_damage(self) -> dict[int, str]:
         """{step: why} of the local steps found damaged so far."""
 
+    def checked(self, step: int) -> bool:
+        """Whether damage() has looked at the step (its finding is in known_damage)."""
+
+    def noted(self, step: int) -> None:
+        """This process has just committed or removed the step: local_steps() records it without
+        listing the directory again."""
+
 
 def async_options(save_options: dict, optimizer) -> dict:
     """save_async's keywords for a step of the Checkpointer's save_options: with optimizer=, the
@@ -262,23 +270,52 @@ class _Steps:
         # a synchronous save takes no snapshot: save_options' snapshot= is the background save's alone
         self.sync_options = {k: v for k, v in save_options.items() if k != "snapshot"}
         self._checked: dict[int, tuple[tuple, bool, str | None]] = {}  # step: (identity, deep, why)
+        self._damaged: dict[int, str] = {}  # the steps of _checked found damaged: {step: why}
+        self._listing = StepListing(directory, self._parse, self.committed, records=self.records_own_changes())
+
+    def records_own_changes(self) -> bool:
+        """Whether the listing records this process's own changes (step_listing.StepListing)."""
+        return True
+
+    def _parse(self, name: str) -> int | None:
+        parsed = parse_step_name(name)
+        return parsed[0] if parsed and parsed[1] == self.distributed else None
 
     def damage(self, step: int, deep: bool = False) -> str | None:
         path = self.path(step)
         try:
             ident = _identity(path)
         except OSError as e:  # removed meanwhile, or unreadable
-            return f"DAMAGED: {type(e).__name__}: {e}"
+            self._checked.pop(step, None)
+            self._damaged[step] = why = f"DAMAGED: {type(e).__name__}: {e}"
+            return why
         known = self._checked.get(step)
         if known is not None and known[0] == ident and (known[1] or not deep):
             return known[2]
         why = step_damage(path, deep)
         self._checked[step] = (ident, deep or why is not None, why)  # damaged footer or index: damaged, deep too
+        if why is None:
+            self._damaged.pop(step, None)
+        else:
+            self._damaged[step] = why
         return why
 
+    def checked(self, step: int) -> bool:
+        return step in self._checked or step in self._damaged
+
     def known_damage(self) -> dict[int, str]:
+        if not self._damaged:
+            return {}
         local = set(self.local_steps())
-        return {s: why for s, (_, _, why) in sorted(self._checked.items()) if why is not None and s in local}
+        return {s: why for s, why in sorted(self._damaged.items()) if s in local}
+
+    def _forget(self, step: int) -> None:
+        self._checked.pop(step, None)
+        self._damaged.pop(step, None)
+
+    def noted(self, step: int) -> None:
+        """This process has just committed or removed `step` in the directory."""
+        self._listing.noted(self.name(step))
 
     def name(self, step: int) -> str:
         return step_name(step, self.distributed)
@@ -290,16 +327,7 @@ class _Steps:
         return self.directory / self.name(step)
 
     def local_steps(self) -> list[int]:
-        out = []
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            parsed = parse_step_name(name)
-            if parsed and parsed[1] == self.distributed and self.committed(self.directory / name):
-                out.append(parsed[0])
-        return sorted(out)
+        return self._listing.steps()  # kept between calls; the directory listed again once it changed
 
 
 class FileSteps(_Steps):
@@ -340,8 +368,9 @@ class FileSteps(_Steps):
             return out, ck.last_stats
 
     def delete(self, step: int) -> None:
-        self._checked.pop(step, None)
+        self._forget(step)
         remove_step_path(self.path(step))  # a linked step: the link alone
+        self.noted(step)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         return [(self.path(step), self.name(step))]
@@ -371,9 +400,12 @@ class DcpSteps(_Steps):
     loads_in_place = True
 
     def __init__(self, directory: Path, save_options: dict, rank: int, group=None):
-        super().__init__(directory, save_options)
         self.rank = rank
         self.group = group
+        super().__init__(directory, save_options)
+
+    def records_own_changes(self) -> bool:
+        return self.rank == 0  # rank 0 removes steps: the other ranks list the directory after any change
 
     @staticmethod
     def check_options(save_options: dict) -> None:
@@ -463,10 +495,11 @@ class DcpSteps(_Steps):
         raise CheckpointFormatError(what, path=path / DCP_METADATA)
 
     def delete(self, step: int) -> None:
-        self._checked.pop(step, None)
+        self._forget(step)
         # uncommitted first: a kill mid-removal leaves an uncommitted directory; a linked step
         # (a shared base checkpoint linked in): the link alone, never what it points to
         remove_step_path(self.path(step), commit_point=DCP_METADATA)
+        self.noted(step)
 
     def files(self, step: int) -> list[tuple[Path, str]]:
         """The rank files its .metadata names, then the .metadata (DCP's commit point); a step
