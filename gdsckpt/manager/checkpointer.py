@@ -429,11 +429,13 @@ class Checkpointer(Rollbacks):
             protected.add(pending[0])
         while True:
             damaged = self._kept_checks.damaged(local)  # the steps that decide, not every one kept
+            if not damaged and len(local) <= self.policy.keep:
+                return []  # every step is one of the newest `keep` intact ones
             doomed = self.policy.doomed_local(local, set(damaged), protected, uploaded, remote=self.remote is not None)
-            left = [s for s in local if s not in damaged and s not in doomed]
-            if not doomed or len(left) != 1 or (uploaded and left[0] in uploaded):
+            left = set(local).difference(damaged, doomed)
+            if not doomed or len(left) != 1 or (uploaded and min(left) in uploaded):
                 return doomed
-            if not self._damaged([left[0]], deep=(left[0],)):
+            if not self._damaged([min(left)], deep=(min(left),)):
                 return doomed
 
     def _damaged(self, steps: list[int], deep) -> dict[int, str]:

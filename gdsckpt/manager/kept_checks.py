@@ -33,7 +33,7 @@ class KeptChecks:
         while True:
             found = {s: why for s, why in self.layout.known_damage().items() if _has(local, s)}
             window = local[-(self.keep + len(found)):]  # holds the newest `keep` intact steps
-            todo = [s for s in window if not self.layout.checked(s)]
+            todo = self.layout.unchecked(window)
             if again:
                 again = False
                 todo += self._again(window)
@@ -47,7 +47,8 @@ class KeptChecks:
         half = RECHECKED // 2
         newest, rest = window[-half:], window[:-half]
         i = bisect.bisect_right(rest, self._next)
-        turn = (rest[i:] + rest[:i])[:half]
+        turn = rest[i:i + half]
+        turn += rest[:half - len(turn)]  # from the oldest again
         self._next = turn[-1]
         return newest + turn
 

@@ -243,8 +243,8 @@ class StepLayout(Protocol):
     def known_damage(self) -> dict[int, str]:
         """{step: why} of the local steps found damaged so far."""
 
-    def checked(self, step: int) -> bool:
-        """Whether damage() has looked at the step (its finding is in known_damage)."""
+    def unchecked(self, steps: list[int]) -> list[int]:
+        """Those of `steps` damage() has not looked at (its findings are in known_damage)."""
 
     def noted(self, step: int) -> None:
         """This process has just committed or removed the step: local_steps() records it without
@@ -300,8 +300,8 @@ class _Steps:
             self._damaged[step] = why
         return why
 
-    def checked(self, step: int) -> bool:
-        return step in self._checked or step in self._damaged
+    def unchecked(self, steps: list[int]) -> list[int]:
+        return list(set(steps).difference(self._checked, self._damaged))
 
     def known_damage(self) -> dict[int, str]:
         if not self._damaged:
