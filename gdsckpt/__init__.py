@@ -34,7 +34,8 @@ def _import_public_names() -> dict:
     the submodules they come from, as attributes of the package)."""
     from .api import Checkpoint, Stats, load, load_into, open, save
     from .writing.async_save import save_async, wait_for_saves_to
-    from .manager.checkpointer import Checkpointer, Restored
+    from .manager.checkpointer import Checkpointer
+    from .manager.restored import Restored
     from .format.stateful import RNG
     from .errors import (
         BackendUnavailableError, BackgroundSaveError, CheckpointExistsError, CheckpointFormatError, ChecksumError,

@@ -55,9 +55,7 @@ import shutil
 import tempfile
 import threading
 import warnings
-from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .options import (
@@ -73,6 +71,7 @@ from .memory.folders import renew_directory_id
 from .policy import whole_number
 from .remote.tier import RemoteTier, no_remote_status
 from .kept_checks import KeptChecks
+from .restored import Restored
 from .retention import RetentionThread
 from .rollback import PendingRollback, RollbackJournal, Rollbacks
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
@@ -80,25 +79,6 @@ from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
 __all__ = ["Checkpointer", "Restored", "step_name"]
 
 log = logging.getLogger("gdsckpt.manager.checkpointer")
-
-
-@dataclass
-class Restored:
-    """What restore() did. `state` is the caller's state (filled in place) or a new one;
-    `source` is where the step came from: "memory", "local" or "remote"; `skipped` lists the newer
-    steps (or copies) it could not use, as (step, "memory" | "local" | "remote", why)."""
-
-    state: object
-    step: int
-    source: str
-    path: str
-    skipped: list = field(default_factory=list)
-    stats: object = None
-
-    def __repr__(self) -> str:  # not the state: a model's worth of tensors
-        keys = f", keys={len(self.state)}" if isinstance(self.state, Mapping) else ""
-        return (f"Restored(step={self.step}, source={self.source!r}{keys}, path={self.path!r}"
-                + (f", skipped={len(self.skipped)}" if self.skipped else "") + ")")
 
 
 class Checkpointer(Rollbacks):
