@@ -12,7 +12,7 @@ from gdsckpt.writing.snapshot import host as hs
 # Folders whose modules other tests import (this file's helpers, test_manager's states, the
 # corruption tools): on sys.path here (pyproject's `pythonpath`) and on the PYTHONPATH of every
 # child a test starts, so that a child's `from test_manager import state_for` finds them too.
-SHARED_FOLDERS = [Path(__file__).parent / sub for sub in ("", "manager", "reading")]
+SHARED_FOLDERS = [Path(__file__).parent / sub for sub in ("", "manager", "reading", "cli")]
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(p) for p in SHARED_FOLDERS] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 

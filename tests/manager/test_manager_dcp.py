@@ -48,27 +48,33 @@ def same_local(a: dict, b: dict) -> None:
                            y.view(torch.uint8) if y.dtype == torch.bfloat16 else y), k
 
 
-def _scenario_rank(rank: int, root: str, scenario, env: dict, pg_timeout: float) -> None:
+def _scenario_rank(rank: int, root: str, scenario, env: dict, pg_timeout: float, backend: str = "gloo") -> None:
     os.environ.update(env)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     root = Path(root)
-    dist.init_process_group("gloo", store=dist.FileStore(str(root / f"store-{scenario.__name__}"), WORLD), rank=rank,
+    device = "cpu"
+    if backend != "gloo":  # "cpu:gloo,cuda:nccl": the ranks' GPUs, the state on them, NCCL for CUDA tensors
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    dist.init_process_group(backend, store=dist.FileStore(str(root / f"store-{scenario.__name__}"), WORLD), rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=pg_timeout))
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        scenario(rank, root, init_device_mesh("cpu", (WORLD,)))
+        scenario(rank, root, init_device_mesh(device, (WORLD,)))
     finally:
         dist.destroy_process_group()
     end_rank()
 
 
-def run_ranks(tmp_path: Path, scenario, env: dict | None = None, timeout: float = 120, pg_timeout: float = 60) -> None:
+def run_ranks(tmp_path: Path, scenario, env: dict | None = None, timeout: float = 120, pg_timeout: float = 60,
+              backend: str = "gloo") -> None:
     """`scenario(rank, root, mesh)` on every rank (spawned); a rank's error is raised here, and a
-    hang (a collective one rank never joins) fails within `timeout` seconds, the ranks killed."""
+    hang (a collective one rank never joins) fails within `timeout` seconds, the ranks killed.
+    backend "cpu:gloo,cuda:nccl": each rank on its GPU, the mesh a CUDA one (2 GPUs needed)."""
     import torch.multiprocessing as mp
-    ctx = mp.start_processes(_scenario_rank, args=(str(tmp_path), scenario, env or {}, pg_timeout), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(_scenario_rank, args=(str(tmp_path), scenario, env or {}, pg_timeout, backend),
+                             nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() >= deadline:

@@ -36,12 +36,12 @@ def _restores_exactly(ck, mesh, step: int, source: str) -> None:
 
 # ---------------------------------------------------------------- save_async beside the loop's collectives
 
-def _training_collectives(rank: int, step: int) -> None:
+def _training_collectives(rank: int, step: int, device: str = "cpu") -> None:
     """What a training loop runs on the default group between checkpoints: DDP's all_reduces, a
     loss averaged, a barrier; each result checked (a collective paired with another's buffer
-    would be wrong, not only late)."""
+    would be wrong, not only late). On a CUDA mesh the tensors are on the GPU: NCCL's."""
     for i in range(3):
-        t = torch.full((16,), float(rank + step + i))
+        t = torch.full((16,), float(rank + step + i), device=device)
         dist.all_reduce(t)
         assert t.tolist() == [float(2 * (step + i) + 1)] * 16, (step, i, t)
     dist.barrier()
@@ -52,7 +52,7 @@ def _save_async_beside_training(rank: int, root: Path, mesh) -> None:
     ck = Checkpointer(root / "ck", keep=2, save_options=OPTS)
     for s in range(1, 6):
         ck.save_async(s, sharded(full_state(s), mesh))  # DCP plans and commits on its thread
-        _training_collectives(rank, s)  # meanwhile, on the main thread
+        _training_collectives(rank, s, mesh.device_type)  # meanwhile, on the main thread
     ck.wait()
     dist.barrier()  # rank 0's retention is done
     assert ck.layout.local_steps() == [4, 5]
@@ -60,7 +60,7 @@ def _save_async_beside_training(rank: int, root: Path, mesh) -> None:
     memory = Checkpointer(root / "ck-memory", memory=True, every_local=2, save_options=OPTS)
     for s in range(1, 5):
         memory.save_async(s, sharded(full_state(s), mesh))
-        _training_collectives(rank, s)
+        _training_collectives(rank, s, mesh.device_type)
     memory.wait()
     dist.barrier()
     assert memory.layout.local_steps() == [1, 3] and memory.memory.steps() == [2, 4]
@@ -79,6 +79,19 @@ def test_two_ranks_save_async_beside_the_loops_collectives(tmp_path, monkeypatch
     try:
         run_ranks(tmp_path, _save_async_beside_training, env={"GDSCKPT_MEMORY_ROOT": str(root)}, pg_timeout=15,
                   timeout=120)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_save_async_beside_the_loops_nccl_collectives(tmp_path):
+    """The same on two GPUs: the loop's all_reduces over NCCL, the state's shards on the GPUs,
+    saved through the GPU pipeline; DCP's collectives on the Checkpointer's own group."""
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
+    try:
+        run_ranks(tmp_path, _save_async_beside_training, env={"GDSCKPT_MEMORY_ROOT": str(root)}, pg_timeout=60,
+                  timeout=300, backend="cpu:gloo,cuda:nccl")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -204,3 +217,10 @@ def test_two_ranks_values_that_differ_across_ranks(tmp_path):
     """Before, DCP saved rank 0's loader position (and RNG state) once, and rank 1 restored it as
     its own, without a word."""
     run_ranks(tmp_path, _values_that_differ_across_ranks, pg_timeout=30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_values_that_differ_across_ranks_on_gpus(tmp_path):
+    """The same with the shards on two GPUs and NCCL beside gloo."""
+    run_ranks(tmp_path, _values_that_differ_across_ranks, pg_timeout=60, timeout=300, backend="cpu:gloo,cuda:nccl")
