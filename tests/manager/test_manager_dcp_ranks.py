@@ -191,7 +191,8 @@ def _values_that_differ_across_ranks(rank: int, root: Path, mesh) -> None:
     with pytest.raises(UnsupportedStateError, match=r"^'loader\.pos' differ across ranks: DCP keeps one copy"):
         ck.save(1, sharded(full_state(1), mesh) | {"loader": loader})
     torch.manual_seed(rank)
-    names = r"^('extra\.rng\.numpy', )?'extra\.rng\.python\.1', 'extra\.rng\.torch' differ across ranks"
+    names = (r"^('extra\.rng\.cuda\.\d+', )*('extra\.rng\.numpy', )?'extra\.rng\.python\.1', "
+             r"'extra\.rng\.torch' differ across ranks")  # the CUDA generators too, on GPUs
     with pytest.raises(UnsupportedStateError, match=names):  # an RNG() deeper than the top level
         ck.save_async(1, sharded(full_state(1), mesh) | {"extra": {"rng": RNG()}})  # refused in the call
     assert ck.steps() == []
