@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdsckpt.core.units import parse_size  # noqa: F401 - also cost.py's, through here
+from gdsckpt.core.units import format_bytes, parse_size  # parse_size: also cost.py's, through here
 from .states import nbytes, to_device
 
 # name: layers, heads, d_model, vocab, context, train seq, batch, default steps, peak lr
@@ -249,12 +249,13 @@ def make_state(size: str = "auto", device: str | None = None, cache_dir: str | N
     size: "tiny" (4 layers, d_model 192, 256-token vocabulary; ~26 MB), "gpt2-small" (GPT-2 small's
     shapes with an untied head; ~2.28 GB), "auto" (gpt2-small on CUDA, tiny on the CPU), or a
     byte count such as "1GB" / "4GB" / "16GB": the auto base state with as many transformer
-    blocks as make the tensors total at least that many bytes. Below the base state's size its
-    first blocks are kept (at least one); above it, copies of its blocks are appended (block i
-    copies block i % n_layer, each tensor scaled by 1 + 1e-2 * N(0,1) deterministic noise, bf16
-    weights re-cast from the perturbed fp32 master, AdamW state extended to match). Either way
-    the result is a coherent state of a GPT of that depth: it would load into GPT(n_layer=...)
-    and AdamW.
+    blocks as fit in that many bytes, and the bytes left as a part of the next block (its first
+    parameters, the last cut to whole rows), so that the state holds the bytes asked, short by
+    less than one row of a tensor (at most 43 kB). Below the base state's size its first blocks
+    are kept; above it, copies of its blocks are appended (block i copies block i % n_layer, each
+    tensor scaled by 1 + 1e-2 * N(0,1) deterministic noise, bf16 weights re-cast from the
+    perturbed fp32 master, AdamW state extended to match). A byte count below min_bytes(device)
+    (the embeddings and head alone) is a ValueError.
     device: default "cuda" if available, else "cpu". Training runs on `device` if it is a GPU,
     else on the CPU (where bf16 autocast is emulated: see Bf16Matmuls). gpt2-small: 300 steps
     of 4 x 1024 tokens (about one epoch of the corpus); tiny: 60 steps of 4 x 128 tokens.
@@ -271,38 +272,71 @@ def make_state(size: str = "auto", device: str | None = None, cache_dir: str | N
     if size in SIZES:
         return base_state(size, device, cache_dir, steps)
     target = parse_size(size)
+    if target < min_bytes(device):
+        raise ValueError(f"{size!r}: the realistic state on {torch.device(device).type} is at least "
+                         f"{format_bytes(min_bytes(device))} (its embeddings and head)")
     state = base_state(auto, device, cache_dir, steps)
-    total = nbytes(state)
     names = list(state["master"])  # parameter order == optimizer param ids
     pid_of = {n: i for i, n in enumerate(names)}
     layers = SIZES[auto][0]
     block = [n.split(".", 3)[3] for n in names if n.startswith("transformer.h.0.")]
     head = [n for n in names if not n.startswith("transformer.h.")][:2]  # wte, wpe
     tail = [n for n in names if not n.startswith("transformer.h.")][2:]  # ln_f, lm_head
-    per_block = sum(nbytes(state[part][f"transformer.h.0.{s}"]) for s in block for part in ("model", "master")) \
-        + sum(nbytes(state["optimizer"]["state"][pid_of[f"transformer.h.0.{s}"]]) for s in block)
-    depth = max(1, math.ceil((target - (total - layers * per_block)) / per_block))
-    if depth == layers:
+
+    def cost(n: str, rows: int | None = None) -> int:
+        """Bytes parameter n stores (bf16 weight, fp32 master, AdamW moments and step), its
+        first `rows` rows only if given."""
+        t = state["master"][n]
+        return (rows if rows is not None else t.shape[0]) * t[:1].numel() * 14 + 4
+    fixed = sum(cost(n) for n in head + tail)
+    per_block = sum(cost(f"transformer.h.0.{s}") for s in block)
+    depth, left = divmod(target - fixed, per_block)
+    # The rest as a part of block `depth`: its parameters in order, each whole while it fits, the
+    # one that does not fit cut to the rows that do (a parameter of no row left out).
+    partial: list[tuple[str, int | None]] = []
+    for s in block:
+        n = f"transformer.h.{depth}.{s}"
+        src = f"transformer.h.{depth % layers}.{s}"
+        whole = state["master"][src].shape[0]
+        rows = min(whole, max(0, left - 4) // (cost(src, 1) - 4))
+        if rows:
+            partial.append((n, None if rows == whole else rows))
+            left -= cost(src, rows)
+    if depth == layers and not partial:
         return state
-    new_names = head + [f"transformer.h.{i}.{s}" for i in range(depth) for s in block] + tail
+    sizes = dict(partial)
+    new_names = head + [f"transformer.h.{i}.{s}" for i in range(depth) for s in block] + [n for n, _ in partial] + tail
     model, master, opt_state = {}, {}, {}
     old_state = state["optimizer"]["state"]
     for pid, n in enumerate(new_names):
+        rows = sizes.get(n)
+        cut = (lambda t: t[:rows].clone()) if rows is not None else (lambda t: t)
         i = int(n.split(".")[2]) if n.startswith("transformer.h.") else -1
         if i < layers:  # the trained tensors themselves
-            model[n], master[n], opt_state[pid] = state["model"][n], state["master"][n], old_state[pid_of[n]]
+            model[n], master[n] = cut(state["model"][n]), cut(state["master"][n])
+            opt_state[pid] = {k: (cut(v) if v.dim() else v) for k, v in old_state[pid_of[n]].items()}
             continue
         src_name = f"transformer.h.{i % layers}.{n.split('.', 3)[3]}"
         src = old_state[pid_of[src_name]]
         g = torch.Generator(device=device).manual_seed(10_000 * i + block.index(n.split(".", 3)[3]))
 
         def nudge(t):
+            t = cut(t)
             return t * (1 + _PERTURB * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype))
         master[n] = nudge(state["master"][src_name])
         model[n] = master[n].to(torch.bfloat16)
         opt_state[pid] = {k: (nudge(v) if v.dim() else v.clone()) for k, v in src.items()}
     groups = [{**pg, "params": list(range(len(new_names)))} for pg in state["optimizer"]["param_groups"]]
     return {"model": model, "optimizer": {"state": opt_state, "param_groups": groups}, "master": master}
+
+
+def min_bytes(device: str) -> int:
+    """The smallest realistic state make_state builds on `device`'s kind (auto's model): its
+    embeddings, final norm and head, with no transformer block (from the shapes, nothing built)."""
+    auto = "gpt2-small" if torch.device(device).type == "cuda" else "tiny"
+    _, _, d, vocab, context = SIZES[auto][:5]
+    params = [vocab * d, context * d, d, d, vocab * d]  # wte, wpe, ln_f weight and bias, lm_head
+    return sum(14 * n + 4 for n in params)
 
 
 # GPT-2 small's parameter shapes of one block, cycled by the synthetic states.
@@ -317,8 +351,9 @@ def _synthetic(nbytes_: int, device: str, fill) -> dict:
     total, i = 0, 0
     while total < nbytes_:
         shape, name = _SHAPES[i % len(_SHAPES)], f"p{i}"
-        if len(shape) == 2:  # fewer rows near the target, so that small sizes are not overshot
-            shape = (min(shape[0], -(-(nbytes_ - total) // (14 * shape[1]))), shape[1])
+        # fewer rows near the target, so that the state overshoots it by less than one row
+        row = math.prod(shape[1:])
+        shape = (min(shape[0], -(-(nbytes_ - total) // (14 * row))), *shape[1:])
         state["model"][name] = fill(shape, 0.02).to(torch.bfloat16)
         state["master"][name] = fill(shape, 0.02)
         st = {"step": torch.tensor(300.0, device=device), "exp_avg": fill(shape, 1e-3),

@@ -43,18 +43,40 @@ def test_bench_zeros_are_labelled(tmp_path, capsys):
 
 def test_workload_sizes_below_and_above_the_base_state():
     """Scale runs need states of the asked size on both sides of the trained base state: a
-    shallower or deeper GPT, its AdamW state matching parameter for parameter."""
+    shallower or deeper GPT, its AdamW state matching parameter for parameter, holding the bytes
+    asked (short by less than one row of a tensor: 4 x 192 elements of 14 bytes here). `8MB` once
+    measured 14.2 MB (whole blocks, rounded up), `1KB` 7.95 MB."""
+    import pytest
+
     from gdsckpt.bench.states import nbytes
-    from gdsckpt.bench.workload import make_state
+    from gdsckpt.bench.workload import make_state, min_bytes
     from gdsckpt.core.units import parse_size
     base = make_state("tiny", device="cpu")
-    for size in ("8MiB", "40MB"):
+    for size in ("8MB", "8MiB", "26MB", "40MB", str(min_bytes("cpu")), str(min_bytes("cpu") + 20)):
         state = make_state(size, device="cpu")
         want = parse_size(size)
-        assert want <= nbytes(state) < want + nbytes(base) // 2, (size, nbytes(state))
+        assert want - 14 * 4 * 192 - 4 < nbytes(state) <= want, (size, nbytes(state))
         assert len(state["optimizer"]["state"]) == len(state["master"]) == len(state["model"])
         assert state["optimizer"]["param_groups"][0]["params"] == list(range(len(state["master"])))
+        for name, master in state["master"].items():  # a cut parameter is cut alike in all its tensors
+            assert state["model"][name].shape == master.shape
+            pid = list(state["master"]).index(name)
+            assert state["optimizer"]["state"][pid]["exp_avg"].shape == master.shape
     assert len(make_state("8MiB", device="cpu")["master"]) < len(base["master"]) < len(make_state("40MB", device="cpu")["master"])
+    # the smallest: the embeddings and the head, as min_bytes computes them from the shapes alone
+    assert nbytes(make_state(str(min_bytes("cpu")), device="cpu")) == min_bytes("cpu")
+    with pytest.raises(ValueError, match=r"'1KB': the realistic state on cpu is at least 1.73 MB"):
+        make_state("1KB", device="cpu")
+
+
+def test_synthetic_states_hold_the_size_asked():
+    """--data random/zeros: at least the bytes asked, over by less than one row (1-D tensors
+    included: `--size 1KB` once gave 10.7 kB)."""
+    from gdsckpt.bench.states import nbytes
+    from gdsckpt.bench.workload import random_state, zeros_state
+    for n in (1, 1000, 10**6, 3 * 10**6 + 7):
+        for make in (random_state, zeros_state):
+            assert n <= nbytes(make(n, "cpu")) < n + 14 * 768 + 4, (n, make)
 
 
 def test_state_walks_count_what_a_save_stores_or_every_place():
