@@ -1,5 +1,8 @@
 """gdsckpt-bench: save/restore throughput, fio-style, and the alternatives side by side.
 
+The report starts with how gdsckpt's save and restore compare with torch.save + fsync and
+torch.load of the same state, then the fio-style figures of each job. --train: what each way of
+checkpointing costs a training loop (gdsckpt-bench --train --help).
 Saves are timed to their durable commit (fsync'd file, rename, fsync'd directory).
 Reads are cold unless --warm: the file's page cache is dropped first. Every result names
 its device, date, data and I/O path. JSON schema: see SCHEMA below (stable; additions only).
@@ -36,6 +39,7 @@ from . import provenance, states, train
 from .baselines import same_tensors
 from .disk import disk_probe, drop_page_cache, mean_probe
 from . import options
+from .progress import Progress
 
 SCHEMA = 1
 SCHEMA_DOC = """
@@ -54,7 +58,9 @@ SCHEMA_DOC = """
          (each write loop writes a fresh file: the previous one is deleted and synced first, untimed)
          memory: {ring_gpu_bytes, peak_extra_gpu_bytes, pinned_host_bytes}, streams: [...], verified}],
  compare: [{name, save_s, load_s, save_gbps, load_gbps, stored_bytes, logical_bytes, io_path,
-            save_speedup_vs_gdsckpt, load_speedup_vs_gdsckpt, notes}] | null}
+            save_speedup_vs_gdsckpt, load_speedup_vs_gdsckpt, notes}] | null,
+ versus_torch: {save_s, load_s (gdsckpt's first save and load job, per loop), torch_save_s, torch_load_s,
+                save_x, load_x (torch's seconds over gdsckpt's), sentence} | null (a save and load of a file only)}
 """
 
 
@@ -87,23 +93,6 @@ def make_data(spec: str, size: str, device: str) -> tuple[dict, dict]:
         key = str(leaf.tensor.dtype).removeprefix("torch.")
         by_dtype[key] = by_dtype.get(key, 0) + leaf.tensor.nbytes
     return state, {"kind": kind, "description": desc, "logical_bytes": sum(by_dtype.values()), "by_dtype": by_dtype}
-
-
-class Progress:
-    """One self-overwriting status line, on a terminal only."""
-
-    def __init__(self):
-        self.on = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str):
-        if self.on:
-            sys.stderr.write(f"\r\x1b[K[{time.perf_counter() - self.t0:6.1f}s] {msg}")
-            sys.stderr.flush()
-
-    def done(self):
-        if self.on:
-            sys.stderr.write("\r\x1b[K")
 
 
 def _job_result(name, rw, target, args, bs, depth, stats_list, cpu, verified=None) -> dict:
@@ -286,6 +275,8 @@ def run_compare(args, state, directory: Path, device: str, progress) -> list[dic
 def print_normal(result: dict, out=None) -> None:
     out = out or sys.stdout
     d = result
+    if d.get("versus_torch"):
+        print(d["versus_torch"]["sentence"] + "\n", file=out)
     print(f"gdsckpt-bench {d['date']}  device: {d['device']['name']}  data: {d['data']['kind']} "
           f"({d['data']['description']}), {units.format_bytes(d['data']['logical_bytes'])}", file=out)
     print("  by dtype: " + ", ".join(f"{k} {units.format_bytes(v)}" for k, v in d["data"]["by_dtype"].items()),
@@ -395,19 +386,23 @@ def main(argv=None) -> int:
         return train.main(args)
     device = choose_device(args)
     progress = Progress()
-    progress("building the workload state")
+    progress("building the workload state (trained on the first run, then read from a cache)")
     state, data = make_data(args.data, args.size, device)
     if args.ioengine == "posix":
         state = states.to_device(state, "cpu")
-    disk, jobs, compare = measure(args, state, data, device, progress)
+    disk, jobs, compare, torch_row = measure(args, state, data, device, progress)
     report(args, {"schema": SCHEMA, **provenance.stamp(device), "data": data,
-                  "disk": disk, "jobs": jobs, "compare": compare, "args": vars(args)})
+                  "disk": disk, "jobs": jobs, "compare": compare, "versus_torch": versus_torch(jobs, torch_row),
+                  "args": vars(args)})
     return 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, every argument checked (options.py) before anything runs: a bad one is
     a usage error (exit 2) naming it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--train" in argv and ("-h" in argv or "--help" in argv):
+        train.parser().parse_args(["--help"])  # --train's own options, and exits
     ap = argparse.ArgumentParser(prog="gdsckpt-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=SCHEMA_DOC + options.TERSE_DOC)
@@ -431,9 +426,10 @@ def choose_device(args) -> str:
     return device
 
 
-def measure(args, state, data: dict, device: str, progress) -> tuple[dict | None, list[dict], list[dict] | None]:
-    """(disk probe, jobs, compare rows): the jobs between two probes of the disk they write to,
-    each file job set against the disk's rate, then the compare table."""
+def measure(args, state, data: dict, device: str, progress) -> tuple:
+    """(disk probe, jobs, compare rows, torch.save's row): the jobs between two probes of the disk
+    they write to, each file job set against the disk's rate, then the compare table (else, for a
+    save and load job, torch.save + fsync and torch.load alone)."""
     tmp = None
     directory = Path(args.directory) if args.directory else Path(tmp := tempfile.mkdtemp(prefix="gdsckpt-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -448,10 +444,38 @@ def measure(args, state, data: dict, device: str, progress) -> tuple[dict | None
             disk = mean_probe([disk, disk_probe(directory, disk["bytes"])])
             _against_disk(jobs, disk)
         compare = run_compare(args, state, directory, device, progress) if args.compare else None
+        torch_row = next((r for r in compare or [] if r["name"].startswith("torch.save")), None)
+        if torch_row is None and args.target == "file" and args.rw == "rw":
+            from .baselines import torch_save
+            progress("torch.save + fsync and torch.load of the same state, for the comparison")
+            torch_row = torch_save(state, str(directory), device)
     finally:
+        progress.done()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    return disk, jobs, compare
+    return disk, jobs, compare, torch_row
+
+
+def versus_torch(jobs: list[dict], torch_row: dict | None) -> dict | None:
+    """gdsckpt's first save and load jobs against torch.save + fsync and a torch.load of the same
+    state (each timed the same way: to durable, and from a cold page cache unless --warm): the
+    factors and the report's first sentence. None where the run has no such pair."""
+    save = next((j for j in jobs if j["rw"] == "write" and j["target"] == "file"), None)
+    load = next((j for j in jobs if j["rw"] == "read"), None)
+    if torch_row is None or "error" in torch_row or save is None or load is None:
+        return None
+    ours = {"save_s": save["seconds"] / save["loops"], "load_s": load["seconds"] / load["loops"]}
+    save_x, load_x = torch_row["save_s"] / ours["save_s"], torch_row["load_s"] / ours["load_s"]
+
+    def how(x: float) -> str:
+        return f"{x:.1f}x faster than" if x >= 1 else f"{1 / x:.1f}x slower than"
+    reads = "from the page cache" if load["warm"] else "cold reads"
+    sentence = (f"gdsckpt saved the {units.format_bytes(save['logical_bytes'] / save['loops'])} state "
+                f"{how(save_x)} torch.save + fsync ({ours['save_s']:.3f} s against {torch_row['save_s']:.3f} s) "
+                f"and restored it {how(load_x)} torch.load ({ours['load_s']:.3f} s against "
+                f"{torch_row['load_s']:.3f} s, {reads}).")
+    return {**ours, "torch_save_s": torch_row["save_s"], "torch_load_s": torch_row["load_s"],
+            "save_x": save_x, "load_x": load_x, "sentence": sentence}
 
 
 def _against_disk(jobs: list[dict], disk: dict) -> None:

@@ -11,7 +11,7 @@ from gdsckpt.core import units
 from gdsckpt.format.file import ALIGN, MAX_CHUNK_BYTES
 from gdsckpt.writing.save import check_codec
 
-from .train_loop import TRAIN_SIZES
+from .train_loop import INTERVAL, STEPS, TRAIN_SIZES, n_checkpoints
 
 NAMED_SIZES = ("auto", "tiny", "gpt2-small", *TRAIN_SIZES)  # --train takes its models by name too
 
@@ -37,7 +37,8 @@ def _type(conv):
 
 
 def size(text: str) -> str:
-    """--size: a named workload or a byte count (kept as text: workload.make_state reads it)."""
+    """--size: a named workload or model, or a byte count (kept as text: workload.make_state reads
+    it); what the mode takes of these is checked with the other options (check_size)."""
     if text not in NAMED_SIZES:
         if units.parse_size(text) <= 0:
             raise ValueError(f"{text!r}: the state size must be more than 0 bytes")
@@ -116,10 +117,23 @@ def data_spec(text: str) -> str:
     raise ValueError(f"{text!r}: the data must be default, random, zeros or file:PATH")
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rw", choices=["write", "read", "rw"], default="rw")
+def add_shared(ap) -> None:
+    """The options the save/restore jobs and --train both take."""
     ap.add_argument("--size", default="auto", type=_type(size),
-                    help="state size: auto, tiny, gpt2-small, or bytes: 4GB (4 x 10^9), 4GiB or 4G (4 x 2^30)")
+                    help="the save/restore jobs' state: auto, tiny, gpt2-small, or bytes: 4GB (4 x 10^9), 4GiB or 4G "
+                         "(4 x 2^30); --train's model: auto, " + ", ".join(TRAIN_SIZES))
+    ap.add_argument("--device", default=None, type=_type(device), help="cpu, cuda or cuda:N (default: cuda if usable)")
+    ap.add_argument("--directory", help="directory for the checkpoints (default: a temporary one)")
+    ap.add_argument("--output-format", choices=["normal", "json", "terse"], default="normal",
+                    help="normal (text), json (the schema in --help) or terse (';'-separated, fields in --help)")
+    ap.add_argument("--output", help="also write the JSON result to this file")
+    ap.add_argument("--plot", help="PNG chart of the compare table and/or the sweep, or of --train's methods")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The save/restore jobs' options, fio's names where fio has one, and the shared ones."""
+    ap.add_argument("--rw", choices=["write", "read", "rw"], default="rw")
+    add_shared(ap)
     ap.add_argument("--bs", type=_type(comma_list(chunk_size)),
                     help="chunk size, e.g. 64MiB (or 64M); a comma list sweeps")
     ap.add_argument("--iodepth", type=_type(comma_list(depth)), help="ring depth (slots in flight, at least 2); "
@@ -129,16 +143,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--direct", type=int, choices=[0, 1], default=None,
                     help="KvikIO O_DIRECT for compat-mode I/O (default: KvikIO's own)")
     ap.add_argument("--filename", help="checkpoint file to write/read")
-    ap.add_argument("--directory", help="directory for the checkpoint (default: a temporary one)")
     ap.add_argument("--loops", type=_type(positive_int), default=1, help="timed loops of each job (fio's loops)")
     ap.add_argument("--runtime", type=_type(seconds), default=0,
                     help="as fio's: no loop of a job starts once this many seconds have passed (at least one "
                          "runs; a save or load is never cut short)")
     ap.add_argument("--time_based", "--time-based", dest="time_based", action="store_true",
                     help="as fio's: repeat each job's loops until --runtime has passed, whatever --loops says")
-    ap.add_argument("--output-format", choices=["normal", "json", "terse"], default="normal",
-                    help="normal (text), json (the schema below) or terse (';'-separated, fields below)")
-    ap.add_argument("--output", help="also write the JSON result to this file")
     ap.add_argument("--codec", default="auto", type=_type(codec))
     ap.add_argument("--ioengine", choices=["gds", "compat", "posix"], default=None,
                     help="gds: cuFile (fail if absent); compat: KvikIO POSIX path; posix: the CPU path")
@@ -146,15 +156,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="null: storage removed; null-d2h: plus the copy into a pinned host ring")
     ap.add_argument("--data", default="default", type=_type(data_spec),
                     help="default (realistic), random, zeros, file:PATH")
-    ap.add_argument("--device", default=None, type=_type(device), help="cpu, cuda or cuda:N (default: cuda if usable)")
     ap.add_argument("--warm", action="store_true", help="read from the page cache (labelled warm)")
-    ap.add_argument("--compare", action="store_true", help="also run torch.save, safetensors, raw KvikIO, ...")
-    ap.add_argument("--plot", help="PNG chart of the compare table and/or the sweep")
+    ap.add_argument("--compare", action="store_true", help="also run safetensors, raw KvikIO, ... beside torch.save")
     ap.add_argument("--no-disk-probe", action="store_true")
 
 
 def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """What no single option can check: options that need each other."""
+    check_size(args, ap)
+    if args.train:
+        check_train(args, ap)
     if getattr(args, "state_per_gpu", None):  # cost.py's option, read only after the run otherwise
         try:
             units.parse_size(args.state_per_gpu)
@@ -171,3 +182,43 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
             ap.error("--plot needs matplotlib (pip install gdsckpt[bench])")
     if args.target != "file" and args.rw != "rw" and args.rw != "write":
         ap.error(f"--target {args.target} only writes: --rw read reads a file")
+
+
+def check_train(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """--steps, --interval and --sync-every together, where given (with neither of the first two,
+    the CPU's plan picks them to fit --sync-every: train.plan)."""
+    if args.steps is None and args.interval is None and args.sync_every >= 1:
+        return
+    steps, interval = args.steps or STEPS, args.interval or INTERVAL
+    if interval < 1 or n_checkpoints(steps, interval) < 1:
+        ap.error(f"argument --steps: {steps} steps at --interval {interval}: the steps must be at least twice the "
+                 "interval (every checkpoint is followed by a full interval)")
+    if args.sync_every < 1 or max(1, interval // 4) % args.sync_every:
+        ap.error(f"argument --sync-every: {args.sync_every}: must divide --interval // 4 ({max(1, interval // 4)}), "
+                 "so that every run of steps the estimates sum ends with a sync")
+
+
+def check_size(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """--size against the mode: --train takes a model by name; the save/restore jobs a state by
+    name or a byte count, the realistic state's no smaller than it can be (its embeddings and
+    head), which is refused with that minimum rather than measured at another size."""
+    if args.train:
+        if args.size != "auto" and args.size not in TRAIN_SIZES:
+            ap.error(f"argument --size: {args.size!r}: --train takes a model by name: auto, {', '.join(TRAIN_SIZES)}")
+        return
+    if args.size in ("auto", "tiny", "gpt2-small"):
+        return
+    if args.size in TRAIN_SIZES:
+        ap.error(f"argument --size: {args.size!r} is one of --train's models; the save/restore jobs take auto, tiny, "
+                 "gpt2-small or a byte count")
+    if args.data != "default":
+        return
+    from gdsckpt.engine.backend import gpu_status
+
+    from .workload import min_bytes
+    where = args.device or ("cuda" if gpu_status()[0] else "cpu")
+    least = min_bytes(where)
+    if units.parse_size(args.size) < least:
+        ap.error(f"argument --size: {args.size!r} is below the smallest realistic state on "
+                 f"{where.split(':')[0]}, {units.format_bytes(least)} ({least} bytes: its embeddings and head); "
+                 "ask for that much or more, or take --data random for a smaller state")

@@ -30,13 +30,18 @@ from .workload import GPT, Bf16Matmuls, token_windows
 # name: layers, heads, d_model, vocab, context, seq, batch
 TRAIN_SIZES = {
     "tiny": (2, 4, 128, 256, 64, 64, 4),            # ~0.5M params: CI
-    "small-cpu": (4, 4, 192, 256, 128, 128, 4),      # ~1.9M params, ~23 MB of state
+    # ~1.9M params, ~23 MB of state; 2 x 32 tokens a step: the CPU's default, its steps short, so
+    # that the default run (five methods, two repeats) takes about 2 minutes on 2 busy cores
+    "small-cpu": (4, 4, 192, 256, 128, 32, 2),
     "gpt2-small": (12, 12, 768, 50257, 1024, 1024, 8),
     # GPT-2 medium's shapes with an untied head: 406M params, fp32 + AdamW = 4.87 GB of state.
     "gpt2-medium": (24, 16, 1024, 50257, 1024, 1024, 8),
     # GPT-2 large's shapes, untied head: 838M params, 10.1 GB of state (5.0 GB per rank on two GPUs).
     "gpt2-large": (36, 20, 1280, 50257, 1024, 1024, 8),
 }
+
+
+STEPS, INTERVAL = 120, 40  # a loop's steps and checkpoint interval: a GPU's, or any given one of them
 
 
 def build(size: str, device: str):
@@ -201,7 +206,10 @@ class Loop:
     steal_windows: list = field(default_factory=list)  # the same over each `interval` steps, every loop alike
 
 
-def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str, sync_every: int = 1) -> Loop:
+def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: str, sync_every: int = 1,
+             on_step=None) -> Loop:
+    """One timed loop of `steps` steps, `method` checkpointing every `interval`; on_step(step)
+    after each step (the progress line: a few microseconds)."""
     cuda = ctx.device.startswith("cuda")
     gc.collect()
     if cuda:
@@ -245,6 +253,8 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             min_free = min(min_free, torch.cuda.mem_get_info()[0])
         if step % interval == 0 and steal0 is not None:
             steal_marks.append(_steal_s())
+        if on_step is not None:
+            on_step(step)
         if method.name != "none" and step % interval == 0 and step <= steps - interval:
             path = ctx.directory / f"{tag}-step{step}"
             tc = time.perf_counter()

@@ -75,6 +75,7 @@ class Method:
     sharded = False  # runs under torchrun: saves each rank's DTensor shards
     notes = ""  # what the result should say about how it ran
     reserved: dict | None = None  # what setup reserved ahead of the first save (reservation()), if anything
+    spawns_process = False  # its first save starts a process of its own (DCP's async save process)
 
     def available(self) -> str | None:
         """None if it can run here, else why not."""
@@ -227,6 +228,7 @@ class DcpPinned(Method):
     def __init__(self, kind: str):
         self.kind = kind
         self.name = f"dcp.async_save pinned {kind}"
+        self.spawns_process = kind == "process"
         self.stager = None
         self.staging = None
 

@@ -194,6 +194,50 @@ def rank_row(r: dict) -> dict:
     return {k: r[k] for k in keep if k in r}
 
 
+def loop_record(name: str, repeat: int, rank: int | None, loop: Loop, none_loop: Loop | None, interval: int,
+                ckpts: int, stored_bytes: int | None, io_path: str | None) -> dict:
+    """One line of --jsonl: a loop's figures as soon as it is measured, against the 'none' loop of
+    its repeat where that ran (the result's rows sum every repeat up the same way)."""
+    local = _local_per_ckpt(loop, none_loop, interval) if none_loop and name != "none" else None
+    return {"kind": "loop", "method": name, "repeat": repeat, "rank": rank, "loop_s": round(loop.seconds, 4),
+            "none_loop_s": none_loop and round(none_loop.seconds, 4),
+            "overhead_per_ckpt_s": ((loop.seconds - none_loop.seconds) / ckpts
+                                    if none_loop and name != "none" and ckpts else None),
+            "overhead_local_per_ckpt_s": statistics.fmean(local) if local else None,
+            "blocked_s": [round(b, 4) for b in loop.blocked], "call_s": [round(c, 4) for c in loop.calls],
+            "completion_s": [round(c, 4) for c in loop.completion], "drain_s": round(loop.drain, 4),
+            "stored_bytes": stored_bytes, "io_path": io_path, "raw": _raw(loop)}
+
+
+def headline(result: dict) -> str | None:
+    """The report's first sentence: what a checkpoint cost the loop with each method, against
+    torch.save + fsync (under torchrun: dcp.save through FileSystemWriter); None without it."""
+    ok = {r["name"]: r for r in result["methods"] if r["status"] == "ok" and r.get("overhead_per_ckpt_s")}
+    base_name = next((n for n in ("torch.save", "dcp.save FileSystemWriter") if n in ok), None)
+    if base_name is None:
+        return None
+    base = targets.idle_estimate(ok[base_name])[0]
+    if base is None or base <= 0:
+        return None
+    label = "torch.save + fsync" if base_name == "torch.save" else base_name
+    parts = []
+    for name, row in ok.items():
+        idle = targets.idle_estimate(row)[0]
+        if name in ("none", base_name) or idle is None:
+            continue
+        if idle <= 0.01 * base:
+            parts.append(f"{name} nothing measurable ({idle:+.3f} s)")
+        else:
+            x = base / idle
+            parts.append(f"{name} {idle:.3f} s ({x:.1f}x less)" if x >= 1 else f"{name} {idle:.3f} s ({1 / x:.1f}x more)")
+    size = result["state"]["logical_bytes"] / 1e6
+    text = f"Each checkpoint of the {size:.1f} MB state cost the training loop {base:.3f} s with {label}"
+    text += ("; " + ", ".join(parts) + "." if parts else ".")
+    if result.get("interrupted"):
+        text += " (Interrupted: from the loops that finished.)"
+    return text
+
+
 def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
@@ -216,6 +260,8 @@ def print_train(result: dict, out=None) -> None:
     out = out or sys.stdout
     d = result
     m = d["model"]
+    if headline(d):
+        print(headline(d) + "\n", file=out)
     print(f"gdsckpt-bench --train {d['date']}  device: {d['device']['name']}  io: {d['io_path']}", file=out)
     print(f"  model: GPT {m['layers']}x{m['d_model']} ({m['params'] / 1e6:.1f}M params), batch {m['batch']}x{m['seq']}; "
           f"state {d['state']['logical_bytes'] / 1e9:.2f} GB ({d['state']['tensors']} tensors); "

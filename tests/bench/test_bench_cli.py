@@ -29,6 +29,11 @@ BAD = [
     (["--time_based"], "--runtime"),
     (["--plot", "x.png"], "--plot"),
     (["--cost", "--cost-from", "r.json", "--state-per-gpu", "40XB"], "--state-per-gpu"),
+    # below the realistic state's least (its embeddings and head): refused with it, not measured at 7.95 MB
+    (["--size", "1KB"], "--size: '1KB' is below the smallest realistic state on cpu, 1.73 MB (1725716 bytes"),
+    (["--size", "small-cpu"], "is one of --train's models"),  # once a traceback after the set-up
+    (["--train", "--size", "8MB"], "--train takes a model by name"),  # once ignored: small-cpu trained
+    (["--train", "--steps", "20", "--interval", "20"], "--steps: 20 steps at --interval 20"),
 ]
 
 
@@ -48,6 +53,44 @@ def test_help_lists_the_terse_fields(capsys):
         main(["--help"])
     assert e.value.code == 0
     assert ";".join(TERSE_FIELDS) in capsys.readouterr().out
+
+
+def test_train_help_shows_the_training_options(capsys):
+    """--train --help: the loop's options and the shared ones, not the save/restore jobs' (it once
+    printed the same 133 lines as --help)."""
+    with pytest.raises(SystemExit) as e:
+        main(["--train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gdsckpt-bench --train")
+    for name in ("--methods", "--steps", "--interval", "--repeats", "--jsonl", "--sync-every", "--size", "--output"):
+        assert name in out, name
+    assert "--iodepth" not in out and "--time_based" not in out and ";".join(TERSE_FIELDS) not in out
+    assert len(out.splitlines()) < 80
+
+
+def test_report_leads_with_torch_save_and_no_progress_is_left_on_its_line(tmp_path, capsys, monkeypatch):
+    """The text report's first line compares with torch.save + fsync and torch.load (also in the
+    JSON); on a terminal the progress line is cleared before the report (it was once left there,
+    the report glued on)."""
+    import io
+    import re
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["--size", "1MiB", "--data", "random", "--device", "cpu", "--directory", str(tmp_path),
+                 "--output", str(tmp_path / "r.json")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(r"gdsckpt saved the 1.0[56] MB state [0-9.]+x (faster|slower) than torch.save \+ fsync "
+                        r"\([0-9.]+ s against [0-9.]+ s\) and restored it [0-9.]+x (faster|slower) than torch.load "
+                        r"\([0-9.]+ s against [0-9.]+ s, cold reads\)\.", first), first
+    v = json.loads((tmp_path / "r.json").read_text())["versus_torch"]
+    assert v["save_x"] == pytest.approx(v["torch_save_s"] / v["save_s"]) and v["sentence"] == first
+    assert "probing the disk" in err.getvalue() and err.getvalue().endswith("\r\x1b[K")  # cleared
 
 
 def _jobs(capsys) -> list[dict]:

@@ -60,6 +60,19 @@ def test_train_and_cost(tmp_path, capsys):
     b = t["checks"]["blocked_s"]
     assert b["target"] == 0.15 and b["met"] == (b["measured"] <= 0.15) and b["short_by"] == round(max(0, b["measured"] - 0.15), 4)
     assert "targets (met, or short by)" in printed
+    # it leads with what a checkpoint cost the loop against torch.save + fsync
+    assert printed.startswith("Each checkpoint of the ") and "cost the training loop" in printed.splitlines()[0]
+    assert "with torch.save + fsync; gdsckpt.save" in printed.splitlines()[0]
+    # each loop's figures, as measured, in a JSON line beside --output (one per method and repeat)
+    lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert r["jsonl"] == str(out.with_suffix(".jsonl"))
+    assert [x["kind"] for x in lines].count("first_save") == 3 and lines[0]["kind"] == "run"
+    loops = [(x["method"], x["repeat"]) for x in lines if x["kind"] == "loop"]
+    assert loops == [(m, k) for k in (0, 1) for m in rows], loops
+    for x in lines:
+        if x["kind"] == "loop" and x["method"] != "none":
+            summed = rows[x["method"]]["overhead_per_ckpt_s"]["each"][x["repeat"]]
+            assert abs(x["overhead_per_ckpt_s"] - summed) < 1e-4 and len(x["blocked_s"]) == 2 and x["rank"] is None
     cost = {c["name"]: c for c in r["cost"]["methods"]}
     assert r["cost"]["checkpoints_per_month"] == 30 * 24
     c = cost["gdsckpt.save"]
@@ -91,9 +104,11 @@ def test_train_loop_reads_its_loss_every_n_steps(tmp_path, capsys, monkeypatch):
     assert reads == [False, True] * 8 * 2  # each method's loop: steps 2, 4, ..., 16 read the loss
     rows = {m["name"]: m for m in r["methods"]}
     assert rows["gdsckpt.save_async"]["status"] == "ok" and rows["gdsckpt.save_async"]["overhead_local_per_ckpt_s"]["n"] == 1
-    with pytest.raises(SystemExit, match=r"--sync-every 3: must divide --interval // 4 \(2\)"):
+    with pytest.raises(SystemExit) as e:  # a usage error, before anything runs
         main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "16", "--interval", "8",
               "--sync-every", "3", "--methods", "none", "--directory", str(tmp_path / "e")])
+    assert e.value.code == 2 and "--sync-every: 3: must divide --interval // 4 (2)" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
 
 
 def test_cost_from_file_and_unavailable_modes(tmp_path, capsys):
@@ -140,6 +155,10 @@ def test_train_under_torchrun(tmp_path):
     rows = {m["name"]: m for m in r["methods"]}
     assert rows["torch.save"]["status"] == "unavailable" and "torchrun" in rows["torch.save"]["error"]
     assert [x["rank"] for x in r["ranks"]] == [0, 1]
+    # every rank's loops in the JSON lines beside --output, each as it finished
+    lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    got = {(x["method"], x["rank"]) for x in lines if x["kind"] == "loop"}
+    assert {(m, k) for m in ("none", "dcp.async_save GdsckptWriter") for k in (0, 1)} <= got, got
     for rank in r["ranks"]:
         per = {m["name"]: m for m in rank["methods"]}
         for name in ("dcp.async_save pinned thread", "dcp.save GdsckptWriter", "dcp.async_save GdsckptWriter",
@@ -209,3 +228,66 @@ def test_local_overhead_ignores_drift_between_and_within_loops():
     row = {"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": 0.09}}
     assert idle_estimate(row) == (0.09, "local")
     assert idle_estimate({"overhead_per_ckpt_s": {"mean": 0.4}, "overhead_local_per_ckpt_s": {"mean": None}}) == (0.4, "loop")
+
+
+def test_interrupted_run_reports_and_keeps_what_it_measured(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the second repeat: the loops done are in the JSON lines as they finished, and the
+    report covers them (a stopped run once printed nothing and kept nothing)."""
+    from gdsckpt.bench import train
+    real, calls = train.run_loop, []
+
+    def stopped(*a, **kw):
+        calls.append(a[1].name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(train, "run_loop", stopped)
+    jl = tmp_path / "loops.jsonl"
+    assert main(["--train", "--size", "tiny", "--device", "cpu", "--steps", "4", "--interval", "2", "--repeats", "2",
+                 "--methods", "none,torch", "--directory", str(tmp_path / "d"), "--jsonl", str(jl)]) == 0
+    out, err = capsys.readouterr()
+    assert "interrupted" in err and str(jl) in err
+    assert "(Interrupted: from the loops that finished.)" in out.splitlines()[0]
+    loops = [(x["method"], x["repeat"]) for x in map(json.loads, jl.read_text().splitlines()) if x["kind"] == "loop"]
+    assert loops == [("none", 0), ("torch.save", 0)]
+
+
+def test_default_methods_and_steps(monkeypatch):
+    """No arguments: the methods a user weighs (no checkpoint, torch.save, DCP's async save,
+    save_async, DCP through gdsckpt), `all` the whole table; on the CPU as many steps as fit
+    about 2 minutes, three intervals a loop; on a GPU, or given either, 120 and 40."""
+    import argparse
+
+    from gdsckpt.bench import train
+    from gdsckpt.bench.train_methods import METHODS, select
+    assert [m.name for m in select(train.DEFAULT_METHODS)] == [
+        "none", "torch.save", "dcp.async_save pinned thread", "gdsckpt.save_async", "dcp.async_save GdsckptWriter"]
+    assert len(select("all")) == len(METHODS)
+
+    def args(**kw):
+        return argparse.Namespace(**{"steps": None, "interval": None, "sync_every": 1, **kw})
+    assert train.plan(args(), "cuda", 0.1, 10) == (120, 40)
+    assert train.plan(args(steps=60), "cpu", 0.1, 10) == (60, 40)
+    assert train.plan(args(interval=10), "cpu", 0.1, 10) == (120, 10)
+    for step_s in (0.001, 0.03, 0.1, 0.3, 3.0):
+        steps, interval = train.plan(args(), "cpu", step_s, 10)
+        assert steps == 3 * interval and 8 <= interval <= 40 and interval % 4 == 0, (step_s, interval)
+        if 8 < interval < 40:  # fitted: the loops take about CPU_LOOPS_S at that rate
+            assert 0.5 * train.CPU_LOOPS_S < 10 * steps * step_s * 1.3 <= train.CPU_LOOPS_S
+    steps, interval = train.plan(args(sync_every=3), "cpu", 0.03, 10)
+    assert interval % 12 == 0 and steps == 3 * interval
+
+
+def test_dcp_save_process_logs_stay_out_of_the_output(tmp_path):
+    """DCP's process-based async save logs INFO lines from the process it starts ("root - INFO -
+    Checkpoint background process is running..."): not in the bench's output."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "gdsckpt.bench", "--train", "--size", "tiny", "--device", "cpu", "--steps", "4",
+           "--interval", "2", "--repeats", "1", "--methods", "none,dcp-process", "--directory", str(tmp_path / "d"),
+           "--output", str(tmp_path / "r.json")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {m["name"]: m for m in json.loads((tmp_path / "r.json").read_text())["methods"]}
+    assert rows["dcp.async_save pinned process"]["status"] == "ok"
+    assert " - INFO - " not in p.stderr + p.stdout, p.stderr
