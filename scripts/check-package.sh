@@ -5,7 +5,7 @@
 # smoke-test it there: `gdsckpt --version`, a save/load round trip, the CLI on the saved file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup.sh
+source scripts/setup.sh bench
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 t0=$SECONDS

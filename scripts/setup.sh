@@ -1,34 +1,53 @@
 #!/usr/bin/env bash
-# Create .venv (once) with gdsckpt and its test/bench extras. Sourced by test.sh and bench.sh.
+# Create or complete .venv for one job. Sourced by bench.sh, test.sh and check-package.sh, with
+# the job's mode as its argument (always given: a sourced script otherwise sees its caller's):
+#   source scripts/setup.sh bench   gdsckpt and the bench's extra (safetensors, matplotlib): the
+#                                   main job's needs, about 30 packages
+#   source scripts/setup.sh test    also the test and framework extras (pytest, hypothesis,
+#                                   SeaweedFS, lightning, torchtitan, transformers: ~100 more)
+# A .venv made for the bench is completed, not rebuilt, by the first `test`.
 # With no NVIDIA GPU: the CPU torch 2.13 first, so that nothing pulls a multi-GB CUDA build.
 # With one: the CUDA 13 extras (nvCOMP, KvikIO, CuPy) as well.
 # Each step says what it does on stderr, and pip shows what it fetches and installs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+_setup_mode=${1:?"usage: source scripts/setup.sh bench|test"}
 _setup_t0=$SECONDS
 _step() { echo "[setup $((SECONDS - _setup_t0))s] $*" >&2; }
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import gdsckpt, pytest, hypothesis, awscrt, obstore, boto3, tqdm" 2>/dev/null; then
-  _step "creating .venv with $("$PY" --version 2>&1)"
-  "$PY" -m venv .venv
-  _step "upgrading pip"
-  .venv/bin/python -m pip install --progress-bar off -q --upgrade pip
-  extras="test,bench"
-  constraints=()
+_setup_bench="gdsckpt torch numpy zstandard awscrt tqdm safetensors matplotlib"
+case "$_setup_mode" in
+  bench) _setup_extras="bench"; _setup_needs="$_setup_bench" ;;
+  test) _setup_extras="test,bench"; _setup_needs="$_setup_bench pytest hypothesis obstore boto3 lightning transformers torchtitan" ;;
+  *) echo "setup.sh: unknown mode $_setup_mode (bench or test)" >&2; return 2 2>/dev/null || exit 2 ;;
+esac
+# Whether every module the mode needs is installed: found, not imported (importing torch alone
+# takes seconds, on every run of the job)
+_have() { .venv/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $_setup_needs 2>/dev/null; }
+# pip's own lines that show progress: what it fetches, builds and installs (the rest is noise)
+_pip() { .venv/bin/python -m pip install --progress-bar off "$@" 2>&1 \
+  | grep --line-buffered -E "^(Collecting|Building|Installing collected|Successfully|ERROR)" >&2 || true; }
+if [ ! -x .venv/bin/python ] || ! _have; then
+  if [ ! -x .venv/bin/python ]; then
+    _step "creating .venv with $("$PY" --version 2>&1)"
+    "$PY" -m venv .venv
+  fi
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    extras="$extras,cu13"
+    _setup_extras="$_setup_extras,cu13"
     _step "an NVIDIA GPU is here: the CUDA 13 extras (nvCOMP, KvikIO, CuPy) come with gdsckpt"
-  else
+    _pip -q "setuptools>=77"
+    : > .venv/torch-constraint.txt
+  elif [ ! -s .venv/torch-constraint.txt ]; then
     _step "no NVIDIA GPU: installing the CPU build of torch 2.13 first (about 200 MB unpacked)"
-    .venv/bin/python -m pip install --progress-bar off "torch==2.13.0" 2>&1 | grep -E "^(Collecting|Successfully|ERROR)" >&2 || true
+    # setuptools too: gdsckpt's editable install below then builds without an isolated env of its own
+    _pip "torch==2.13.0" "setuptools>=77"
     # No extra (lightning, torchtitan, ...) may swap in a CUDA torch: pin the very build installed,
     # local label included ("2.13.0+cpu"), which no CUDA wheel of the same version matches.
-    .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-constraint.txt
-    constraints=(-c .venv/torch-constraint.txt)
+    .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > .venv/torch-constraint.txt
   fi
-  _step "installing gdsckpt in editable mode with the extras $extras"
-  .venv/bin/python -m pip install --progress-bar off "${constraints[@]}" -e ".[$extras]" 2>&1 | grep -E "^(Collecting|Successfully|ERROR)" >&2 || true
-  .venv/bin/python -c "import gdsckpt, pytest, hypothesis, awscrt, obstore, boto3, tqdm" \
-    || { _step "the installation failed: see pip's errors above"; exit 1; }
+  _step "installing gdsckpt in editable mode with the extras $_setup_extras"
+  _pip -c .venv/torch-constraint.txt --no-build-isolation -e ".[$_setup_extras]"
+  { .venv/bin/python -c "import gdsckpt" && _have; } \
+    || { _step "the installation failed: see pip's errors above"; return 1 2>/dev/null || exit 1; }
   _step "done"
 fi

@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# The test command: sets everything up from nothing, then runs the whole suite.
+# The test command: sets everything up from nothing (scripts/setup.sh test: the test and
+# framework extras too), then runs the tests. Timings: tests/README.md.
+#   scripts/test.sh              the whole suite
+#   scripts/test.sh --quick      the quick subset: pytest -m "not slow and not integration", the
+#                                markers tests/conftest.py gives (tests/README.md lists them)
+# Any other argument goes to pytest (a file, -k EXPR, -x ...).
 # GPU tests (marker `gpu`) run where a GPU with nvCOMP and KvikIO is present and skip elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+source scripts/setup.sh test
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--quick" ]; then
+    args+=(-m "not slow and not integration")
+  else
+    args+=("$arg")
+  fi
+done
+exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
