@@ -11,7 +11,8 @@ trap 'rm -rf "$work"' EXIT
 t0=$SECONDS
 step() { echo "[package $((SECONDS - t0))s] $*" >&2; }
 step "building the sdist and the wheel"
-.venv/bin/python -m pip install --progress-bar off -q "build>=1"
+setup_pip
+"${_setup_pip[@]}" install --progress-bar off -q "build>=1"
 .venv/bin/python -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 if grep -i "deprecat" "$work/build.log"; then
   step "the build warned of deprecated settings (above)"; exit 1

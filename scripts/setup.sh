@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create or complete .venv for one job. Sourced by bench.sh, test.sh and check-package.sh, with
 # the job's mode as its argument (always given: a sourced script otherwise sees its caller's):
-#   source scripts/setup.sh bench   gdsckpt and the bench's extra (safetensors, matplotlib): the
-#                                   main job's needs, about 30 packages
+#   source scripts/setup.sh bench   torch, gdsckpt's runtime and the bench extra (safetensors):
+#                                   the main job's needs, 15 packages
 #   source scripts/setup.sh test    also the test and framework extras (pytest, hypothesis,
-#                                   SeaweedFS, lightning, torchtitan, transformers: ~100 more)
+#                                   matplotlib, SeaweedFS, lightning, torchtitan, transformers...)
 # A .venv made for the bench is completed, not rebuilt, by the first `test`.
 # With no NVIDIA GPU: the CPU torch 2.13 first, so that nothing pulls a multi-GB CUDA build.
 # With one: the CUDA 13 extras (nvCOMP, KvikIO, CuPy) as well.
@@ -15,23 +15,42 @@ PY=${PYTHON:-python3}
 _setup_mode=${1:?"usage: source scripts/setup.sh bench|test"}
 _setup_t0=$SECONDS
 _step() { echo "[setup $((SECONDS - _setup_t0))s] $*" >&2; }
-_setup_bench="gdsckpt torch numpy zstandard awscrt tqdm safetensors matplotlib"
+_setup_bench="gdsckpt torch numpy zstandard awscrt tqdm safetensors"
 case "$_setup_mode" in
   bench) _setup_extras="bench"; _setup_needs="$_setup_bench" ;;
-  test) _setup_extras="test,bench"; _setup_needs="$_setup_bench pytest hypothesis obstore boto3 lightning transformers torchtitan" ;;
+  test) _setup_extras="test,bench"
+        _setup_needs="$_setup_bench matplotlib pytest hypothesis obstore boto3 lightning transformers torchtitan" ;;
   *) echo "setup.sh: unknown mode $_setup_mode (bench or test)" >&2; return 2 2>/dev/null || exit 2 ;;
 esac
 # Whether every module the mode needs is installed: found, not imported (importing torch alone
 # takes seconds, on every run of the job)
 _have() { .venv/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $_setup_needs 2>/dev/null; }
-# pip's own lines that show progress: what it fetches, builds and installs (the rest is noise)
-_pip() { .venv/bin/python -m pip install --progress-bar off "$@" 2>&1 \
+# pip into .venv, showing only its lines that say what it fetches, builds and installs.
+# --no-compile: no bytecode for the thousands of modules never imported (torch alone has 2,300;
+# Python compiles each one imported on its first import, once).
+_pip() { setup_pip; "${_setup_pip[@]}" install --progress-bar off --no-compile "$@" 2>&1 \
   | grep --line-buffered -E "^(Collecting|Building|Installing collected|Successfully|ERROR)" >&2 || true; }
-if [ ! -x .venv/bin/python ] || ! _have; then
-  if [ ! -x .venv/bin/python ]; then
-    _step "creating .venv with $("$PY" --version 2>&1)"
-    "$PY" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  _step "creating .venv with $("$PY" --version 2>&1)"
+  # Without a pip of its own where this Python's pip can install into it (pip >= 22.3:
+  # --python); bundling one took 25 s of the set-up on the loaded 2-core host.
+  "$PY" -m venv --without-pip .venv
+fi
+# The pip that installs into .venv, as the array _setup_pip (also for the scripts that source
+# this one): its own, else this Python's; found on the first call only
+setup_pip() {
+  [ -n "${_setup_pip+x}" ] && return
+  if .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    _setup_pip=(.venv/bin/python -m pip)
+  elif "$PY" -m pip --python .venv/bin/python --version >/dev/null 2>&1; then
+    _setup_pip=("$PY" -m pip --python .venv/bin/python)
+  else
+    _step "bundling pip into .venv (this Python's pip is older than 22.3)"
+    .venv/bin/python -m ensurepip -q
+    _setup_pip=(.venv/bin/python -m pip)
   fi
+}
+if ! _have; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     _setup_extras="$_setup_extras,cu13"
     _step "an NVIDIA GPU is here: the CUDA 13 extras (nvCOMP, KvikIO, CuPy) come with gdsckpt"

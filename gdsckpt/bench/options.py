@@ -179,7 +179,7 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            ap.error("--plot needs matplotlib (pip install gdsckpt[bench])")
+            ap.error("--plot needs matplotlib (pip install matplotlib, or the plot extra: pip install \".[plot]\")")
     if args.target != "file" and args.rw != "rw" and args.rw != "write":
         ap.error(f"--target {args.target} only writes: --rw read reads a file")
 
