@@ -62,7 +62,8 @@ if ! _have; then
     _pip "torch==2.13.0" "setuptools>=77"
     # No extra (lightning, torchtitan, ...) may swap in a CUDA torch: pin the very build installed,
     # local label included ("2.13.0+cpu"), which no CUDA wheel of the same version matches.
-    .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > .venv/torch-constraint.txt
+    .venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+      > .venv/torch-constraint.txt
   fi
   _step "installing gdsckpt in editable mode with the extras $_setup_extras"
   _pip -c .venv/torch-constraint.txt --no-build-isolation -e ".[$_setup_extras]"
