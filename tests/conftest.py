@@ -31,7 +31,66 @@ def pytest_configure(config):
     defaults.CPU_AUTO_COMPRESS_MIN_CORES = 1
 
 
+# Files whose every test is `integration`: they start other processes (torchrun and gloo ranks,
+# SIGKILLed writers, the CLI, DCP's), a real S3 server (SeaweedFS), or train with a framework.
+# `scripts/test.sh --quick` runs the rest (-m "not slow and not integration"); tests/README.md
+# says how long each takes.
+INTEGRATION_FILES = frozenset({
+    "test_bench.py", "test_bench_cli.py", "test_bench_memory.py", "test_bench_train.py",
+    "test_cli.py", "test_cli_export.py", "test_cli_files.py", "test_cli_output.py",
+    "test_dcp.py", "test_dcp_cache.py", "test_dcp_gpu.py", "test_dcp_metadata.py", "test_manager_dcp.py",
+    "test_memory_dcp.py",
+    "test_integrations_accelerate.py", "test_integrations_accelerate_nodes.py", "test_integrations_lightning.py",
+    "test_integrations_torchtitan.py", "test_integrations_transformers.py",
+    "test_isolated.py", "test_package.py", "test_readme.py", "test_resume.py", "test_writer_crash.py",
+    "test_manager_remote.py", "test_reader_remote.py", "test_remote_tier.py", "test_stores.py",
+})
+
+
+# Tests that take seconds each (3 s or more in a run on the loaded 2-core host): they kill or start
+# processes, wait out timeouts, start the S3 server, or run many randomized cases. Marked `slow`
+# here, by file and name (every parametrization), so that --quick leaves them out; a new test
+# can say so itself with @pytest.mark.slow.
+SLOW_TESTS = {
+    "test_manager.py": {"test_sigkill_during_save_leaves_an_intact_step", "test_full_disk_keeps_previous_steps",
+                        "test_two_managers_on_one_directory"},
+    "test_manager_lifecycle.py": {"test_a_read_only_directory_is_opened_to_restore",
+                                  "test_a_failed_save_async_seen_by_the_caller_is_not_raised_again",
+                                  "test_a_failed_save_async_nobody_looked_at_is_raised_once",
+                                  "test_close_without_waiting_keeps_the_lock_while_an_upload_runs",
+                                  "test_a_stale_lock_is_named_as_such"},
+    "test_manager_restore.py": {"test_dcp_step_with_a_damaged_metadata_falls_back"},
+    "test_manager_rollback.py": {"test_rollback_with_the_store_down_is_finished_before_any_upload",
+                                 "test_rollback_is_not_undone_by_the_store",
+                                 "test_a_killed_rollback_is_finished_by_the_next_manager"},
+    "test_memory_tier.py": {"test_sigkill_at_random_moments_then_restore_from_memory",
+                            "test_uploads_follow_the_steps_written_to_the_directory",
+                            "test_copies_of_an_abandoned_run_never_shadow_the_steps_written_without_them",
+                            "test_sigkill_then_a_new_process_restores_from_memory",
+                            "test_killed_mid_write_leaves_nothing_restored_and_is_reclaimed"},
+    "test_reader.py": {"test_a_store_object_reads_as_the_file_does"},
+    "test_reader_contract.py": {"test_trusted_false_decodes_in_a_child",
+                                "test_trusted_false_fault_in_the_child_names_the_chunk_and_spares_the_parent",
+                                "test_verify_isolated_cli", "test_trusted_false_child_that_dies_or_hangs"},
+    "test_reader_corruption.py": {"test_randomized_damage"},
+    "test_reserve.py": {"test_a_reserved_slot_is_never_restored_and_is_reclaimed_after_a_kill"},
+    "test_save_async.py": {"test_a_save_async_the_process_exits_after_is_committed"},
+    "test_sources.py": {"test_a_store_object_reads_ranges_of_the_object"},
+    "test_storage.py": {"test_a_killed_save_leaves_a_temporary_that_is_stale"},
+    "test_tree_format_properties.py": {"test_state_tree_round_trip", "test_index_validation_on_mutated_indices",
+                                       "test_index_parser_on_arbitrary_signed_bytes"},
+    "test_writer_failures.py": {"test_two_writer_processes_and_a_reader", "test_file_size_limit_in_a_subprocess"},
+    "test_collector.py": {"test_saves_and_loads_leave_no_tensor_in_a_reference_cycle"},
+    "test_codec_choice.py": {"test_the_sampler_compresses_the_streams_own_bytes_piece_by_piece"},
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in INTEGRATION_FILES:
+            item.add_marker(pytest.mark.integration)
+        if item.originalname in SLOW_TESTS.get(item.path.name, ()):
+            item.add_marker(pytest.mark.slow)
     ok, why = _gpu_ready()
     if ok:
         return
