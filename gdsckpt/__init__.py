@@ -25,7 +25,8 @@ __all__ = [
     "Checkpointer", "Restored", "RemoteStoreError", "RemoteAccessError", "BucketNotFoundError",
     "RemoteNotFoundError", "RemoteUnavailableError", "CheckpointLockedError", "NoCheckpointError",
     "RemoteTimeoutError", "UploadIncompleteError", "ReadOnlyCheckpointerError", "RNG",
-    "MemoryTierFullError", "MemoryTierTrustError", "reserve", "Reservation", "wait_for_saves_to",
+    "MemoryTierFullError", "MemoryTierTrustError", "ReplicaPlacementError", "reserve", "Reservation",
+    "wait_for_saves_to",
 ]
 
 
@@ -46,7 +47,7 @@ def _import_public_names() -> dict:
         BucketNotFoundError, CheckpointLockedError, NoCheckpointError, ReadOnlyCheckpointerError, RemoteAccessError,
         RemoteNotFoundError, RemoteStoreError, RemoteTimeoutError, RemoteUnavailableError, UploadIncompleteError,
     )
-    from .errors import MemoryTierFullError, MemoryTierTrustError  # the checkpoint manager's memory tier
+    from .errors import MemoryTierFullError, MemoryTierTrustError, ReplicaPlacementError  # the memory tier, its replicas
     from .writing.reserve import Reservation, reserve  # host memory ahead of the first save
     return locals()
 

@@ -138,3 +138,8 @@ class MemoryTierTrustError(GdsckptError, PermissionError):
     def __init__(self, message: str, *, path=None):
         super().__init__(message)
         self.path = path
+
+
+class ReplicaPlacementError(GdsckptError, ValueError):
+    """A peer-replica placement that would keep a rank's replica in its own failure domain (the
+    same node), or name ranks that are not there (Checkpointer(replicas=, placement=, node=))."""

@@ -196,3 +196,12 @@ MEMORY_READ_THREADS = 8
 # backend, at most one per core: awscrt lets go of the GIL, and ran 10 GB/s on one thread, 36 on
 # 4, 61 on 8 on the H100 host's 16-core Xeon (2026-11-24 probe).
 CPU_VERIFY_THREADS = 8
+
+# Peer replicas (gdsckpt/manager/replicas/wire.py). A transfer to or from a peer waits at most
+# REPLICA_TIMEOUT_S + its bytes / REPLICA_MIN_BYTES_PER_S for each of its messages (a hung peer:
+# the step is not replicated, and the channel to that peer is closed for the run, as gloo closes
+# a pair whose wait timed out); the image goes in pieces of REPLICA_PIECE_BYTES (on a GPU host,
+# the device staging buffer's size).
+REPLICA_TIMEOUT_S = 30.0
+REPLICA_MIN_BYTES_PER_S = 200 << 20
+REPLICA_PIECE_BYTES = 64 << 20

@@ -100,7 +100,9 @@ class Checkpointer(Rollbacks):
     memory: hold every saved step in shared memory on this host (the memory tier); then
     every_local: write every n-th saved step (the 1st, 1 + n, ...) to the directory, memory_bytes:
     the tier's cap (None: defaults.MEMORY_*, status()['memory']['cap_bytes']), keep_memory: copies
-    kept where the cap allows (an int or a RetentionPolicy). read_only=True: open the directory as
+    kept where the cap allows (an int or a RetentionPolicy); replicas: under torch.distributed, each
+    memory step also held by that many ranks on other nodes (node=: this rank's; placement={rank:
+    [holders]}: docs/replicas.md). read_only=True: open the directory as
     one this process cannot write (no lock, nothing in it removed or changed; restore and the
     listings only), as the CLI's dry runs do.
     """
@@ -108,12 +110,13 @@ class Checkpointer(Rollbacks):
     def __init__(self, directory, *, options: CheckpointerOptions | None = None, local: LocalOptions | None = None,
                  memory: bool | MemoryOptions = False, remote: str | RemoteOptions | None = None, keep=UNSET,
                  keep_remote=UNSET, every_remote=UNSET, save_options=UNSET, remote_options=UNSET, distributed=UNSET,
-                 upload=UNSET, every_local=UNSET, memory_bytes=UNSET, keep_memory=UNSET, read_only=UNSET):
+                 upload=UNSET, every_local=UNSET, memory_bytes=UNSET, keep_memory=UNSET, read_only=UNSET,
+                 replicas=UNSET, node=UNSET, placement=UNSET):
         self.options = o = checkpointer_options(
             options, local=local, memory=memory, remote=remote, keep=keep, keep_remote=keep_remote,
             every_remote=every_remote, save_options=save_options, remote_options=remote_options,
             distributed=distributed, upload=upload, every_local=every_local, memory_bytes=memory_bytes,
-            keep_memory=keep_memory, read_only=read_only)
+            keep_memory=keep_memory, read_only=read_only, replicas=replicas, node=node, placement=placement)
         self.policy = o.policy()
         distributed, read_only, remote, memory = o.distributed, o.read_only, o.remote, o.memory
         self.directory = Path(directory)
@@ -173,7 +176,8 @@ class Checkpointer(Rollbacks):
             elif memory:
                 self.memory = MemorySteps(self.layout, rank=self.rank, every_local=memory.every_local,
                                           cap_bytes=memory.cap_bytes, keep=memory.keep, save_options=self.save_options,
-                                          on_local_commit=self._on_commit)
+                                          on_local_commit=self._on_commit, node=memory.node,
+                                          placement=memory.placement, replicas=memory.replicas)
             # Whether its first write forks the lineage from copies it does not see (_fork_lineage);
             # not an empty tier under torch.distributed: the other ranks' tiers took the id already.
             self._forks = self._owner and not self.read_only and (
@@ -515,8 +519,11 @@ class Checkpointer(Rollbacks):
                 if skipped:
                     warnings.warn(f"gdsckpt: restored step {s} ({where}), not the newer " +
                                   "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped), stacklevel=2)
-                log.info("restored step %d from %s (%s)", s, where, path)
-                return Restored(out, s, where, path, skipped, stats)
+                if self.memory is not None and step is None:  # newer copies some rank lacks: another past
+                    self.memory.restored(s)
+                source = self.memory.source_of(s) if where == "memory" else where  # "peer": from a replica
+                log.info("restored step %d from %s (%s)", s, source, path)
+                return Restored(out, s, source, path, skipped, stats)
         what = f"step {step}" if step is not None else "committed, intact step"
         raise NoCheckpointError(f"no {what} in {str(self.directory)!r}"
                                 + (f" or {self.remote.url()}" if self.remote is not None else "")

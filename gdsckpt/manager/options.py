@@ -58,17 +58,24 @@ class MemoryOptions:
     """The memory tier (every saved step in shared memory on this host). keep: the copies kept (an
     int >= 1, or a RetentionPolicy: the tier holds no more copies than it keeps); every_local:
     write every n-th saved step (the 1st, 1 + n, ...) to the directory; cap_bytes: the tier's cap
-    (None: defaults.MEMORY_*)."""
+    (None: defaults.MEMORY_*). Under torch.distributed, replicas: each step's copy also held in the
+    memory of that many ranks on other nodes (docs/replicas.md); node: this rank's node (None:
+    torchrun's, else the host, with its memory root); placement: {rank: [holder ranks]} in place of
+    the ring over nodes."""
 
     keep: int | RetentionPolicy = MEMORY_KEEP
     every_local: int = 1
     cap_bytes: int | None = None
+    replicas: int = 0
+    node: object = None
+    placement: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "keep", retention("MemoryOptions.keep", self.keep, ""))
         object.__setattr__(self, "every_local", whole_number("MemoryOptions.every_local", self.every_local, 1))
         if self.cap_bytes is not None:
             object.__setattr__(self, "cap_bytes", whole_number("MemoryOptions.cap_bytes", self.cap_bytes, 1))
+        object.__setattr__(self, "replicas", whole_number("MemoryOptions.replicas", self.replicas, 0))
 
 
 @dataclass(frozen=True)
@@ -165,14 +172,17 @@ def checkpointer_options(options: CheckpointerOptions | None, *, local, memory, 
     else:
         _once("local=LocalOptions(...)", {"keep": flat["keep"]})
 
-    memory_keywords = {k: flat[k] for k in ("every_local", "memory_bytes", "keep_memory")}
+    memory_keywords = {k: flat[k] for k in ("every_local", "memory_bytes", "keep_memory", "replicas", "node",
+                                            "placement")}
     if isinstance(memory, MemoryOptions):
         _once("memory=MemoryOptions(...)", memory_keywords)
     elif memory:
-        memory = MemoryOptions(keep=keep_memory, every_local=every_local, cap_bytes=memory_bytes)
+        memory = MemoryOptions(keep=keep_memory, every_local=every_local, cap_bytes=memory_bytes,
+                               replicas=_or(flat["replicas"], 0), node=_or(flat["node"], None),
+                               placement=_or(flat["placement"], None))
     else:
-        if every_local != 1 or memory_bytes is not None:
-            raise ValueError("every_local= and memory_bytes= configure the memory tier: pass memory=True")
+        if every_local != 1 or memory_bytes is not None or _or(flat["replicas"], 0):
+            raise ValueError("every_local=, memory_bytes= and replicas= configure the memory tier: pass memory=True")
         memory = None
 
     remote_keywords = {k: flat[k] for k in ("keep_remote", "every_remote", "remote_options", "upload")}

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Restored:
     """What restore() did. `state` is the caller's state (filled in place) or a new one;
-    `source` is where the step came from: "memory", "local" or "remote"; `skipped` lists the newer
+    `source` is where the step came from: "memory", "peer" (this rank's copy came from another
+    node's replica), "local" or "remote"; `skipped` lists the newer
     steps (or copies) it could not use, as (step, "memory" | "local" | "remote", why)."""
 
     state: object

@@ -21,6 +21,8 @@ and a copy some rank lacks (a rank killed while saving the step) is dropped wher
 and at every restore, so that it counts as committed on no rank;
 a rank without room for a step keeps none of it (a warning; no rank saves to the directory
 alone), and close() writes no memory-only step (no rank can make a DCP checkpoint of it alone).
+With replicas=k each memory step is also sent to k ranks on other nodes (gdsckpt/manager/replicas/restore.py),
+and a restore takes a step every rank can get from its own copy or a holder's.
 """
 
 from __future__ import annotations
@@ -51,17 +53,30 @@ _PER_TENSOR = 4096 + 2 * INDEX_PER_ENTRY
 class MemorySteps:
     """The memory tier of a Checkpointer's `layout` (its directory, this rank).
     on_local_commit(step): a step is committed in the directory (the manager's uploads and
-    retention follow)."""
+    retention follow). replicas, node, placement: peer replicas (peer_replicas.PeerReplicas)."""
 
     def __init__(self, layout: StepLayout, *, rank: int, every_local: int, cap_bytes: int | None, keep: int,
-                 save_options: dict, on_local_commit: Callable[[int], None]):
+                 save_options: dict, on_local_commit: Callable[[int], None], replicas: int = 0, node=None,
+                 placement=None):
         self.layout = layout
         self.distributed = layout.distributed
         self.every_local = every_local
         self.save_options = save_options
         self._on_local_commit = on_local_commit
+        if replicas and not self.distributed:
+            raise ValueError("replicas= keeps copies on other nodes' ranks: it needs torch.distributed")
+        self.peers = None
         self.tier = MemoryTier(layout.directory, rank=rank, cap_bytes=cap_bytes, keep=keep,
-                               on_disk=layout.local_steps)
+                               on_disk=layout.local_steps,
+                               outside=lambda: self.peers.held_bytes() if self.peers is not None else 0)
+        if replicas:
+            from gdsckpt.manager.replicas.restore import PeerReplicas
+            try:
+                self.peers = PeerReplicas(self.tier, replicas=replicas, node=node, placement=placement, keep=keep,
+                                          on_disk=layout.local_steps)
+            except BaseException:
+                self.tier.close()
+                raise
         self.writes = LocalWrites(self.tier, layout.path, self._written)
         self._saves = 0
         self._need: int | None = None  # the last step's room in memory
@@ -85,6 +100,8 @@ class MemorySteps:
         options = async_options(self.save_options, optimizer)
         threaded = options.get("snapshot", "host") != "host" or (  # or an overlap save_async infers
             optimizer is None and "snapshot" not in options and optimizer_in(state) is not None)
+        if self.peers is not None:  # the rank's own step before the replicas it holds (they share the cap)
+            self.peers.store.give_room(lambda: self._no_room(state) is None, self.layout.local_steps())
         why = None if self.distributed else self._no_room(state, every_time=threaded)
         if why is None:
             try:
@@ -146,6 +163,8 @@ class MemorySteps:
             pass
         if local:
             self.writes.submit(step)
+        if self.peers is not None:
+            self.peers.submit(step)
 
     def _written(self, step: int) -> None:
         self.tier.trim()  # its copy is on disk now: it may go if beyond keep_memory
@@ -175,6 +194,8 @@ class MemorySteps:
         import torch.distributed as dist
         mine = self.tier.steps()
         every = [None] * dist.get_world_size()
+        if self.peers is not None:  # from its own copy or a peer's replica
+            return self.peers.restorable(mine)
         dist.all_gather_object(every, mine)
         common = set.intersection(*(set(s) for s in every))
         for step in mine:
@@ -196,6 +217,9 @@ class MemorySteps:
                 return out, source.label, stats
         from gdsckpt import api
         label, stats = f"memory copy of step {step}", None
+        if self.peers is not None and self.peers.needs_fetch(step):  # ranks whose copy is gone get it first
+            with agreed(label, f"step {step} from a peer's replica", damage=(*DAMAGE, KeyError, MemoryTierFullError)):
+                self.peers.fetch(step)
         with agreed(label, f"step {step} from memory", damage=(*DAMAGE, StateMismatchError, KeyError)) as mine:
             with self.reading(step) as source:
                 label = mine.label = source.label
@@ -222,6 +246,28 @@ class MemorySteps:
         finally:
             self.tier.release(step)
 
+    def restored(self, step: int) -> None:
+        """Under torch.distributed, after every rank restored `step` as the newest it could get:
+        copies of later steps (some rank could not get them: its node was lost, say), and the
+        replicas held of them, belong to a past the run leaves; dropped, so that the steps saved
+        next under their numbers never meet them (nor a restore mix the two)."""
+        if not self.distributed:
+            return
+        tiers = [self.tier] + (list(self.peers.store.tiers.values()) if self.peers is not None else [])
+        for tier in tiers:
+            for s in tier.steps():
+                if s > step:
+                    tier.drop(s, f"newer than step {step}, which every rank restored (not every rank could get it)")
+
+    def source_of(self, step: int) -> str:
+        """Where this rank's copy of a step restored from memory came from: "peer" (received from
+        a holder of its replica at this restore) or "memory"."""
+        return "peer" if self.peers is not None and step in self.peers.from_peer else "memory"
+
+    def wait_replicas(self, timeout: float | None = None) -> bool:
+        """Until the step being replicated is acknowledged, refused or failed (True without replicas)."""
+        return self.peers.wait(timeout) if self.peers is not None else True
+
     def damaged(self, step: int, why: str) -> None:
         self.tier.drop(step, f"damaged: {why}")
 
@@ -232,6 +278,12 @@ class MemorySteps:
         gone = [s for s in self.tier.steps() if s > step]
         for s in gone:
             self.tier.drop(s, f"rollback to step {step}")
+        if self.peers is not None:  # every rank rolls back: the replicas it holds of later steps go too
+            self.peers.wait()
+            for tier in self.peers.store.tiers.values():
+                for s in tier.steps():
+                    if s > step:
+                        tier.drop(s, f"rollback to step {step}")
         return gone
 
     def release(self) -> int:
@@ -256,13 +308,19 @@ class MemorySteps:
                     self.writes.wait()
                     written.result()  # a failed write raised (its copy stays for the next manager)
         finally:
-            self.tier.close()
+            try:
+                if self.peers is not None:
+                    self.peers.close()
+            finally:
+                self.tier.close()
 
     def status(self) -> dict:
         st = self.tier.status()
         writes = self.writes.status()
         st.update(every_local=self.every_local, local_writes=writes, coalesced=writes["coalesced"],
                   fallbacks=list(self.fallbacks))
+        if self.peers is not None:
+            st["replicas"] = self.peers.status(st["steps"])
         return st
 
 

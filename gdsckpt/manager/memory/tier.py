@@ -131,11 +131,15 @@ class MemoryTier:
     cap_bytes: None for default_cap(). keep: copies kept where the drop order allows (an int
     >= 1, or a RetentionPolicy; `self.keep` is then the slots made ahead of need: how many of
     SPARE_PROBE consecutive steps it keeps).
-    on_disk(): the steps committed in the directory (the drop order asks it)."""
+    on_disk(): the steps committed in the directory (the drop order asks it). folder: where the
+    copies live (default tier_folder: the rank's own; a peer's replicas live elsewhere,
+    gdsckpt/manager/replicas/store.py). outside(): bytes held under the same cap by other tiers (a rank's
+    own copies and the replicas it holds share one cap)."""
 
     def __init__(self, directory: Path, *, rank: int = 0, cap_bytes: int | None = None,
                  keep: int | RetentionPolicy = MEMORY_KEEP,
-                 on_disk: Callable[[], Iterable[int]] = tuple, root: Path | None = None):
+                 on_disk: Callable[[], Iterable[int]] = tuple, root: Path | None = None, folder: Path | None = None,
+                 outside: Callable[[], int] = lambda: 0):
         self.directory = Path(directory)
         self.rank = rank
         self.retention = as_policy(keep)
@@ -143,12 +147,13 @@ class MemoryTier:
         self._beyond = (f"more than keep_memory={keep} copies" if isinstance(keep, int)
                         else f"not kept by keep_memory={keep!r}")
         self.on_disk = on_disk
+        self.outside = outside
         root = root or memory_root()
         if not root.is_dir():
             raise FileNotFoundError(f"the memory tier's root {str(root)!r} is not a directory (set {ROOT_ENV})")
         self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(root)
         self.directory.mkdir(parents=True, exist_ok=True)  # as the Checkpointer does: it holds the tier id
-        self.folder = tier_folder(self.directory, rank, root)
+        self.folder = folder or tier_folder(self.directory, rank, root)
         own_folder(self.folder)  # MemoryTierTrustError where another user's, or others may write it
         self._lock = DirectoryLock(self.folder)
         self._cond = threading.Condition()
@@ -340,11 +345,13 @@ class MemoryTier:
             return f"{need} bytes are more than the memory tier's cap of {self.cap_bytes} bytes: raise memory_bytes="
         with self._cond:
             kept = set(self._copies) - set(self._drop_order(for_room=True)) - set(self._held)
-            fixed = sum(self._copies[s].slot.size() for s in kept)
-            if fixed + need > self.cap_bytes:
-                return (f"the memory tier's cap of {self.cap_bytes} bytes cannot hold {need} bytes beside step "
-                        f"{max(kept)}'s copy ({fixed} bytes), the only copy of the newest step: the cap should "
-                        "hold two steps")
+            fixed, outside = sum(self._copies[s].slot.size() for s in kept), self.outside()
+            if fixed + outside + need > self.cap_bytes:
+                beside = [f"step {max(kept)}'s copy ({fixed} bytes), the only copy of the newest step"] if kept else []
+                beside += [f"the peer replicas held here ({outside} bytes)"] if outside else []
+                return (f"the memory tier's cap of {self.cap_bytes} bytes cannot hold {need} bytes beside "
+                        f"{' and '.join(beside)}: the cap should hold two steps"
+                        + (" of its own and the replicas" if outside else ""))
         return None
 
     def _make_room(self, step: int, need: int) -> Slot | None:
@@ -354,7 +361,7 @@ class MemoryTier:
         fitting = min((s for s in self._free if s.mapped >= need), key=lambda s: s.mapped, default=None)
         if fitting is None and self._making:
             return None  # slots are being made ahead of need: wait for them rather than make another
-        while self._held_bytes() + (0 if fitting else need) > self.cap_bytes:
+        while self._held_bytes() + self.outside() + (0 if fitting else need) > self.cap_bytes:
             spare = [s for s in self._free if s is not fitting]
             if spare:
                 self._free.remove(spare[0])
@@ -426,7 +433,7 @@ class MemoryTier:
         made = []
         with self._cond:
             while (not self._stopping and sum(s.mapped >= need for s in self._slots()) < self.keep
-                   and self._held_bytes() + need <= self.cap_bytes):
+                   and self._held_bytes() + self.outside() + need <= self.cap_bytes):
                 slot = self._new_slot(need)
                 self._making[slot.name] = slot
                 made.append(slot)
@@ -490,6 +497,16 @@ class MemoryTier:
         self._free.append(copy.slot)
         self.dropped.append({"step": step, "why": why, "time": time.time()})
         log.info("gdsckpt: memory copy of step %d dropped (%s)", step, why)
+
+    def free_spares(self) -> int:
+        """Remove the slots that hold nothing (kept for reuse): their memory goes back to the
+        system, for another tier under the same cap; the bytes freed."""
+        with self._cond:
+            freed = sum(slot.size() for slot in self._free)
+            for slot in self._free:
+                slot.delete()
+            self._free.clear()
+            return freed
 
     def release_all(self) -> int:
         """Free every copy and slot (waiting for reads in progress); the bytes freed."""

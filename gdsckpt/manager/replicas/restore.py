@@ -1,0 +1,189 @@
+"""Peer replicas of a Checkpointer's memory tier (Checkpointer(memory=True, replicas=k)): each
+rank's newest steps also held in the memory of k ranks on other nodes, so that a node lost (its
+memory and local disk gone) costs no step: its replacement's ranks receive their images from the
+holders and restore them as their own memory copies. docs/replicas.md says what survives what.
+
+The parts: the placement (gdsckpt/manager/replicas/placement.py), the wire and its threads
+(gdsckpt/manager/replicas/wire.py), the holder's store (gdsckpt/manager/replicas/store.py). This module ties them to
+a rank's memory tier (gdsckpt/manager/memory/steps.py calls it):
+
+* made with the Checkpointer, on every rank (collectives on the default group, on the caller's
+  thread): every rank's node gathered, the placement, the replication group;
+* submit(step) after a step's memory copy is committed: the sender thread replicates it;
+* restorable() at a restore (every rank, on the caller's thread): every rank's own steps and the
+  replicas it holds gathered; the steps every rank can get, from its own copy or a holder's;
+* fetch(step) then: each rank that lacks its copy receives it from a holder on the replication
+  group, checked chunk by chunk and committed into its own tier, from where the memory tier's
+  own restore reads it (Restored.source "peer" on that rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Mapping
+
+from .placement import gather_nodes, held_for, place
+from .store import ReplicaStore, check_image
+from .wire import TAG_RESTORE, ChannelClosed, Receiver, Sender, Wire
+
+log = logging.getLogger("gdsckpt.manager.replicas.wire")
+
+
+class PeerReplicas:
+    """Rank `tier.rank`'s replication: its own tier `tier` (memory_tier.MemoryTier), `replicas`
+    holders each. node: this rank's node (None: replica_placement.local_node); placement:
+    {rank: [holder ranks]} (None: the ring)."""
+
+    def __init__(self, tier, *, replicas: int, node=None, placement: Mapping | None = None, keep: int,
+                 on_disk):
+        import torch.distributed as dist
+        self.tier, self.rank, self.world = tier, tier.rank, dist.get_world_size()
+        self.nodes = gather_nodes(node)
+        self.placement = place(self.nodes, replicas, placement)  # the same on every rank: refused alike
+        self.holders = self.placement[self.rank]
+        self.origins = held_for(self.placement, self.rank)
+        self.wire = Wire.make()
+        self.store = ReplicaStore(tier.directory, rank=self.rank, origins=self.origins, world=self.world,
+                                  cap_bytes=tier.cap_bytes, keep=keep, on_disk=on_disk, own_folder=tier.folder)
+        self._plans: dict[int, dict[int, tuple[int, int]]] = {}  # step -> {origin: (holder, bytes)}
+        self.from_peer: dict[int, int] = {}  # step -> the holder this rank's copy came from
+        self.receivers = [Receiver(self.wire, self.store, o) for o in self.origins]
+        self.sender = Sender(self.wire, tier, self.rank, self.holders)
+
+    def held_bytes(self) -> int:
+        """Bytes of the replicas held here (they count against the rank's memory cap)."""
+        return self.store.held_bytes()
+
+    def submit(self, step: int) -> None:
+        self.sender.submit(step)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the step being replicated is done (acknowledged, refused or failed)."""
+        return self.sender.wait(timeout)
+
+    # ------------------------------------------------------------ restoring
+    def restorable(self, mine: list[int]) -> list[int]:
+        """Steps every rank can get from memory: its own copy (`mine`) or a holder's replica (a
+        collective on the default group)."""
+        import torch.distributed as dist
+        own = {s: self.tier.copy(s).nbytes for s in mine if _has(self.tier, s)}
+        every = [None] * self.world
+        dist.all_gather_object(every, (sorted(own), self.store.inventory()))
+        self._plans = plan(every)
+        return sorted(self._plans)
+
+    def needs_fetch(self, step: int) -> bool:
+        return bool(self._plans.get(step))
+
+    def fetch(self, step: int) -> None:
+        """Every transfer `step` needs (restorable() planned them), on every rank: as a holder,
+        the replica sent to its origin (a thread of its own); as an origin, the image received
+        into the own tier, checked chunk by chunk, committed. Raises ChannelClosed or
+        CheckpointFormatError-like errors (a restore falls back from them, all ranks together)."""
+        transfers = self._plans.get(step, {})
+        sends = []
+        errors: list[BaseException] = []
+        for origin, (holder, _) in sorted(transfers.items()):
+            if holder == self.rank:
+                t = threading.Thread(target=self._serve, args=(origin, step, errors), daemon=True,
+                                     name=f"gdsckpt-replicas-serve-{origin}")
+                t.start()
+                sends.append(t)
+        try:
+            if self.rank in transfers:
+                holder, nbytes = transfers[self.rank]
+                self._receive(step, holder, nbytes)
+        finally:
+            for t in sends:
+                t.join()
+        if errors:
+            raise errors[0]
+
+    def _serve(self, origin: int, step: int, errors: list) -> None:
+        tier = self.store.tiers[origin]
+        try:
+            copy = tier.hold(step)
+        except KeyError:
+            errors.append(ChannelClosed(f"rank {self.rank}'s replica of rank {origin}'s step {step} was dropped"))
+            return
+        try:
+            self.wire.send_image(copy.slot, copy.nbytes, origin, TAG_RESTORE)
+        except BaseException as e:  # noqa: BLE001 - told to the caller's thread
+            errors.append(e)
+        finally:
+            tier.release(step)
+
+    def _receive(self, step: int, holder: int, nbytes: int) -> None:
+        from gdsckpt.errors import CheckpointFormatError
+        slot, _ = self.tier.reserve(step, nbytes)
+        try:
+            self.wire.recv_image(slot, nbytes, holder, TAG_RESTORE)
+            label = f"rank {holder}'s replica of rank {self.rank}'s step {step}"
+            why = check_image(slot, nbytes, None, label)
+            if why is not None:
+                raise CheckpointFormatError(f"{label} is damaged: {why}", path=label)
+        except BaseException:
+            self.tier.abandon(slot)
+            raise
+        self.tier.commit(slot, step, nbytes)
+        self.from_peer[step] = holder
+        log.info("gdsckpt: rank %d received its step %d from rank %d's replica (%d bytes)", self.rank, step, holder,
+                 nbytes)
+
+    # ------------------------------------------------------------ reporting, closing
+    def status(self, steps: list[int]) -> dict:
+        """Each own step's holders and what became of its replication, the channels closed,
+        the replicas held here."""
+        sent = self.sender.status()
+        return {"holders": self.holders, "held_for": self.origins, "node": self.nodes[self.rank],
+                "steps": {s: {"replicated_on": self.sender.replicated(s), "holders": sent["steps"].get(s, {})}
+                          for s in steps},
+                "closed": sent["closed"], "last": sent["last"], "from_peer": dict(self.from_peer),
+                "receivers_ended": {r.origin: r.ended for r in self.receivers if r.ended},
+                **self.store.status()}
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the step on the wire, tell the holders replication ends, let the receivers end
+        (their origins tell them), then unmap the replicas (they stay for the next run)."""
+        try:
+            self.sender.close(timeout)
+            for r in self.receivers:
+                if not r.join(timeout):
+                    log.warning("gdsckpt: rank %d's replica receiver for rank %d did not end in %.0f s", self.rank,
+                                r.origin, timeout)
+        finally:
+            self.store.close()
+
+
+def plan(every: list) -> dict[int, dict[int, tuple[int, int]]]:
+    """{step: {origin: (holder, bytes)}} of the steps every rank can get: from its own copy (no
+    transfer), else from the lowest-ranked holder of its replica. `every`: each rank's (own steps,
+    {origin: {step: bytes}} of the replicas it holds)."""
+    world = len(every)
+    steps = set()
+    for own, held in every:
+        steps.update(own)
+        for replicas in held.values():
+            steps.update(replicas)
+    out = {}
+    for step in steps:
+        transfers = {}
+        for origin in range(world):
+            if step in every[origin][0]:
+                continue
+            holders = [h for h in range(world) if step in every[h][1].get(origin, {})]
+            if not holders:
+                break
+            transfers[origin] = (holders[0], every[holders[0]][1][origin][step])
+        else:
+            out[step] = transfers
+    return out
+
+
+def _has(tier, step: int) -> bool:
+    try:
+        tier.copy(step)
+        return True
+    except KeyError:
+        return False

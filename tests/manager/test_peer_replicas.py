@@ -1,0 +1,328 @@
+"""Peer replicas (Checkpointer(memory=True, replicas=1)) over gloo, in real processes: each
+simulated node is one or more ranks with a memory root of its own (GDSCKPT_MEMORY_ROOT). The
+checkpoint directory is shared, as under DCP it is, and holds only an older step (every_local):
+the newer steps live in memory only, so a node lost takes them with it unless a peer holds them.
+
+A node is lost by kill -9 of every process of the job (torchrun ends a job's workers when one
+node fails) and its memory root wiped; the replacement (new processes, an empty memory root)
+restores from the peer that holds its replica."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+from ckpt_tools import end_rank  # noqa: E402
+
+OPTS = {"chunk_bytes": 64 << 10}
+STEPS = 8  # a run's length; saves at every step, the directory gets steps 1 and 1 + EVERY_LOCAL
+EVERY_LOCAL = 100
+
+
+# ------------------------------------------------------------------ a real (small) training run
+def make_training(mesh, seed: int = 0):
+    """A model whose weight is sharded over the ranks (a DTensor), its AdamW, and each step's data."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(distribute_tensor(torch.randn(16, 8, generator=g), mesh, [Shard(0)]))
+    model.b = torch.nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Replicate()]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
+    return model, opt
+
+
+def train_step(model, opt, mesh, step: int) -> float:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    g = torch.Generator().manual_seed(1000 + step)
+    x = distribute_tensor(torch.randn(32, 16, generator=g), mesh, [Replicate()])
+    y = distribute_tensor(torch.randn(32, 8, generator=g), mesh, [Replicate()])
+    loss = ((x @ model.w + model.b - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.full_tensor())
+
+
+def _rank_main(rank: int, world: int, root: str, scenario, nodes: list, phase: str, pg_timeout: float) -> None:
+    node = nodes[rank]
+    os.environ["GDSCKPT_MEMORY_ROOT"] = str(Path(root) / f"mem-node{node}")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    root = Path(root)
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / f"store-{phase}"), world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        scenario(rank, root, init_device_mesh("cpu", (world,)), node, phase)
+    finally:
+        dist.destroy_process_group()
+    end_rank()
+
+
+def spawn(root: Path, scenario, nodes: list, phase: str, pg_timeout: float = 60):
+    import torch.multiprocessing as mp
+    for n in set(nodes):
+        (root / f"mem-node{n}").mkdir(exist_ok=True)
+    (root / f"store-{phase}").unlink(missing_ok=True)
+    return mp.start_processes(_rank_main, args=(len(nodes), str(root), scenario, nodes, phase, pg_timeout),
+                              nprocs=len(nodes), join=False, start_method="spawn")
+
+
+def join(ctx, what: str, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what}: the ranks hung for {timeout}s")
+
+
+def run(root: Path, scenario, nodes: list, phase: str, timeout: float = 150, pg_timeout: float = 60) -> None:
+    join(spawn(root, scenario, nodes, phase, pg_timeout), f"{scenario.__name__} {phase}", timeout)
+
+
+def wait_for(path: Path, ctx, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for p in ctx.processes:
+            if p.exitcode is not None and p.exitcode != 0:
+                ctx.join(0.1)  # raises the rank's error
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path.name} never appeared")
+        time.sleep(0.1)
+
+
+def kill_job(ctx, lost: list[int]) -> None:
+    """kill -9: the lost node's processes first, then the rest (torchrun ends the job)."""
+    order = lost + [r for r in range(len(ctx.processes)) if r not in lost]
+    for r in order:
+        os.kill(ctx.processes[r].pid, signal.SIGKILL)
+    for p in ctx.processes:
+        p.join(30)
+
+
+def losses_path(root: Path, phase: str, rank: int) -> Path:
+    return root / f"losses-{phase}-r{rank}.json"
+
+
+def local_bytes(module) -> dict:
+    from torch.distributed.tensor import DTensor
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
+
+
+# ------------------------------------------------------------------ scenarios
+def _train(rank, root, mesh, node, phase):
+    """The uninterrupted run (its losses), then the same run saving every step (replicas=1),
+    which stops after step 5's replicas are committed, says so, and waits to be killed."""
+    from gdsckpt import Checkpointer
+    model, opt = make_training(mesh)
+    reference = {step: train_step(model, opt, mesh, step) for step in range(1, STEPS + 1)}
+    losses_path(root, "reference", rank).write_text(json.dumps(reference))
+    model, opt = make_training(mesh)
+    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    losses = {}
+    for step in range(1, 6):
+        losses[step] = train_step(model, opt, mesh, step)
+        ck.save_async(step, {"model": model, "optim": opt})
+        ck.wait()
+        assert ck.memory.wait_replicas(60)
+        torch.save(local_bytes(model), root / f"model-at-{step}-r{rank}.pt")
+    dist.barrier()  # every origin acknowledged: every holder committed
+    st = ck.status()["memory"]
+    rep = st["replicas"]
+    assert st["steps"] == [4, 5] and rep["holders"] == [(rank + 1) % 3] and rep["held_for"] == [(rank - 1) % 3]
+    assert rep["steps"][5]["replicated_on"] == rep["holders"] and rep["steps"][4]["replicated_on"] == rep["holders"]
+    assert rep["held"] == {(rank - 1) % 3: [4, 5]}, rep  # keep_memory=2 replicas too
+    assert rep["held_bytes"] > 0 and st["held_bytes"] <= st["cap_bytes"]
+    losses_path(root, "crash", rank).write_text(json.dumps(losses))
+    (root / f"ready-r{rank}").touch()
+    time.sleep(600)  # training goes on, as far as this rank knows; kill -9 ends it
+
+
+def _resume(rank, root, mesh, node, phase):
+    """A new job after the loss: restore, check the step and each rank's source, the model bit
+    for bit against the one saved at that step, then train on to STEPS."""
+    from gdsckpt import Checkpointer
+    want = json.loads((root / "want.json").read_text())
+    model, opt = make_training(mesh, seed=99)  # other values: the restore must fill them all
+    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = ck.restore({"model": model, "optim": opt})
+    assert (r.step, r.source) == (want["step"], want["sources"][rank]), (rank, r.step, r.source, r.skipped)
+    for text in want["skipped"]:
+        assert any(text in why for _, _, why in r.skipped), (text, r.skipped)
+    expected = torch.load(root / f"model-at-{r.step}-r{rank}.pt")
+    for k, v in local_bytes(model).items():
+        assert torch.equal(v, expected[k]), k
+    losses = {}
+    for step in range(r.step + 1, STEPS + 1):
+        losses[step] = train_step(model, opt, mesh, step)
+        ck.save_async(step, {"model": model, "optim": opt})
+        ck.wait()
+    assert ck.memory.steps() == [STEPS - 1, STEPS]
+    losses_path(root, "resume", rank).write_text(json.dumps(losses))
+    ck.close()
+
+
+NODES = [0, 1, 2]  # one rank each: rank r's replica is held by rank r + 1 (mod 3)
+
+
+@pytest.fixture(scope="module")
+def crashed():
+    """A job of three nodes killed (kill -9, every process) after step 5, steps 2-5 in memory only."""
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
+    try:
+        ctx = spawn(root, _train, NODES, "crash")
+        for r in range(len(NODES)):
+            wait_for(root / f"ready-r{r}", ctx, timeout=240)
+        kill_job(ctx, [])
+        assert sorted(p.name for p in (root / "ck").iterdir() if p.name.startswith("step_")) == ["step_00000001"]
+        # each test starts from this moment, at the same paths (the memory folders' names hash the
+        # checkpoint directory's path)
+        shutil.copytree(root, root.with_name(root.name + "-pristine"), symlinks=True)
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root.with_name(root.name + "-pristine"), ignore_errors=True)
+
+
+def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), damage=None) -> None:
+    shutil.rmtree(root)
+    shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
+    for n in lost:  # the node is gone, its memory with it
+        shutil.rmtree(root / f"mem-node{n}")
+    if damage is not None:
+        damage(root)
+    (root / "want.json").write_text(json.dumps({"step": step, "sources": sources, "skipped": list(skipped)}))
+    try:
+        run(root, _resume, NODES, "resume", timeout=240)
+        for r in range(len(NODES)):
+            ref = json.loads(losses_path(root, "reference", r).read_text())
+            before = {k: v for k, v in json.loads(losses_path(root, "crash", r).read_text()).items()
+                      if int(k) <= step}
+            after = json.loads(losses_path(root, "resume", r).read_text())
+            assert {**before, **after} == ref, (r, before, after, ref)  # bit-equal floats, every step
+    finally:
+        (root / "want.json").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def shm_tmp():
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_node_lost_restores_from_its_peer(crashed):
+    """Node 1 lost: its replacement's rank receives step 5 from rank 2, which held its replica;
+    every rank restores step 5 (not step 1, the newest on disk), bit-exact; the losses of the
+    resumed run equal the uninterrupted run's."""
+    _after_loss(crashed, lost=[1], step=5, sources=["memory", "peer", "memory"])
+
+
+def test_node_and_its_replica_holder_lost_all_fall_back_together(crashed):
+    """Nodes 1 and 2 lost: rank 1's step 5 was on node 1 and its replica on node 2, so no step
+    after 1 can be had by every rank: all restore step 1 from the directory, rank 0 too, whose
+    memory still holds steps 4 and 5 (dropped then: the run goes on from step 1)."""
+    _after_loss(crashed, lost=[1, 2], step=1, sources=["local"] * 3)
+
+
+def _flip_replica_byte(root: Path) -> None:
+    """A byte of rank 1's replica of step 5, held on node 2, flipped (a chunk's, past the header)."""
+    folder, = (root / "mem-node2").glob("*-r1.replica-r2")
+    rec = json.loads((folder / "step_00000005.commit").read_text())
+    import gdsckpt.format.file as fmt
+    with open(folder / rec["slot"], "r+b") as f:
+        f.seek(fmt.HEADER_SIZE + 100)
+        b = f.read(1)
+        f.seek(fmt.HEADER_SIZE + 100)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_damaged_replica_is_refused_and_all_fall_back(crashed):
+    """Node 1 lost, and its replica of step 5 on node 2 damaged: the replacement refuses it
+    (a chunk's checksum) and every rank falls back together, to step 4, which rank 1 receives
+    intact from the same holder."""
+    _after_loss(crashed, lost=[1], step=4, sources=["memory", "peer", "memory"],
+                skipped=["rank(s) [1] could not restore step 5 from a peer's replica"], damage=_flip_replica_byte)
+
+
+# ------------------------------------------------------------------ a holder that hangs, then dies
+def _hung_holder(rank, root, mesh, node, phase):
+    """Rank 1 (rank 0's holder) is stopped (SIGSTOP) by the test, then killed: rank 0's saves
+    are not blocked; its step 2 is not replicated within the bound, and status() says so."""
+    import gdsckpt.manager.replicas.wire
+    from gdsckpt import Checkpointer
+    gdsckpt.manager.replicas.wire.REPLICA_TIMEOUT_S = 2.0  # the bound, short for the test
+    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    state = {"w": torch.full((256, 64), float(rank)), "b": torch.arange(100.0) + rank}
+    ck.save_async(1, state)
+    ck.wait()
+    assert ck.memory.wait_replicas(60)
+    dist.barrier()
+    assert ck.status()["memory"]["replicas"]["steps"][1]["replicated_on"] == [1 - rank]
+    if rank == 1:
+        (root / "stop-me").touch()
+        time.sleep(600)  # stopped, then killed, by the test
+    while not (root / "stopped").exists():
+        time.sleep(0.05)
+    t = time.perf_counter()
+    ck.save_async(2, state)
+    ck.wait()
+    save_seconds = time.perf_counter() - t
+    t = time.perf_counter()
+    assert ck.memory.wait_replicas(60)
+    replication_seconds = time.perf_counter() - t
+    ck.save_async(3, state)  # after the channel closed: not sent at all
+    ck.wait()
+    assert ck.memory.wait_replicas(10)
+    st = ck.status()["memory"]
+    rep = st["replicas"]
+    assert st["steps"] == [2, 3] and rep["steps"][2]["replicated_on"] == [] and rep["steps"][3]["replicated_on"] == []
+    assert rep["steps"][2]["holders"][1].startswith("failed: receiving from rank 1"), rep
+    assert rep["steps"][3]["holders"][1].startswith("not sent: the channel to rank 1 is closed"), rep
+    assert 1 in rep["closed"]
+    (root / "result.json").write_text(json.dumps({"save": save_seconds, "replication": replication_seconds}))
+    while not (root / "killed").exists():
+        time.sleep(0.05)
+    ck.close()  # not blocked by the dead holder either
+    (root / "closed").touch()
+    end_rank()  # no destroy_process_group: its peer is dead
+
+
+def test_holder_hung_then_killed_mid_replication_blocks_nothing(shm_tmp):
+    root = shm_tmp
+    ctx = spawn(root, _hung_holder, [0, 1], "hang", pg_timeout=60)
+    try:
+        wait_for(root / "stop-me", ctx)
+        os.kill(ctx.processes[1].pid, signal.SIGSTOP)
+        (root / "stopped").touch()
+        wait_for(root / "result.json", ctx)
+        os.kill(ctx.processes[1].pid, signal.SIGKILL)
+        (root / "killed").touch()
+        ctx.processes[0].join(60)
+        assert ctx.processes[0].exitcode == 0 and (root / "closed").exists()
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    result = json.loads((root / "result.json").read_text())
+    assert result["save"] < 1.5, result  # the save never waits for replication
+    assert 1.5 < result["replication"] < 10, result  # the bound: REPLICA_TIMEOUT_S, 2 s here
