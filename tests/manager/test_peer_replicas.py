@@ -273,31 +273,32 @@ def _hung_holder(rank, root, mesh, node, phase):
     gdsckpt.manager.replicas.wire.REPLICA_TIMEOUT_S = 2.0  # the bound, short for the test
     ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
     state = {"w": torch.full((256, 64), float(rank)), "b": torch.arange(100.0) + rank}
-    ck.save_async(1, state)
-    ck.wait()
+    for step in (1, 2):  # 1: a DCP checkpoint in the directory; 2: in memory, replicated
+        ck.save_async(step, state)
+        ck.wait()
     assert ck.memory.wait_replicas(60)
     dist.barrier()
-    assert ck.status()["memory"]["replicas"]["steps"][1]["replicated_on"] == [1 - rank]
+    assert ck.status()["memory"]["replicas"]["steps"][2]["replicated_on"] == [1 - rank]
     if rank == 1:
         (root / "stop-me").touch()
         time.sleep(600)  # stopped, then killed, by the test
     while not (root / "stopped").exists():
         time.sleep(0.05)
     t = time.perf_counter()
-    ck.save_async(2, state)
+    ck.save_async(3, state)
     ck.wait()
     save_seconds = time.perf_counter() - t
     t = time.perf_counter()
     assert ck.memory.wait_replicas(60)
     replication_seconds = time.perf_counter() - t
-    ck.save_async(3, state)  # after the channel closed: not sent at all
+    ck.save_async(4, state)  # after the channel closed: not sent at all
     ck.wait()
     assert ck.memory.wait_replicas(10)
     st = ck.status()["memory"]
     rep = st["replicas"]
-    assert st["steps"] == [2, 3] and rep["steps"][2]["replicated_on"] == [] and rep["steps"][3]["replicated_on"] == []
-    assert rep["steps"][2]["holders"][1].startswith("failed: receiving from rank 1"), rep
-    assert rep["steps"][3]["holders"][1].startswith("not sent: the channel to rank 1 is closed"), rep
+    assert st["steps"] == [3, 4] and rep["steps"][3]["replicated_on"] == [] and rep["steps"][4]["replicated_on"] == []
+    assert rep["steps"][3]["holders"][1].startswith("failed: receiving from rank 1"), rep
+    assert rep["steps"][4]["holders"][1].startswith("not sent: the channel to rank 1 is closed"), rep
     assert 1 in rep["closed"]
     (root / "result.json").write_text(json.dumps({"save": save_seconds, "replication": replication_seconds}))
     while not (root / "killed").exists():

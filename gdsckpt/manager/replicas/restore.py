@@ -25,7 +25,7 @@ from typing import Mapping
 
 from .placement import gather_nodes, held_for, place
 from .store import ReplicaStore, check_image
-from .wire import TAG_RESTORE, ChannelClosed, Receiver, Sender, Wire
+from .wire import TAG_RESTORE, ChannelClosed, Groups, Receiver, Sender
 
 log = logging.getLogger("gdsckpt.manager.replicas.wire")
 
@@ -43,13 +43,13 @@ class PeerReplicas:
         self.placement = place(self.nodes, replicas, placement)  # the same on every rank: refused alike
         self.holders = self.placement[self.rank]
         self.origins = held_for(self.placement, self.rank)
-        self.wire = Wire.make()
+        self.groups = Groups()
         self.store = ReplicaStore(tier.directory, rank=self.rank, origins=self.origins, world=self.world,
                                   cap_bytes=tier.cap_bytes, keep=keep, on_disk=on_disk, own_folder=tier.folder)
         self._plans: dict[int, dict[int, tuple[int, int]]] = {}  # step -> {origin: (holder, bytes)}
         self.from_peer: dict[int, int] = {}  # step -> the holder this rank's copy came from
-        self.receivers = [Receiver(self.wire, self.store, o) for o in self.origins]
-        self.sender = Sender(self.wire, tier, self.rank, self.holders)
+        self.receivers = [Receiver(self.groups.wire(o, self.rank), self.store, o) for o in self.origins]
+        self.sender = Sender({h: self.groups.wire(self.rank, h) for h in self.holders}, tier, self.rank)
 
     def held_bytes(self) -> int:
         """Bytes of the replicas held here (they count against the rank's memory cap)."""
@@ -108,7 +108,9 @@ class PeerReplicas:
             errors.append(ChannelClosed(f"rank {self.rank}'s replica of rank {origin}'s step {step} was dropped"))
             return
         try:
-            self.wire.send_image(copy.slot, copy.nbytes, origin, TAG_RESTORE)
+            wire = self.groups.wire(origin, self.rank)
+            wire.bind()
+            wire.send_image(copy.slot, copy.nbytes, origin, TAG_RESTORE)
         except BaseException as e:  # noqa: BLE001 - told to the caller's thread
             errors.append(e)
         finally:
@@ -118,7 +120,7 @@ class PeerReplicas:
         from gdsckpt.errors import CheckpointFormatError
         slot, _ = self.tier.reserve(step, nbytes)
         try:
-            self.wire.recv_image(slot, nbytes, holder, TAG_RESTORE)
+            self.groups.wire(self.rank, holder).recv_image(slot, nbytes, holder, TAG_RESTORE)
             label = f"rank {holder}'s replica of rank {self.rank}'s step {step}"
             why = check_image(slot, nbytes, None, label)
             if why is not None:

@@ -2,9 +2,17 @@
 made, byte for byte) sent to the ranks that hold its replicas (gdsckpt/manager/replicas/placement.py),
 in the background, over a torch.distributed process group of its own.
 
-The group is made once, collectively, when the Checkpointer is made (every rank makes it): gloo
-on the CPU; NCCL where the default group is NCCL (a GPU host). Nothing here ever uses the
-default group: training's collectives run there, and this runs on threads of its own.
+The groups are made once, collectively, when the Checkpointer is made (every rank makes them).
+Nothing here ever uses the default group: training's collectives run there, and this runs on
+threads of its own. The messages (offers, replies, acks) always go over gloo, on the CPU: a
+receiver waits for the next offer for as long as steps are apart, and a NCCL receive posted
+that long would be a kernel spinning on the GPU. The images go over gloo too on the CPU, and
+over NCCL where the default group is NCCL (a GPU host), only while both ends are in an exchange.
+Two groups of each, one per direction of a pair (origin < holder, origin > holder): where two
+ranks hold each other's replicas (two nodes), their two exchanges never share a communicator
+(NCCL runs a pair's operations in order on one stream: two exchanges issued by two threads could
+each wait for the other's receive, queued behind its own send; gloo matches by tag and would
+not, but takes the same path).
 
 One exchange, origin -> holder, for each step the origin's sender thread takes (the newest step
 committed since its last exchange: a slow wire coalesces, it does not queue):
@@ -69,43 +77,54 @@ class ChannelClosed(GdsckptError, ConnectionError):
     falls back from it as from an unreadable copy)."""
 
 
-class Wire:
-    """Point-to-point on the replication group. `device`: None for gloo (host buffers), else the
-    CUDA device whose staging buffer NCCL sends from and receives into."""
+class Groups:
+    """The replication's process groups, made now by every rank (collectives on the default
+    group, on the caller's thread): NCCL where the default group is NCCL, else gloo."""
 
-    def __init__(self, group, device: torch.device | None = None):
-        self.group, self.device = group, device
-        self._staging: torch.Tensor | None = None
-
-    @classmethod
-    def make(cls) -> "Wire":
-        """The group, made now by every rank (a collective on the default group, on the caller's
-        thread): NCCL where the default group is NCCL, else gloo."""
+    def __init__(self):
         import torch.distributed as dist
         nccl = dist.get_backend() == "nccl" and torch.cuda.is_available()
-        group = dist.new_group(backend="nccl" if nccl else "gloo", timeout=_IDLE)
-        return cls(group, torch.device("cuda", torch.cuda.current_device()) if nccl else None)
+        self.control = [dist.new_group(backend="gloo", timeout=_IDLE) for _ in range(2)]
+        self.data = [dist.new_group(backend="nccl", timeout=_IDLE) for _ in range(2)] if nccl else self.control
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+
+    def wire(self, origin: int, holder: int) -> "Wire":
+        """A Wire (its own staging buffer: one per thread) for the exchanges of `origin`'s
+        replicas held by `holder`, in either direction."""
+        d = int(origin < holder)
+        return Wire(self.control[d], self.data[d], self.device)
+
+
+class Wire:
+    """Point-to-point on the replication groups: messages on `control` (gloo), images on `data`
+    (the same group, or NCCL: then `device` is the CUDA device whose staging buffer NCCL sends
+    from and receives into; one Wire per thread)."""
+
+    def __init__(self, control, data, device: torch.device | None = None):
+        self.control, self.data, self.device = control, data, device
+        self._staging: torch.Tensor | None = None
+
+    def bind(self) -> None:
+        """On the thread that uses this Wire: NCCL's device is this rank's (not device 0)."""
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
 
     # ------------------------------------------------------------ messages
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None, group=None) -> None:
+        """A message (or, group=self.data, a piece of an image) to `dst`, waited for at most `timeout`."""
         import torch.distributed as dist
         try:
-            work = dist.isend(self._small(tensor), dst=dst, group=self.group, tag=tag)
-            self._wait(work, timeout)
+            self._wait(dist.isend(tensor, dst=dst, group=self.control if group is None else group, tag=tag), timeout)
         except RuntimeError as e:
             raise ChannelClosed(f"sending to rank {dst}: {_short(e)}") from None
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float | None) -> torch.Tensor:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float | None, group=None) -> torch.Tensor:
         import torch.distributed as dist
-        buf = self._small(tensor)
         try:
-            self._wait(dist.irecv(buf, src=src, group=self.group, tag=tag), timeout)
+            self._wait(dist.irecv(tensor, src=src, group=self.control if group is None else group, tag=tag), timeout)
         except RuntimeError as e:
             raise ChannelClosed(f"receiving from rank {src}: {_short(e)}") from None
-        return buf.cpu() if buf.device.type != "cpu" else buf
-
-    def _small(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.device is None else tensor.to(self.device)
+        return tensor
 
     @staticmethod
     def _wait(work, timeout: float | None) -> None:
@@ -119,18 +138,13 @@ class Wire:
         """The first `nbytes` of `slot` to `dst`, piece by piece (each wait bounded)."""
         for lo in range(0, nbytes, REPLICA_PIECE_BYTES):
             hi = min(nbytes, lo + REPLICA_PIECE_BYTES)
-            self.send(self.outgoing(slot, lo, hi), dst, tag, bound(hi - lo))
+            self.send(self.outgoing(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
 
     def recv_image(self, slot, nbytes: int, src: int, tag: int) -> None:
         """`nbytes` from `src` into `slot` from offset 0 (its mapping holds them: made for them)."""
         for lo in range(0, nbytes, REPLICA_PIECE_BYTES):
             hi = min(nbytes, lo + REPLICA_PIECE_BYTES)
-            buf = self.incoming(slot, lo, hi)
-            import torch.distributed as dist
-            try:
-                self._wait(dist.irecv(buf, src=src, group=self.group, tag=tag), bound(hi - lo))
-            except RuntimeError as e:
-                raise ChannelClosed(f"receiving from rank {src}: {_short(e)}") from None
+            buf = self.recv(self.incoming(slot, lo, hi), src, tag, bound(hi - lo), self.data)
             if self.device is not None:  # NCCL: device staging -> the segment (page-locked pieces)
                 pieces, _ = slot.host(lo, hi, pin=True)
                 pos = 0
@@ -182,10 +196,10 @@ def pair(step: int, code: int) -> torch.Tensor:
 
 class Sender:
     """The origin's side: a thread that sends each newest committed step to every holder.
-    tier: the rank's own MemoryTier; holders: their ranks. status() per step and holder."""
+    tier: the rank's own MemoryTier; wires: {holder rank: its Wire}. status() per step and holder."""
 
-    def __init__(self, wire: Wire, tier, rank: int, holders: list[int]):
-        self.wire, self.tier, self.rank, self.holders = wire, tier, rank, list(holders)
+    def __init__(self, wires: dict, tier, rank: int):
+        self.wires, self.tier, self.rank, self.holders = wires, tier, rank, list(wires)
         self.closed: dict[int, str] = {}  # holder -> why its channel is closed
         self.results: dict[int, dict[int, str]] = {}  # step -> {holder: "committed" | why not}
         self.seconds: deque = deque(maxlen=100)
@@ -217,6 +231,8 @@ class Sender:
         return True
 
     def _run(self) -> None:
+        for w in self.wires.values():
+            w.bind()
         while True:
             with self._cond:
                 while self._next is None and not self._stop:
@@ -259,7 +275,7 @@ class Sender:
         self.seconds.append({"step": step, "seconds": time.perf_counter() - t, "bytes": copy.nbytes})
 
     def _offer(self, h: int, step: int, copy, footer: bytes) -> str:
-        w, b = self.wire, bound(copy.nbytes)
+        w, b = self.wires[h], bound(copy.nbytes)
         w.send(header(OFFER, step, copy.nbytes, footer), h, TAG_OFFER, REPLICA_TIMEOUT_S)
         got_step, code = w.recv(pair(0, 0), h, TAG_REPLY, REPLICA_TIMEOUT_S).tolist()
         if got_step != step or code not in (READY, REFUSED):
@@ -286,7 +302,7 @@ class Sender:
         for h in self.holders:
             if h not in self.closed:
                 try:
-                    self.wire.send(header(BYE), h, TAG_OFFER, REPLICA_TIMEOUT_S)
+                    self.wires[h].send(header(BYE), h, TAG_OFFER, REPLICA_TIMEOUT_S)
                 except ChannelClosed as e:
                     log.info("gdsckpt: telling rank %d replication ends: %s", h, e)
 
@@ -308,6 +324,7 @@ class Receiver:
 
     def _run(self) -> None:
         try:
+            self.wire.bind()
             while True:
                 kind, step, nbytes, footer = parse_header(
                     self.wire.recv(torch.zeros(HEADER_BYTES, dtype=torch.uint8), self.origin, TAG_OFFER, None))
