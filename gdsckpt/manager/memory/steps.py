@@ -101,7 +101,8 @@ class MemorySteps:
         threaded = options.get("snapshot", "host") != "host" or (  # or an overlap save_async infers
             optimizer is None and "snapshot" not in options and optimizer_in(state) is not None)
         if self.peers is not None:  # the rank's own step before the replicas it holds (they share the cap)
-            self.peers.store.give_room(lambda: self._no_room(state) is None, self.layout.local_steps())
+            shards = memory_dcp().snapshot(state)  # the tensors saved (the state holds modules, optimizers)
+            self.peers.store.give_room(lambda: self._no_room(shards) is None, self.layout.local_steps())
         why = None if self.distributed else self._no_room(state, every_time=threaded)
         if why is None:
             try:
