@@ -35,6 +35,17 @@ def test_ring_over_nodes_same_local_index():
     assert held_for(p, 4) == [1]
 
 
+def test_a_node_is_torchruns_node_and_its_memory_root(monkeypatch, tmp_path):
+    from gdsckpt.manager.replicas.placement import local_node
+    monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(tmp_path))
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert local_node() == f"group-3:{os.path.realpath(tmp_path)}"
+    monkeypatch.delenv("GROUP_RANK")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "17")
+    assert local_node() == f"group-2:{os.path.realpath(tmp_path)}"
+
+
 def test_one_node_is_refused():
     with pytest.raises(ReplicaPlacementError, match=r"replicas=1 needs 2 nodes .*on 1 \('host-a'\)"):
         ring(["host-a"] * 4, 1)

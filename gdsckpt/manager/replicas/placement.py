@@ -2,8 +2,11 @@
 is on, and which ranks hold a rank's memory copies, never on the rank's own node.
 
 A node is a failure domain: the host whose memory (and local disk) goes when it goes. A rank's
-node is `node=` where given, else torchrun's GROUP_RANK, else rank // LOCAL_WORLD_SIZE; every
-rank's is gathered once, when the Checkpointer is made (a collective already).
+node is `node=` where given, else torchrun's GROUP_RANK, else rank // LOCAL_WORLD_SIZE, else the
+host name, each with the memory root (GDSCKPT_MEMORY_ROOT): ranks of one host given memory roots
+of their own count as nodes of their own (how tests simulate nodes on one machine), with a
+warning where a replica then lands on its rank's own host. Every rank's is gathered once, when
+the Checkpointer is made (a collective already).
 
 The default placement is a ring over the nodes, in the order of their first rank: rank r, the
 i-th rank of node n, sends its copies to the i-th rank (i modulo its rank count) of nodes n+1,
@@ -20,32 +23,41 @@ rank of the world, or missing for a rank.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Mapping, Sequence
 
 from gdsckpt.errors import ReplicaPlacementError
 
 
 def local_node() -> str:
-    """This process's node as torchrun names it: GROUP_RANK, else rank // LOCAL_WORLD_SIZE, else
-    the host name (one node per host)."""
+    """This process's node: torchrun's GROUP_RANK, else rank // LOCAL_WORLD_SIZE, else the host
+    name; then the memory root it keeps its copies in."""
+    from gdsckpt.manager.memory.folders import memory_root
     group = os.environ.get("GROUP_RANK")
-    if group not in (None, ""):
-        return f"group-{group}"
     local = os.environ.get("LOCAL_WORLD_SIZE")
     rank = os.environ.get("RANK")
-    if local and rank and local.isdigit() and rank.isdigit() and int(local) > 0:
-        return f"group-{int(rank) // int(local)}"
-    import socket
-    return f"host-{socket.gethostname()}"
+    if group not in (None, ""):
+        base = f"group-{group}"
+    elif local and rank and local.isdigit() and rank.isdigit() and int(local) > 0:
+        base = f"group-{int(rank) // int(local)}"
+    else:
+        base = f"host-{socket.gethostname()}"
+    return f"{base}:{os.path.realpath(memory_root())}"
 
 
-def gather_nodes(node, group=None) -> list[str]:
-    """Every rank's node (a collective on `group`: every rank calls it), rank by rank."""
+def gather_nodes(node, group=None) -> tuple[list[str], list[str]]:
+    """Every rank's node and host name (a collective on `group`: every rank calls it), rank by rank."""
     import torch.distributed as dist
-    mine = str(node) if node is not None else local_node()
+    mine = (str(node) if node is not None else local_node(), socket.gethostname())
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    return [str(n) for n in every]
+    return [str(n) for n, _ in every], [str(h) for _, h in every]
+
+
+def same_host(placement: Mapping[int, Sequence[int]], hosts: Sequence[str]) -> list[tuple[int, int]]:
+    """(rank, holder) pairs of `placement` on one host: nodes told apart by their memory roots
+    (or node=) alone, which a process's loss does not take together and the host's does."""
+    return [(r, h) for r, holders in placement.items() for h in holders if hosts[r] == hosts[h]]
 
 
 def ring(nodes: Sequence[str], replicas: int) -> dict[int, list[int]]:

@@ -23,7 +23,7 @@ import logging
 import threading
 from typing import Mapping
 
-from .placement import gather_nodes, held_for, place
+from .placement import gather_nodes, held_for, place, same_host
 from .store import ReplicaStore, check_image
 from .wire import TAG_RESTORE, ChannelClosed, Groups, Receiver, Sender
 
@@ -39,8 +39,13 @@ class PeerReplicas:
                  on_disk):
         import torch.distributed as dist
         self.tier, self.rank, self.world = tier, tier.rank, dist.get_world_size()
-        self.nodes = gather_nodes(node)
+        self.nodes, hosts = gather_nodes(node)
         self.placement = place(self.nodes, replicas, placement)  # the same on every rank: refused alike
+        shared = same_host(self.placement, hosts)
+        if shared and self.rank == 0:
+            log.warning("gdsckpt: replicas held on their rank's own host (rank, holder: %s, on %s): they outlive a "
+                        "process, not the host (the nodes differ by node= or memory root alone)", shared[:4],
+                        hosts[shared[0][0]])
         self.holders = self.placement[self.rank]
         self.origins = held_for(self.placement, self.rank)
         self.groups = Groups()
