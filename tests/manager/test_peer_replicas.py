@@ -78,6 +78,7 @@ def spawn(root: Path, scenario, nodes: list, phase: str, pg_timeout: float = 60)
     for n in set(nodes):
         (root / f"mem-node{n}").mkdir(exist_ok=True)
     (root / f"store-{phase}").unlink(missing_ok=True)
+    (root / "nodes.json").write_text(json.dumps(nodes))
     return mp.start_processes(_rank_main, args=(len(nodes), str(root), scenario, nodes, phase, pg_timeout),
                               nprocs=len(nodes), join=False, start_method="spawn")
 
@@ -144,9 +145,12 @@ def _train(rank, root, mesh, node, phase):
     dist.barrier()  # every origin acknowledged: every holder committed
     st = ck.status()["memory"]
     rep = st["replicas"]
-    assert st["steps"] == [4, 5] and rep["holders"] == [(rank + 1) % 3] and rep["held_for"] == [(rank - 1) % 3]
+    from gdsckpt.manager.replicas.placement import held_for, ring
+    placement = ring([str(n) for n in json.loads((root / "nodes.json").read_text())], 1)
+    assert st["steps"] == [4, 5] and rep["holders"] == placement[rank], rep
+    assert rep["held_for"] == held_for(placement, rank), rep
     assert rep["steps"][5]["replicated_on"] == rep["holders"] and rep["steps"][4]["replicated_on"] == rep["holders"]
-    assert rep["held"] == {(rank - 1) % 3: [4, 5]}, rep  # keep_memory=2 replicas too
+    assert rep["held"] == {o: [4, 5] for o in rep["held_for"]}, rep  # keep_memory=2 replicas too
     assert rep["held_bytes"] > 0 and st["held_bytes"] <= st["cap_bytes"]
     losses_path(root, "crash", rank).write_text(json.dumps(losses))
     (root / f"ready-r{rank}").touch()
@@ -182,14 +186,13 @@ def _resume(rank, root, mesh, node, phase):
 NODES = [0, 1, 2]  # one rank each: rank r's replica is held by rank r + 1 (mod 3)
 
 
-@pytest.fixture(scope="module")
-def crashed():
-    """A job of three nodes killed (kill -9, every process) after step 5, steps 2-5 in memory only."""
+def _crash(nodes: list):
+    """A job killed (kill -9, every process) after step 5, steps 2-5 in memory only."""
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
     try:
-        ctx = spawn(root, _train, NODES, "crash")
-        for r in range(len(NODES)):
-            wait_for(root / f"ready-r{r}", ctx, timeout=240)
+        ctx = spawn(root, _train, nodes, "crash")
+        for r in range(len(nodes)):
+            wait_for(root / f"ready-r{r}", ctx, timeout=300)
         kill_job(ctx, [])
         assert sorted(p.name for p in (root / "ck").iterdir() if p.name.startswith("step_")) == ["step_00000001"]
         # each test starts from this moment, at the same paths (the memory folders' names hash the
@@ -201,7 +204,13 @@ def crashed():
         shutil.rmtree(root.with_name(root.name + "-pristine"), ignore_errors=True)
 
 
-def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), damage=None) -> None:
+@pytest.fixture(scope="module")
+def crashed():
+    """Three nodes of one rank each, killed after step 5."""
+    yield from _crash(NODES)
+
+
+def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), damage=None, nodes=NODES) -> None:
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
     for n in lost:  # the node is gone, its memory with it
@@ -210,8 +219,8 @@ def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), da
         damage(root)
     (root / "want.json").write_text(json.dumps({"step": step, "sources": sources, "skipped": list(skipped)}))
     try:
-        run(root, _resume, NODES, "resume", timeout=240)
-        for r in range(len(NODES)):
+        run(root, _resume, nodes, "resume", timeout=300)
+        for r in range(len(nodes)):
             ref = json.loads(losses_path(root, "reference", r).read_text())
             before = {k: v for k, v in json.loads(losses_path(root, "crash", r).read_text()).items()
                       if int(k) <= step}
@@ -262,6 +271,15 @@ def test_damaged_replica_is_refused_and_all_fall_back(crashed):
     intact from the same holder."""
     _after_loss(crashed, lost=[1], step=4, sources=["memory", "peer", "memory"],
                 skipped=["rank(s) [1] could not restore step 5 from a peer's replica"], damage=_flip_replica_byte)
+
+
+def test_two_nodes_of_two_ranks_node_lost():
+    """Two nodes of two processes each (ranks 0, 1 on node 0; 2, 3 on node 1): each rank's replica
+    is held by the rank of the same local index on the other node. Node 1 lost: ranks 2 and 3
+    receive step 5 from ranks 0 and 1."""
+    nodes = [0, 0, 1, 1]
+    for root in _crash(nodes):
+        _after_loss(root, lost=[1], step=5, sources=["memory", "memory", "peer", "peer"], nodes=nodes)
 
 
 # ------------------------------------------------------------------ a holder that hangs, then dies
