@@ -345,3 +345,52 @@ def test_holder_hung_then_killed_mid_replication_blocks_nothing(shm_tmp):
     result = json.loads((root / "result.json").read_text())
     assert result["save"] < 1.5, result  # the save never waits for replication
     assert 1.5 < result["replication"] < 10, result  # the bound: REPLICA_TIMEOUT_S, 2 s here
+
+
+# ------------------------------------------------------------------ the cap, shared with replicas
+def _tight_cap(rank, root, mesh, node, phase):
+    """A cap of two own segments and one and a half replicas per rank (a replica's segment is its
+    image's size; an own one has the index's allowance): every own step is kept in memory
+    (replicas give way to it where they may), an offer that finds no room is refused and
+    reported, the newest replica held is never given up, and what the rank holds never passes
+    the cap."""
+    from gdsckpt import Checkpointer
+    torch.manual_seed(rank)
+    state = {"model": torch.nn.Linear(64, 128), "n": torch.arange(50) + rank}  # a module: its room from its shards
+    ck = Checkpointer(root / "measure", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node)
+    for step in (1, 2):
+        ck.save(step, state)
+    segment, image = ck.memory.tier.copy(2).slot.size(), ck.memory.tier.copy(2).nbytes
+    ck.release_memory()
+    ck.close()
+    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node,
+                      memory_bytes=2 * segment + image + image // 2)
+    for step in range(1, 7):
+        for turn in (1, 0):  # rank 1 first: rank 0 holds rank 1's replica of a step before its own copy of it
+            if rank == turn or step == 1:  # (step 1: a DCP checkpoint, a collective)
+                ck.save(step, state)
+                assert ck.memory.wait_replicas(60)
+            dist.barrier()
+            if step == 1:
+                break
+        st = ck.status()["memory"]
+        assert st["held_bytes"] + st["replicas"]["held_bytes"] <= st["cap_bytes"], st
+        assert not st["fallbacks"], st["fallbacks"]  # no own step went without its memory copy
+    st = ck.status()["memory"]
+    rep = st["replicas"]
+    assert st["steps"] == [5, 6], st
+    outcomes = {s: rep["steps"][s]["holders"][1 - rank] for s in st["steps"]}
+    assert all(w == "committed" or w.startswith("refused by rank") for w in outcomes.values()), outcomes
+    refused = [r for r in rep["refused"] if r["origin"] == 1 - rank]
+    assert all("no room" in r["why"] for r in refused), rep
+    if rank == 0:  # replicas it held gave way to its own steps
+        assert any(d["why"] == "room for the rank's own step" for d in rep["dropped"]), rep
+    else:  # its own two copies left no room beside the newest replica: offers refused
+        assert refused, rep
+    assert len(rep["held"][1 - rank]) >= 1  # the newest replica held is never given up for room
+    ck.close()
+
+
+def test_replicas_share_the_memory_cap(shm_tmp):
+    run(shm_tmp, _tight_cap, [0, 1], "cap")
