@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from gdsckpt.core.process_groups import shared_group
-from gdsckpt.writing.snapshot.overlap import StepOwned, optimizer_in
+from gdsckpt.writing.snapshot.overlap import fencing_optimizer
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
 from .planner import CachedSavePlanner, RankStateLoadPlanner
 from .reader import GdsckptReader
@@ -42,17 +42,13 @@ def _state_dict(state) -> dict:
 
 
 def _writer_options(state, state_dict: dict, writer_options: dict) -> dict:
-    """writer_options with the optimizer `state` holds itself, where the overlap is inferred."""
+    """writer_options with the optimizer whose step alone changes every tensor of the state (the
+    one it holds itself, or the one that stepped: overlap.fencing_optimizer), where the overlap is
+    inferred."""
     if "optimizer" in writer_options or "snapshot" in writer_options or "async_staging" in writer_options:
         return writer_options
-    opt = optimizer_in(state)
-    if opt is None:
-        return writer_options
-    owned = StepOwned(opt)
-    tensors = state_tensors(state_dict)
-    if tensors and all(t in owned for t in tensors):
-        return {**writer_options, "optimizer": opt}
-    return writer_options
+    opt = fencing_optimizer(state, state_tensors(state_dict))
+    return writer_options if opt is None else {**writer_options, "optimizer": opt}
 
 
 def async_save(state, path: str | os.PathLike, *, process_group=None, **writer_options):

@@ -71,6 +71,7 @@ from .memory.folders import renew_directory_id
 from .policy import whole_number
 from .remote.tier import RemoteTier, no_remote_status
 from .kept_checks import KeptChecks
+from gdsckpt.writing.snapshot.overlap import watch_optimizers
 from .restored import Restored
 from .retention import RetentionThread
 from .rollback import PendingRollback, RollbackJournal, Rollbacks
@@ -118,6 +119,7 @@ class Checkpointer(Rollbacks):
             distributed=distributed, upload=upload, every_local=every_local, memory_bytes=memory_bytes,
             keep_memory=keep_memory, read_only=read_only, replicas=replicas, node=node, placement=placement)
         self.policy = o.policy()
+        watch_optimizers()  # from the first step on, a save of fresh state_dict()s may overlap (fencing_optimizer)
         distributed, read_only, remote, memory = o.distributed, o.read_only, o.remote, o.memory
         self.directory = Path(directory)
         self.save_options = dict(o.save_options or {})

@@ -96,7 +96,7 @@ from gdsckpt.engine.device_copy import (
 )
 from gdsckpt.errors import BackgroundSaveError, SaveInFlightError
 from .snapshot.host import PoolDestination, SnapshotDestination, SnapshotTarget
-from .snapshot.overlap import HookTimer, StepOwned, freeze, optimizer_in, run_overlapped, wait_for_snapshot
+from .snapshot.overlap import HookTimer, fencing_optimizer, freeze, run_overlapped, wait_for_snapshot
 from .snapshot.overlap import memory_of, optimizer_memory  # importable from here, as before
 from gdsckpt.engine.pinned_pool import align_up, pools, release_pools
 from .save import SaveOptions, Snapshot, save_flat
@@ -175,9 +175,10 @@ def save_async(state, path, *, snapshot: str | None = None, overlap: bool | None
     "device" (a same-device copy); save.Snapshot, or a mode registered in snapshot_modes.
     optimizer= with "host" is a ValueError (it would go unused); with "device" it is accepted and
     unused. overlap=True: the earlier spelling of snapshot="overlap". Where none of snapshot=,
-    overlap= and optimizer= is given and `state` holds one optimizer itself (the object, whose
-    step takes hooks) and every tensor of the state is its parameters' or its state's memory, the
-    save overlaps with it as optimizer= would; else it takes the host snapshot. overlap=False (or
+    overlap= and optimizer= is given and one optimizer's step alone changes every tensor of the
+    state (the optimizer `state` holds itself, or, for state_dict()s taken afresh, the one that
+    stepped in this process whose parameters and moments they are: overlap.fencing_optimizer),
+    the save overlaps with it as optimizer= would; else it takes the host snapshot. overlap=False (or
     snapshot="host") keeps the host snapshot. pool_bytes: the host pool's bound for this save (None: the state's
     logical size, chunk by chunk rounded up to 4 KiB). wait=False: SaveInFlightError if an
     earlier save_async is unfinished. memory: the memory tier's target for this save (the
@@ -197,7 +198,7 @@ def save_async(state, path, *, snapshot: str | None = None, overlap: bool | None
     target = save_target(user_path(path, "save_async"))  # a bad path is refused here, before any copy
     skeleton, leaves = flatten(state, saving=True)  # validates the whole state before anything is copied; the only walk
     if mode is _INFERRED:
-        mode, optimizer = inferred_overlap(optimizer, [l.tensor for l in leaves])
+        mode, optimizer = inferred_overlap(state, [l.tensor for l in leaves])
     if not _calls.acquire(blocking=wait):
         raise SaveInFlightError(f"a save_async is still in flight; not saving {str(path)!r} "
                                 "(call .result() on its future first, or pass wait=True)")
@@ -228,9 +229,7 @@ def _mode_of(state, snapshot, overlap, optimizer):
     earlier spelling overlap=True, or, where neither is given nor optimizer=, (_INFERRED, the
     optimizer in `state`) for inferred_overlap to decide once the state's tensors are known."""
     if snapshot is None and overlap is None and optimizer is None:
-        found = optimizer_in(state)
-        if found is not None:
-            return _INFERRED, found
+        return _INFERRED, None  # decided once the state's tensors are known (inferred_overlap)
     mode = snapshot_modes.lookup(Snapshot.HOST if snapshot is None else snapshot, snapshot_modes.SAVE_ASYNC)
     if overlap:  # the earlier spelling of snapshot="overlap"
         overlapped = snapshot_modes.lookup(Snapshot.OVERLAP, snapshot_modes.SAVE_ASYNC)
@@ -242,13 +241,14 @@ def _mode_of(state, snapshot, overlap, optimizer):
     return mode, optimizer
 
 
-def inferred_overlap(optimizer, tensors: list):
-    """(mode, optimizer) of a save whose state holds `optimizer` itself and that named no mode:
-    "overlap" with it where every tensor of the state is memory only its step changes (its
-    parameters, a model's state_dict() views of them, its moments), so that its step pre-hook
-    fences everything the background snapshot reads; else ("host", None), the plain default."""
-    owned = StepOwned(optimizer)
-    if tensors and all(t in owned for t in tensors):
+def inferred_overlap(state, tensors: list):
+    """(mode, optimizer) of a save that named no mode nor optimizer: "overlap" with the optimizer
+    whose step alone changes every tensor of the state (the one the state holds itself, or the one
+    that stepped whose parameters and moments the state's state_dict()s are: fencing_optimizer),
+    so that its step pre-hook fences everything the background snapshot reads; else ("host",
+    None), the plain default."""
+    optimizer = fencing_optimizer(state, tensors)
+    if optimizer is not None:
         return snapshot_modes.lookup(Snapshot.OVERLAP, snapshot_modes.SAVE_ASYNC), optimizer
     return snapshot_modes.lookup(Snapshot.HOST, snapshot_modes.SAVE_ASYNC), None
 

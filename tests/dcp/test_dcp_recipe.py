@@ -65,9 +65,9 @@ def test_async_save_in_one_call_overlaps_with_the_states_optimizer_and_round_tri
     assert_same(_load(tmp_path / "sync", seed=6), {"model": model.state_dict(), "optim": opt.state_dict(), "step": 7})
 
 
-def test_async_save_in_one_call_stays_host_where_the_state_holds_no_optimizer(tmp_path):
+def test_async_save_in_one_call_stays_host_where_no_optimizer_fences_the_state(tmp_path):
     model, opt = _trained(1)
-    state = {"model": model, "optim": opt.state_dict(), "step": 1}  # the optimizer's state_dict, not the object
+    state = {"model": model, "optim": opt.state_dict(), "step": 1, "ema": torch.randn(8)}  # the EMA: no step of opt's
     fut = gdsckpt.dcp.async_save(state, tmp_path / "ck", backend="cpu")
     assert len(opt._optimizer_step_pre_hooks) == 0
     wait_futures([getattr(fut, "upload_completion", fut)], timeout=30)

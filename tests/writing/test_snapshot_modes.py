@@ -146,9 +146,27 @@ def test_a_state_holding_its_optimizer_overlaps_without_being_told(tmp_path, mon
     assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), want)
 
 
-@pytest.mark.parametrize("case", ["overlap=False", "snapshot=host", "buffers", "two optimizers", "state_dicts"])
+def test_state_dicts_taken_afresh_overlap_with_the_optimizer_that_stepped(tmp_path, monkeypatch):
+    """A loop that builds its state dicts at each save holds no optimizer object: the one that
+    stepped in this process, whose parameters and moments they are, fences the snapshot."""
+    model, opt = _model_and_optimizer()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    want = copy.deepcopy(state)
+    slow = SlowSnapshot(monkeypatch)
+    fut = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", **SMALL)
+    assert slow.started.wait(10) and not fut.done() and len(opt._optimizer_step_pre_hooks) == 1
+    _train_step(model, opt, backward_only=True)
+    threading.Timer(0.3, slow.gate.set).start()
+    opt.step()  # waits for the snapshot
+    assert slow.gate.is_set()
+    assert fut.result(30).mode == "overlap"
+    assert_same(gdsckpt.load(tmp_path / "a.gdsckpt"), want)
+
+
+@pytest.mark.parametrize("case", ["overlap=False", "snapshot=host", "buffers", "two optimizers",
+                                  "state_dicts with buffers", "a tensor of no optimizer"])
 def test_the_default_stays_the_host_snapshot_where_the_overlap_is_not_safe_or_not_wanted(tmp_path, case):
-    model, opt = _model_and_optimizer(batch_norm=case == "buffers")
+    model, opt = _model_and_optimizer(batch_norm="buffers" in case)
     state, kwargs = {"model": model, "optim": opt}, {}
     if case == "overlap=False":
         kwargs = {"overlap": False}
@@ -156,8 +174,10 @@ def test_the_default_stays_the_host_snapshot_where_the_overlap_is_not_safe_or_no
         kwargs = {"snapshot": "host"}
     elif case == "two optimizers":  # no one step fences the whole state
         state["other"] = torch.optim.SGD(model.parameters(), lr=0.1)
-    elif case == "state_dicts":  # not the object: nothing to hook
+    elif case == "state_dicts with buffers":  # BatchNorm's statistics: the forward changes them
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    elif case == "a tensor of no optimizer":  # an EMA copy, say: another step changes it
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "ema": torch.randn(8)}
     stats = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", **kwargs, **SMALL).result(60)
     assert stats.mode == "host" and len(opt._optimizer_step_pre_hooks) == 0
 

@@ -39,7 +39,7 @@ from gdsckpt.format.file import HEADER_SIZE
 from .snapshot import INDEX_ALLOWANCE, INDEX_PER_ENTRY, MemoryTarget
 from .source import MemorySource
 from .tier import MemoryTier
-from gdsckpt.writing.snapshot.overlap import optimizer_in
+from gdsckpt.writing.snapshot.overlap import may_fence
 from gdsckpt.manager.steps import DAMAGE, StepLayout, agreed, async_options
 
 log = logging.getLogger("gdsckpt.manager.checkpointer")
@@ -99,7 +99,7 @@ class MemorySteps:
         # fall-back to the directory can run: their room is checked against this very state.
         options = async_options(self.save_options, optimizer)
         threaded = options.get("snapshot", "host") != "host" or (  # or an overlap save_async infers
-            optimizer is None and "snapshot" not in options and optimizer_in(state) is not None)
+            optimizer is None and "snapshot" not in options and may_fence(state))
         if self.peers is not None:  # the rank's own step before the replicas it holds (they share the cap)
             shards = memory_dcp().snapshot(state)  # the tensors saved (the state holds modules, optimizers)
             self.peers.store.give_room(lambda: self._no_room(shards) is None, self.layout.local_steps())

@@ -14,6 +14,7 @@ import contextlib
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ from gdsckpt.writing.save import Snapshot
 from gdsckpt.stats import AsyncStats
 
 __all__ = ["run_overlapped", "wait_for_snapshot", "freeze_for_overlap", "freeze", "StepOwned", "optimizer_memory",
-           "memory_of", "HookTimer", "OverlapSnapshot", "optimizer_in"]
+           "memory_of", "HookTimer", "OverlapSnapshot", "optimizer_in", "fencing_optimizer", "watch_optimizers", "may_fence"]
 
 _snapshot_done = threading.Event()  # the last overlapped snapshot has ended
 _snapshot_done.set()
@@ -193,6 +194,13 @@ def optimizer_in(state, depth: int = 0):
     """The optimizer `state` holds itself (a torch.optim.Optimizer object whose step() runs its
     hooks, among its values and the dicts, lists and tuples under them), where it holds exactly
     one; None where it holds none or several (no single step fences the state)."""
+    found = _optimizers_in(state, depth)
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _optimizers_in(state, depth: int = 0) -> dict:
+    """{id: the optimizer, or None where its step may skip the hooks} of every optimizer object
+    `state` holds."""
     found: dict[int, object] = {}
 
     def walk(o, depth):
@@ -209,7 +217,45 @@ def optimizer_in(state, depth: int = 0):
                 walk(v, depth + 1)
 
     walk(state, depth)
-    return next(iter(found.values())) if len(found) == 1 else None
+    return found
+
+
+_stepped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers whose step ran, since watched
+_watching: list = []  # the global step hook's handle, once installed
+
+
+def watch_optimizers() -> None:
+    """From now on, note every optimizer whose step() runs (a global step post-hook, installed
+    once: a weak reference added per step), so that a save of state_dict()s taken afresh, which
+    holds no optimizer object, can still find the one optimizer whose step alone changes them."""
+    if not _watching:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _watching.append(register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: _stepped.add(opt)))
+
+
+def fencing_optimizer(state, tensors: list):
+    """The optimizer whose step pre-hook fences every tensor of a save: the one `state` holds
+    itself, else the one optimizer that stepped in this process (watch_optimizers) whose
+    parameters and moments are all of `tensors` memory (a model's state_dict() views of its
+    parameters, its state_dict()'s moments); None where none does (a buffer, a second model, an
+    EMA copy: memory the forward or another step may change), or where several would."""
+    watch_optimizers()
+    held = _optimizers_in(state)
+    if held:  # the state's own: exactly one, whose step runs its hooks (another's step fences nothing)
+        candidates = list(held.values()) if len(held) == 1 and None not in held.values() else []
+    else:
+        candidates = [o for o in list(_stepped) if getattr(type(o).step, "hooked", False)]
+    fencing = [o for o in candidates if tensors and all(t in StepOwned(o) for t in tensors)]
+    return fencing[0] if len(fencing) == 1 else None
+
+
+def may_fence(state) -> bool:
+    """Whether a save of `state` that names no mode may be inferred to overlap (fencing_optimizer
+    may find one): it holds an optimizer, or one has stepped. Cheap: no walk of the state."""
+    watch_optimizers()
+    held = _optimizers_in(state)
+    return len(held) == 1 if held else len(_stepped) > 0
 
 
 def optimizer_memory(optimizer) -> set:
