@@ -157,7 +157,7 @@ def test_a_setting_given_twice_is_refused(tmp_path):
         Checkpointer(tmp_path / "d", options={"keep": 2})
     with pytest.raises(TypeError, match="^local must be a LocalOptions, got int 2"):
         Checkpointer(tmp_path / "d", local=2)
-    with pytest.raises(ValueError, match="^every_local= and memory_bytes= configure the memory tier: pass memory=True"):
+    with pytest.raises(ValueError, match="^every_local=, memory_bytes= and replicas= configure the memory tier: pass memory=True"):
         Checkpointer(tmp_path / "d", every_local=2)
     assert not (tmp_path / "d").exists()  # refused before anything was created
 

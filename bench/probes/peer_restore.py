@@ -17,10 +17,14 @@ memory root between the first two (the node loss), and writes DIR/summary.json:
 * save: each rank trains an AdamW model of about --size bytes (fp32 weights and moments; each
   rank seeded differently), saves step 1 (to the directory: every_local's first step) and then
   --saves steps with Checkpointer(memory=True, replicas=1, node=rank), a few optimizer steps
-  between; writes a CRC-64 per tensor of the last step, saves that state to a second directory
-  without the memory tier (the cold file), and ends with os._exit(0), no close(), as a crash.
+  between. Per checkpoint: the call's blocked seconds, idle_s (blocked + how much slower the
+  --train-steps after it ran than the same steps with no save in flight: an overlapped snapshot
+  is paid in them), when the step was replicated, the replication's own seconds and bytes
+  (status()["memory"]["replicas"]["last"]). Then a CRC-64 per tensor of the last step, that
+  state saved to the rank's own file without the memory tier (OUT/cold/r<rank>: the cold local
+  file), the link's NCCL bandwidth (GPU), and os._exit(0), no close(), as a crash.
 * restore: fresh weights, then Checkpointer(...) + restore() timed to the state filled.
-* restore-cold: the same from the second directory, after dropping the page cache.
+* restore-cold: the same from the rank's cold file, after dropping the page cache.
 Each phase writes DIR/<phase>-r<rank>.json. Rank r's memory root is --memory-roots/r<r>.
 """
 
@@ -141,6 +145,9 @@ def phase_main(a) -> None:
         out["state_bytes"] = state_bytes(model, opt)
         ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
         t = time.perf_counter()
+        train(model, opt, a.train_steps, seed=1000 * rank)
+        out["train_baseline_s"] = base = time.perf_counter() - t  # the steps with no save in flight
+        t = time.perf_counter()
         ck.save_async(1, state)
         ck.wait()
         out["step1_to_directory_s"] = time.perf_counter() - t
@@ -151,23 +158,29 @@ def phase_main(a) -> None:
             ck.save_async(step, state)
             sync(model)
             call = time.perf_counter() - t
+            after = None
             if step == 1 + a.saves:  # the state restored later: its digests before it changes
                 (a.out / f"digests-r{rank}.json").write_text(json.dumps(digests(model, opt)))
             else:
                 train(model, opt, a.train_steps, seed=1000 * rank + step + 500)  # training goes on
+                after = time.perf_counter() - t - call  # the steps a snapshot may overlap (and slow)
             ck.wait()
             committed = time.perf_counter() - t
             replicated = ck.memory.wait_replicas(600)
             reps = ck.status()["memory"]["replicas"]
             last = reps["last"] or {}
-            out["saves"].append({"step": step, "blocked_s": call, "committed_s": committed,
+            out["saves"].append({"step": step, "blocked_s": call, "train_after_s": after,
+                                 "idle_s": None if after is None else call + max(0.0, after - base),
+                                 "committed_s": committed,
                                  "replicated_after_s": time.perf_counter() - t, "replicated": replicated,
                                  "replicated_on": reps["steps"].get(step, {}).get("replicated_on"),
                                  "replication_s": last.get("seconds") if last.get("step") == step else None,
                                  "replication_bytes": last.get("bytes") if last.get("step") == step else None})
         out["last_step"] = step
         out["replicas_status"] = {k: reps[k] for k in ("holders", "held_for", "closed") if k in reps}
-        ck2 = Checkpointer(a.out / "cold", distributed=True)  # the same state, in a file of the directory's
+        # the same state in the rank's own file (not a DCP step: DCP keeps one copy of a plain tensor
+        # every rank names alike, and these ranks' tensors differ, as FSDP's shards would)
+        ck2 = Checkpointer(a.out / "cold" / f"r{rank}", distributed=False)
         t = time.perf_counter()
         ck2.save(step, state)
         out["cold_save_s"] = time.perf_counter() - t
@@ -181,13 +194,13 @@ def phase_main(a) -> None:
     model, opt = make_state(a.size, device, seed=100 + rank)
     state = {"model": model, "optim": opt}
     if a.phase == "restore-cold":
-        out["page_cache"] = drop_cache(a.out / "cold", local == 0)
+        out["page_cache"] = drop_cache(a.out / "cold" / f"r{rank}", local == 0)
     dist.barrier()
     t = time.perf_counter()
     if a.phase == "restore":
         ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
     else:
-        ck = Checkpointer(a.out / "cold", distributed=True)
+        ck = Checkpointer(a.out / "cold" / f"r{rank}", distributed=False)
     r = ck.restore(state)
     sync(model)
     out["restore_s"] = time.perf_counter() - t
@@ -229,23 +242,24 @@ def link_bandwidth(device, nbytes: int = 1 << 30) -> dict:
     return out
 
 
-def drop_cache(folder: Path, here: bool) -> str:
-    """Drop the page cache (root), else posix_fadvise(DONTNEED) on every file of `folder`."""
-    if here:
-        try:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
+def drop_cache(folder: Path, everything: bool) -> str:
+    """posix_fadvise(DONTNEED) on every file of `folder` (after fsync); everything: also drop the
+    whole page cache where this process may (root)."""
     for f in folder.rglob("*"):
         if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
+            fd = os.open(f, os.O_RDWR)
             try:
-                os.fsync(fd) if os.access(f, os.W_OK) else None
+                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+    if everything:
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return "fadvise_dontneed+drop_caches"
+        except OSError:
+            pass
     return "fadvise_dontneed"
 
 
@@ -289,6 +303,7 @@ def summarize(a) -> dict:
         ranks.append({
             "rank": r, "lost": r == a.lost, "state_bytes": s["state_bytes"],
             "blocked_s_per_checkpoint": [x["blocked_s"] for x in s["saves"]],
+            "idle_s_per_checkpoint": [x["idle_s"] for x in s["saves"]],
             "replication_s": [x["replication_s"] for x in s["saves"]],
             "replication_bytes": [x["replication_bytes"] for x in s["saves"]],
             "replicated_on": [x["replicated_on"] for x in s["saves"]],

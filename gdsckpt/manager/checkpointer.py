@@ -415,7 +415,7 @@ class Checkpointer(Rollbacks):
             protected.add(pending[0])
         while True:
             damaged = self._kept_checks.damaged(local)  # the steps that decide, not every one kept
-            if not damaged and len(local) <= self.policy.keep:
+            if not damaged and isinstance(self.policy.keep, int) and len(local) <= self.policy.keep:
                 return []  # every step is one of the newest `keep` intact ones
             doomed = self.policy.doomed_local(local, set(damaged), protected, uploaded, remote=self.remote is not None)
             left = set(local).difference(damaged, doomed)

@@ -9,12 +9,16 @@ count toward `keep`. A run checks
   all of them when the window holds at most RECHECKED steps (keep=3: every step, every run);
   of a larger window, the newest RECHECKED // 2 and RECHECKED // 2 more in turn, so that a step
   damaged in place is found within a bounded number of runs.
-Steps older than the window go whatever their state, and are not checked."""
+Steps older than the window go whatever their state, and are not checked. With a retention
+policy other than an int (LatestN(n) is one), the window is the intact steps the policy keeps
+and the damaged ones known."""
 
 from __future__ import annotations
 
 import bisect
 from typing import Callable
+
+from .policy import RetentionPolicy, kept
 
 RECHECKED = 16
 
@@ -22,7 +26,7 @@ RECHECKED = 16
 class KeptChecks:
     """check(steps): checks `steps` (StepLayout.damage each), logging what it finds damaged."""
 
-    def __init__(self, layout, keep: int, check: Callable[[list[int]], object]):
+    def __init__(self, layout, keep: int | RetentionPolicy, check: Callable[[list[int]], object]):
         self.layout, self.keep, self.check = layout, keep, check
         self._next = -1  # the turn's next step: the first one above it
 
@@ -32,7 +36,7 @@ class KeptChecks:
         again = True
         while True:
             found = {s: why for s, why in self.layout.known_damage().items() if _has(local, s)}
-            window = local[-(self.keep + len(found)):]  # holds the newest `keep` intact steps
+            window = self._window(local, found)
             todo = self.layout.unchecked(window)
             if again:
                 again = False
@@ -40,6 +44,12 @@ class KeptChecks:
             if not todo:
                 return found
             self.check(sorted(set(todo)))
+
+    def _window(self, local: list[int], found: dict[int, str]) -> list[int]:
+        if isinstance(self.keep, int):
+            return local[-(self.keep + len(found)):]  # holds the newest `keep` intact steps
+        keeping = kept(self.keep, [s for s in local if s not in found])
+        return [s for s in local if s in keeping or s in found]
 
     def _again(self, window: list[int]) -> list[int]:
         if len(window) <= RECHECKED:

@@ -290,7 +290,8 @@ def _hung_holder(rank, root, mesh, node, phase):
     from gdsckpt import Checkpointer
     gdsckpt.manager.replicas.wire.REPLICA_TIMEOUT_S = 2.0  # the bound, short for the test
     ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
-    state = {"w": torch.full((256, 64), float(rank)), "b": torch.arange(100.0) + rank}
+    # each rank's values under keys of its own (DCP keeps one copy of a key every rank names)
+    state = {f"w{rank}": torch.full((256, 64), float(rank)), f"b{rank}": torch.arange(100.0) + rank}
     for step in (1, 2):  # 1: a DCP checkpoint in the directory; 2: in memory, replicated
         ck.save_async(step, state)
         ck.wait()
@@ -356,7 +357,7 @@ def _tight_cap(rank, root, mesh, node, phase):
     the cap."""
     from gdsckpt import Checkpointer
     torch.manual_seed(rank)
-    state = {"model": torch.nn.Linear(64, 128), "n": torch.arange(50) + rank}  # a module: its room from its shards
+    state = {"model": torch.nn.Linear(64, 128), f"n{rank}": torch.arange(50) + rank}  # a module: room from its shards
     ck = Checkpointer(root / "measure", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
                       node=node)
     for step in (1, 2):
