@@ -329,6 +329,30 @@ class DcpGdsckpt(Method):
         return fut
 
 
+class DcpRecipe(Method):
+    """gdsckpt.dcp.async_save(state, path): the shortest documented DCP call (the writer, plan
+    caching, the overlap where one optimizer's step fences the state, a group of its own), as a
+    user copies it from the README."""
+
+    asynchronous = True
+    sharded = True
+    name = "gdsckpt.dcp.async_save"
+
+    def setup(self, ctx):
+        _process_group()
+
+    def save(self, ctx, state, path):
+        import gdsckpt.dcp
+        fut = gdsckpt.dcp.async_save(state, path, **({"process_group": ctx.group} if ctx.group is not None else {}))
+        fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse: staging is a future
+
+        def done(f):
+            if f.exception() is None:
+                ctx.stored_bytes = _dir_bytes(path)
+        fut.add_done_callback(done)
+        return fut
+
+
 class DcpSave(Method):
     """dcp.save (synchronous) through FileSystemWriter (fsync on) or GdsckptWriter: the sharded
     runs' counterparts of torch.save and gdsckpt.save."""
@@ -371,6 +395,7 @@ METHODS: list[Callable[[], Method]] = [
     # the compression's share of the GPU beside training, shown by leaving it out (stored raw)
     lambda: GdsSaveAsync("gdsckpt.save_async overlap codec=raw", {"overlap": True, "codec": "raw"}, optimizer=True),
     DcpGdsckpt,
+    DcpRecipe,
     lambda: DcpGdsckpt(overlap=True),
     lambda: DcpGdsckpt(snapshot="device"),
     GdsSaveAsyncShards,
@@ -384,7 +409,7 @@ ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSyst
            "async-overlap-raw": "gdsckpt.save_async overlap codec=raw",
            "async-shards": "gdsckpt.save_async per rank, no DCP",
            "async-shards-overlap": "gdsckpt.save_async overlap per rank, no DCP",
-           "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap",
+           "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-recipe": "gdsckpt.dcp.async_save", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap",
            "dcp-gdsckpt-device": "dcp.async_save GdsckptWriter snapshot=device"}
 
 
