@@ -246,8 +246,12 @@ def fencing_optimizer(state, tensors: list):
         candidates = list(held.values()) if len(held) == 1 and None not in held.values() else []
     else:
         candidates = [o for o in list(_stepped) if getattr(type(o).step, "hooked", False)]
-    fencing = [o for o in candidates if tensors and all(t in StepOwned(o) for t in tensors)]
+    fencing = [o for o in candidates if tensors and _owns(StepOwned(o), tensors)]
     return fencing[0] if len(fencing) == 1 else None
+
+
+def _owns(owned: "StepOwned", tensors: list) -> bool:
+    return all(t in owned for t in tensors)  # one StepOwned per optimizer: its memory is gathered once
 
 
 def may_fence(state) -> bool:
