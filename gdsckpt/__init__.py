@@ -15,7 +15,14 @@ Options, the Checkpointer's grouped options and its retention policies: gdsckpt.
 # used (PEP 562 __getattr__), so that the command line answers `gdsckpt --version`, --help and a
 # usage error before torch loads (seconds on a busy machine).
 
+import sys
+
 from ._version import __version__
+
+if "torch" in sys.modules:  # a training script (not the CLI): from now on, note each optimizer that steps, so
+    from .writing.snapshot.overlap import watch_optimizers  # that a save of fresh state_dict()s may overlap
+    watch_optimizers()                                      # with it (overlap.fencing_optimizer)
+    del watch_optimizers
 
 __all__ = [
     "__version__", "save", "save_async", "load", "load_into", "open", "Checkpoint", "Stats",
