@@ -12,9 +12,10 @@ remote tiers apply a policy alike; keep=, keep_memory= and keep_remote= take one
 from __future__ import annotations
 
 import numbers
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+
+from .interfaces import RetentionPolicy
 
 
 def whole_number(name: str, value, minimum: int, why: str = "") -> int:
@@ -28,21 +29,6 @@ def whole_number(name: str, value, minimum: int, why: str = "") -> int:
 
 
 # ---------------------------------------------------------------- retention policies
-
-
-@runtime_checkable
-class RetentionPolicy(Protocol):
-    """Which committed steps a tier keeps.
-
-    keep(steps) is given a tier's committed step numbers, oldest first (newest last), and returns
-    those it keeps; the others may go. It is called from the Checkpointer's retention thread after
-    every commit and upload (and by prune()), and by the memory tier before each new copy (the
-    new step included) and after each commit: many times, with lists that overlap, so it must
-    depend on `steps` alone (no state kept between calls). Whatever it returns, a tier never
-    deletes its newest intact step, a step being saved, uploaded or read, nor (with the remote
-    tier on) a local step newer than what the store has."""
-
-    def keep(self, steps: Sequence[int]) -> Collection[int]: ...
 
 
 class _Combinable:

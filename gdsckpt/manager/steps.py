@@ -16,7 +16,7 @@ import os
 import re
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
-from typing import ContextManager, Iterator, Protocol
+from typing import Iterator
 
 from gdsckpt import api
 from gdsckpt.writing.snapshot import modes as snapshot_modes
@@ -25,6 +25,7 @@ from gdsckpt.errors import CheckpointFormatError, GdsckptError, StateMismatchErr
 from gdsckpt.dcp.rank_values import check_alike
 from gdsckpt.writing.save import check_save_options
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
+from .interfaces import StepLayout
 from .step_listing import StepListing
 from .step_removal import remove_step_path
 from gdsckpt.core.storage import fsync_dir, stale_temporaries, temp_path_for
@@ -189,66 +190,6 @@ def relayed(fut: Future, convert=None) -> Future:
             out.set_exception(convert(err) if convert is not None else err)
     fut.add_done_callback(relay)
     return out
-
-
-class StepLayout(Protocol):
-    directory: Path
-    distributed: bool
-    loads_in_place: bool  # restore needs the caller's state to load into
-
-    def name(self, step: int) -> str: ...
-
-    def path(self, step: int) -> Path: ...
-
-    def committed(self, path: Path) -> bool: ...
-
-    def local_steps(self) -> list[int]:
-        """Committed steps in the directory, oldest first."""
-
-    def save(self, step: int, state) -> object:
-        """Durable and committed on return; gdsckpt's Stats, or None."""
-
-    def save_async(self, step: int, state, optimizer) -> Future:
-        """`state` may be mutated on return; the step is committed once the future completes."""
-
-    def reserve(self, state, wait: bool) -> Future:
-        """The host memory save_async of `state` takes, made ahead of need on a background thread:
-        a Future of a gdsckpt.Reservation (None where the save takes none of gdsckpt's)."""
-
-    def load(self, path: Path, state, device, strict: bool) -> tuple[object, object]:
-        """(the restored state, gdsckpt's Stats or None) of the step at `path`; DAMAGE if it is
-        damaged or incomplete."""
-
-    def delete(self, step: int) -> None:
-        """Uncommit, then remove the step (a kill mid-way leaves nothing that counts); a step that
-        is a symlink, or a link inside its directory, is unlinked, never followed (step_removal)."""
-
-    def files(self, step: int) -> list[tuple[Path, str]]:
-        """(local file, name relative to the store's prefix) of the step, its commit point last."""
-
-    def fetched(self, step: int, store) -> ContextManager[tuple[Path, str]]:
-        """The step brought from `store` (a gdsckpt.stores.Store): (local path, what to
-        call it) while the context lasts."""
-
-    def leftovers(self) -> list[Path]:
-        """What killed restores left in the directory, for the lock holder to remove."""
-
-    def barrier(self) -> None:
-        """Every rank reaches this point before any goes on (one process: nothing to wait for)."""
-
-    def damage(self, step: int, deep: bool = False) -> str | None:
-        """Why the committed step is not intact, or None (step_damage); each check runs once per
-        version of the step's files."""
-
-    def known_damage(self) -> dict[int, str]:
-        """{step: why} of the local steps found damaged so far."""
-
-    def unchecked(self, steps: list[int]) -> list[int]:
-        """Those of `steps` damage() has not looked at (its findings are in known_damage)."""
-
-    def noted(self, step: int) -> None:
-        """This process has just committed or removed the step: local_steps() records it without
-        listing the directory again."""
 
 
 def async_options(save_options: dict, optimizer) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -33,6 +32,7 @@ from gdsckpt.core.dtypes import name_of
 from .options import SaveOptions, Snapshot, check_codec, check_save_options, is_int
 from gdsckpt.format.plan import PLANS, Plan
 from gdsckpt.engine.interfaces import Backend, ChunkFile
+from .interfaces import Destination
 from gdsckpt.engine.ring import Timings, write_chunks
 from gdsckpt.stats import Stats, stream_stats
 from gdsckpt.core.storage import AtomicFile, save_target
@@ -42,38 +42,7 @@ __all__ = ["SaveOptions", "Snapshot", "Destination", "NewFile", "Sink", "save_fl
            "backend_kind", "tensor_specs", "check_codec", "check_save_options", "is_int"]
 
 
-# ---------------------------------------------------------------- options
-
-
-
-
 # ---------------------------------------------------------------- destinations
-
-
-class Destination(Protocol):
-    """Where save_flat puts one checkpoint file. save_flat calls, in this order:
-
-        file = open(backend)                       # a ChunkFile the ring writes records through
-        layout(file.fd, meta, skeleton, devices, plan) -> format.FileWriter
-                                                   # places each record; writes the index and footer
-        ...the ring writes every chunk record through `file`...
-        commit(file)                               # all written: make it durable (or hand it on)
-      | abort(file, error)                         # anything raised after open returned,
-                                                   # KeyboardInterrupt included: undo, leave nothing
-
-    open cleans up after itself when it raises (neither commit nor abort follows). abort may
-    raise a clearer error (chained to `error`); else save_flat re-raises `error`. `label` names
-    the checkpoint in errors and Stats: the user's path, never a temporary."""
-
-    label: str
-
-    def open(self, backend: Backend) -> ChunkFile: ...
-
-    def layout(self, fd: int | None, meta: dict, skeleton: dict, devices: list[str], plan: Plan) -> fmt.FileWriter: ...
-
-    def commit(self, file: ChunkFile) -> None: ...
-
-    def abort(self, file: ChunkFile, error: BaseException) -> None: ...
 
 
 class NewFile:
