@@ -576,10 +576,11 @@ def test_hostile_case_count():
 # ---------------------------------------------------------------- nothing executes the file
 
 # cli/torch_export.py is not: it writes torch.save files (and maps the one it has just written)
-LOAD_PATH_MODULES = ["__init__", "__main__", "api", "backend", "checksum", "cli/__init__", "cli/exitcodes", "cli/export",
-                     "cli/files", "cli/output", "cli/paths", "cli/views", "dtypes", "errors", "format",
-                     "plan", "reader", "ring", "sources", "stats", "storage", "tree", "gpu/__init__", "gpu/backend",
-                     "gpu/codecs", "gpu/io", "gpu/kernels"]
+LOAD_PATH_MODULES = ["__init__", "__main__", "api", "engine/backend", "format/checksum", "cli/__init__", "cli/exitcodes",
+                     "cli/export", "cli/files", "cli/output", "cli/paths", "cli/views", "core/dtypes", "errors",
+                     "format/file", "format/plan", "reading/reader", "reading/interfaces", "engine/ring",
+                     "engine/interfaces", "reading/sources", "stats", "core/storage", "format/tree",
+                     "engine/gpu/__init__", "engine/gpu/backend", "engine/gpu/codecs", "engine/gpu/io", "engine/gpu/kernels"]
 LOAD_PATH_PACKAGES = ["codecs"]  # every module in them
 
 
