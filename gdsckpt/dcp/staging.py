@@ -1,5 +1,5 @@
 """GdsckptWriter's staging for dcp.async_save: what the state dict becomes before
-dcp.async_save returns, for each snapshot mode (snapshot_modes.py; "cpu", GdsckptWriter's alone,
+dcp.async_save returns, for each snapshot mode (writing/snapshot/modes.py; "cpu", GdsckptWriter's alone,
 is registered here).
 
 * `stage_compressed` (HOST, and the background part of OVERLAP and DEVICE): the rank's tensors

@@ -59,7 +59,7 @@ log = logging.getLogger("gdsckpt.manager.replicas.wire")
 
 TAG_OFFER = 46_001  # origin -> holder: headers and images
 TAG_REPLY = 46_002  # holder -> origin: replies and acks
-TAG_RESTORE = 46_003  # holder -> origin at a restore: the replica's image (replica_store.py)
+TAG_RESTORE = 46_003  # holder -> origin at a restore: the replica's image (replicas/store.py)
 OFFER, BYE = 1, 2
 READY, REFUSED, COMMITTED, DAMAGED = 1, 2, 3, 4
 _HEADER = struct.Struct("<qqq")  # kind, step, bytes; then the image's footer

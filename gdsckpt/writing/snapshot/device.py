@@ -1,4 +1,4 @@
-"""The "device" snapshot mode (snapshot_modes.py): every save copies the state on its own device
+"""The "device" snapshot mode (writing/snapshot/modes.py): every save copies the state on its own device
 (device_copy.snapshot_tensors, from torch's cache), returns, and takes the compressed snapshot
 from the copy on a background thread, which lets the copy go once its chunks are in the pool.
 No optimizer step waits. Where the device has no room for the copy, the snapshot is taken in

@@ -3,8 +3,8 @@ where a save that must not stop training takes its snapshot, when its caller may
 waits for it. save_async(snapshot=) and GdsckptWriter(snapshot=) look the mode up here by name
 instead of branching on it.
 
-The built-in modes (save.Snapshot names them) live beside what they use: "host" in
-host_snapshot.py, "overlap" in overlap.py, "device" in device_snapshot.py (registered below), and
+The built-in modes (options.Snapshot names them) live beside what they use: "host" in
+snapshot/host.py, "overlap" in snapshot/overlap.py, "device" in snapshot/device.py (registered below), and
 "cpu", GdsckptWriter's alone, in dcp/staging.py (registered there). A new mode is one module
 and one line:
 
