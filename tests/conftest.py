@@ -101,6 +101,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def no_save_in_flight(monkeypatch):
+    """After the test: no save_async in flight, no failure left unseen, the pools freed (so the next
+    test starts fresh). It asks for monkeypatch so that the test's patches are undone after it."""
+    from concurrent.futures import wait
+
+    from gdsckpt.engine import pinned_pool
+    from gdsckpt.writing import async_save
+    from gdsckpt.writing.snapshot import overlap
+    yield
+    for fut, _, _ in list(async_save._tracked):
+        wait([fut], timeout=30)
+        fut.observed = True
+    async_save._tracked.clear()
+    overlap.wait_for_snapshot(30)
+    pinned_pool.release_pools()
+
+
 def assert_same(a, b, where="<root>"):
     """Bit-exact equality of two state trees: tensors by bytes, floats by repr (NaN, -0.0, inf),
     container types exact except that any dict equals any dict (model.state_dict() is an OrderedDict)."""

@@ -55,16 +55,7 @@ def _leftovers(directory) -> list:
     return [n for n in os.listdir(directory) if ".gdsckpt-tmp." in n]
 
 
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    """Each test starts with no save in flight, no unseen failure and fresh pools."""
-    yield
-    for fut, _, _ in list(am._tracked):
-        wait_futures([fut], timeout=30)
-        fut.observed = True
-    am._tracked.clear()
-    overlap.wait_for_snapshot(30)
-    pp.release_pools()
+pytestmark = pytest.mark.usefixtures("no_save_in_flight")
 
 
 class HeldWriter:

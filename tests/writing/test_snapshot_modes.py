@@ -7,30 +7,18 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from concurrent.futures import wait as wait_futures
 
 import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.writing import async_save as am
-from gdsckpt.writing.snapshot import overlap
-from gdsckpt.engine import pinned_pool as pp
 from gdsckpt.writing.snapshot import modes as snapshot_modes
 from conftest import SlowSnapshot, assert_same
 
 SMALL = dict(backend="cpu", chunk_bytes=64 << 10)
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    yield
-    for fut, _, _ in list(am._tracked):
-        wait_futures([fut], timeout=30)
-        fut.observed = True
-    am._tracked.clear()
-    overlap.wait_for_snapshot(30)
-    pp.release_pools()
+pytestmark = pytest.mark.usefixtures("no_save_in_flight")
 
 
 class ClonedOnHost:
