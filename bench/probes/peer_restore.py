@@ -121,6 +121,41 @@ def state_bytes(model, opt) -> int:
 
 
 # ------------------------------------------------------------------ a phase, on each rank
+def timed_saves(a, ck, model, opt, base: float, rank: int, replicas: bool) -> tuple[list, dict]:
+    """--saves checkpoints (steps 2, 3, ...), --train-steps between: per checkpoint the call's
+    blocked seconds, the training after it (idle_s: blocked + its slowdown against `base`), and
+    with replicas the replication's own seconds and its wire's timings."""
+    state, saves, reps = {"model": model, "optim": opt}, [], {}
+    for step in range(2, 2 + a.saves):
+        train(model, opt, a.train_steps, seed=1000 * rank + step)
+        t = time.perf_counter()
+        ck.save_async(step, state)
+        sync(model)
+        call = time.perf_counter() - t
+        after = None
+        if replicas and step == 1 + a.saves:  # the state restored later: its digests before it changes
+            (a.out / f"digests-r{rank}.json").write_text(json.dumps(digests(model, opt)))
+        else:
+            train(model, opt, a.train_steps, seed=1000 * rank + step + 500)  # training goes on
+            after = time.perf_counter() - t - call  # the steps a snapshot may overlap (and slow)
+        ck.wait()
+        row = {"step": step, "blocked_s": call, "train_after_s": after,
+               "idle_s": None if after is None else call + max(0.0, after - base),
+               "committed_s": time.perf_counter() - t}
+        if replicas:
+            replicated = ck.memory.wait_replicas(600)
+            reps = ck.status()["memory"]["replicas"]
+            last = reps["last"] or {}
+            mine = last.get("step") == step
+            row.update(replicated_after_s=time.perf_counter() - t, replicated=replicated,
+                       replicated_on=reps["steps"].get(step, {}).get("replicated_on"),
+                       replication_s=last.get("seconds") if mine else None,
+                       replication_bytes=last.get("bytes") if mine else None,
+                       wire=last.get("wire") if mine else None)
+        saves.append(row)
+    return saves, reps
+
+
 def phase_main(a) -> None:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     os.environ["GDSCKPT_MEMORY_ROOT"] = str(a.memory_roots / f"r{rank}")  # before gdsckpt is imported
@@ -143,41 +178,26 @@ def phase_main(a) -> None:
         model, opt = make_state(a.size, device, seed=rank)
         state = {"model": model, "optim": opt}
         out["state_bytes"] = state_bytes(model, opt)
-        ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
         t = time.perf_counter()
         train(model, opt, a.train_steps, seed=1000 * rank)
         out["train_baseline_s"] = base = time.perf_counter() - t  # the steps with no save in flight
+        # the same loop without replicas first (another directory, so another memory tier): what
+        # replication adds is the difference, measured in one run
+        ck0 = Checkpointer(a.dir.with_name(a.dir.name + "-noreplicas"), memory=True, node=rank, every_local=1000,
+                           distributed=True)
+        ck0.save_async(1, state)  # its first step goes to the directory, as the run's below does
+        ck0.wait()
+        out["saves_without_replicas"], _ = timed_saves(a, ck0, model, opt, base, rank, replicas=False)
+        ck0.close()
+        ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
         t = time.perf_counter()
         ck.save_async(1, state)
         ck.wait()
         out["step1_to_directory_s"] = time.perf_counter() - t
-        out["saves"] = []
-        for step in range(2, 2 + a.saves):
-            train(model, opt, a.train_steps, seed=1000 * rank + step)
-            t = time.perf_counter()
-            ck.save_async(step, state)
-            sync(model)
-            call = time.perf_counter() - t
-            after = None
-            if step == 1 + a.saves:  # the state restored later: its digests before it changes
-                (a.out / f"digests-r{rank}.json").write_text(json.dumps(digests(model, opt)))
-            else:
-                train(model, opt, a.train_steps, seed=1000 * rank + step + 500)  # training goes on
-                after = time.perf_counter() - t - call  # the steps a snapshot may overlap (and slow)
-            ck.wait()
-            committed = time.perf_counter() - t
-            replicated = ck.memory.wait_replicas(600)
-            reps = ck.status()["memory"]["replicas"]
-            last = reps["last"] or {}
-            out["saves"].append({"step": step, "blocked_s": call, "train_after_s": after,
-                                 "idle_s": None if after is None else call + max(0.0, after - base),
-                                 "committed_s": committed,
-                                 "replicated_after_s": time.perf_counter() - t, "replicated": replicated,
-                                 "replicated_on": reps["steps"].get(step, {}).get("replicated_on"),
-                                 "replication_s": last.get("seconds") if last.get("step") == step else None,
-                                 "replication_bytes": last.get("bytes") if last.get("step") == step else None})
+        out["saves"], reps = timed_saves(a, ck, model, opt, base, rank, replicas=True)
+        step = 1 + a.saves
         out["last_step"] = step
-        out["replicas_status"] = {k: reps[k] for k in ("holders", "held_for", "closed") if k in reps}
+        out["replicas_status"] = {k: reps[k] for k in ("holders", "held_for", "closed", "received") if k in reps}
         # the same state in the rank's own file (not a DCP step: DCP keeps one copy of a plain tensor
         # every rank names alike, and these ranks' tensors differ, as FSDP's shards would)
         ck2 = Checkpointer(a.out / "cold" / f"r{rank}", distributed=False)
@@ -201,9 +221,12 @@ def phase_main(a) -> None:
         ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
     else:
         ck = Checkpointer(a.out / "cold" / f"r{rank}", distributed=False)
+    out["open_s"] = time.perf_counter() - t  # the Checkpointer made (with replicas: its groups)
     r = ck.restore(state)
     sync(model)
     out["restore_s"] = time.perf_counter() - t
+    if a.phase == "restore":
+        out["fetched"] = ck.status()["memory"]["replicas"].get("fetched")
     want = json.loads((a.out / f"digests-r{rank}.json").read_text())
     got = digests(model, opt)
     out.update(step=r.step, source=r.source, skipped=[list(map(str, s)) for s in r.skipped],
@@ -274,7 +297,8 @@ def write(a, out: dict) -> None:
 # ------------------------------------------------------------------ the whole run
 def run_all(a) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
-    for p in (a.memory_roots, a.dir, a.out / "cold"):
+    dirs = (a.memory_roots, a.dir, a.dir.with_name(a.dir.name + "-noreplicas"), a.out / "cold")
+    for p in dirs:
         shutil.rmtree(p, ignore_errors=True)
     common = ["--out", str(a.out), "--device", a.device, "--size", str(a.size), "--saves", str(a.saves),
               "--train-steps", str(a.train_steps), "--lost", str(a.lost), "--dir", str(a.dir),
@@ -289,7 +313,7 @@ def run_all(a) -> None:
             subprocess.run(cmd, check=True, timeout=3600)
     finally:
         if not a.keep:
-            for p in (a.memory_roots, a.dir, a.out / "cold"):
+            for p in dirs:
                 shutil.rmtree(p, ignore_errors=True)
     print(json.dumps(summarize(a), indent=1))
 
@@ -304,12 +328,15 @@ def summarize(a) -> dict:
             "rank": r, "lost": r == a.lost, "state_bytes": s["state_bytes"],
             "blocked_s_per_checkpoint": [x["blocked_s"] for x in s["saves"]],
             "idle_s_per_checkpoint": [x["idle_s"] for x in s["saves"]],
+            "idle_s_per_checkpoint_without_replicas": [x["idle_s"] for x in s.get("saves_without_replicas", [])],
+            "wire": [x.get("wire") for x in s["saves"]], "received": s["replicas_status"].get("received"),
             "replication_s": [x["replication_s"] for x in s["saves"]],
             "replication_bytes": [x["replication_bytes"] for x in s["saves"]],
             "replicated_on": [x["replicated_on"] for x in s["saves"]],
             "replication_GBps": rep, "link_GBps": link,
             "replication_of_link": [g / link for g in rep] if link else None,
-            "restore_s": m["restore_s"], "restore_step": m["step"], "restore_source": m["source"],
+            "restore_s": m["restore_s"], "restore_open_s": m.get("open_s"), "fetched": m.get("fetched"),
+            "restore_step": m["step"], "restore_source": m["source"],
             "restore_io_path": m["io_path"], "cold_restore_s": c["restore_s"], "cold_source": c["source"],
             "cold_page_cache": c.get("page_cache"), "speedup": c["restore_s"] / m["restore_s"],
             "bit_exact": m["bit_exact"], "cold_bit_exact": c["bit_exact"]})

@@ -38,6 +38,7 @@ from .local_writes import LocalWrites
 from gdsckpt.format.file import HEADER_SIZE
 from .snapshot import INDEX_ALLOWANCE, INDEX_PER_ENTRY, MemoryTarget
 from .source import MemorySource
+from gdsckpt.reading.sources import DeviceImage
 from .tier import MemoryTier
 from gdsckpt.writing.snapshot.overlap import may_fence
 from gdsckpt.manager.steps import DAMAGE, StepLayout, agreed, async_options
@@ -216,11 +217,19 @@ class MemorySteps:
             with self.reading(step) as source:
                 out, stats = self.layout.load(source, state, device, strict)
                 return out, source.label, stats
-        from gdsckpt import api
-        label, stats = f"memory copy of step {step}", None
+        label = f"memory copy of step {step}"
         if self.peers is not None and self.peers.needs_fetch(step):  # ranks whose copy is gone get it first
             with agreed(label, f"step {step} from a peer's replica", damage=(*DAMAGE, KeyError, MemoryTierFullError)):
                 self.peers.fetch(step)
+        try:
+            return self._load_agreed(step, state, strict, label)
+        finally:
+            if self.peers is not None:
+                self.peers.forget_images()
+
+    def _load_agreed(self, step: int, state, strict: bool, label: str) -> tuple[object, str, object]:
+        from gdsckpt import api
+        stats = None
         with agreed(label, f"step {step} from memory", damage=(*DAMAGE, StateMismatchError, KeyError)) as mine:
             with self.reading(step) as source:
                 label = mine.label = source.label
@@ -235,8 +244,13 @@ class MemorySteps:
         return state, label, stats
 
     @contextlib.contextmanager
-    def reading(self, step: int) -> Iterator[MemorySource]:
-        """`step`'s copy as a reader's source, not dropped meanwhile."""
+    def reading(self, step: int) -> Iterator[MemorySource | DeviceImage]:
+        """`step`'s copy as a reader's source, not dropped meanwhile (an image received from a
+        peer into device memory at this restore, where there is one)."""
+        image = self.peers.image(step) if self.peers is not None else None
+        if image is not None:
+            yield image
+            return
         copy = self.tier.hold(step)
         try:
             label = f"memory copy of step {step} ({copy.slot.path})"

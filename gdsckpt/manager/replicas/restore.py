@@ -13,8 +13,9 @@ a rank's memory tier (gdsckpt/manager/memory/steps.py calls it):
 * restorable() at a restore (every rank, on the caller's thread): every rank's own steps and the
   replicas it holds gathered; the steps every rank can get, from its own copy or a holder's;
 * fetch(step) then: each rank that lacks its copy receives it from a holder on the replication
-  group, checked chunk by chunk and committed into its own tier, from where the memory tier's
-  own restore reads it (Restored.source "peer" on that rank).
+  group: on a GPU host straight into device memory (image(step)), from where the memory tier's
+  restore checks and decodes it; else checked chunk by chunk and committed into its own tier,
+  from where the restore reads it (Restored.source "peer" on that rank, either way).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Mapping
+
+import torch
+
+from gdsckpt.core.defaults import READ_ONCE_GPU_FRACTION
+from gdsckpt.reading.sources import DeviceImage
 
 from .placement import gather_nodes, held_for, place, same_host
 from .store import ReplicaStore, check_image
@@ -53,6 +59,8 @@ class PeerReplicas:
                                   cap_bytes=tier.cap_bytes, keep=keep, on_disk=on_disk, own_folder=tier.folder)
         self._plans: dict[int, dict[int, tuple[int, int]]] = {}  # step -> {origin: (holder, bytes)}
         self.from_peer: dict[int, int] = {}  # step -> the holder this rank's copy came from
+        self._images: dict[int, DeviceImage] = {}  # step -> its image received into device memory
+        self.fetched: dict = {}  # the last image received at a restore: its wire's timings
         self.receivers = [Receiver(self.groups.wire(o, self.rank), self.store, o) for o in self.origins]
         self.sender = Sender({h: self.groups.wire(self.rank, h) for h in self.holders}, tier, self.rank)
 
@@ -122,21 +130,41 @@ class PeerReplicas:
             tier.release(step)
 
     def _receive(self, step: int, holder: int, nbytes: int) -> None:
+        """This rank's image of `step` from `holder`: on a GPU host with room, straight into
+        device memory (image(step); the restore checks and decodes it there); else into the
+        rank's own tier, checked chunk by chunk and committed."""
         from gdsckpt.errors import CheckpointFormatError
-        slot, _ = self.tier.reserve(step, nbytes)
-        try:
-            self.groups.wire(self.rank, holder).recv_image(slot, nbytes, holder, TAG_RESTORE)
-            label = f"rank {holder}'s replica of rank {self.rank}'s step {step}"
-            why = check_image(slot, nbytes, None, label)
-            if why is not None:
-                raise CheckpointFormatError(f"{label} is damaged: {why}", path=label)
-        except BaseException:
-            self.tier.abandon(slot)
-            raise
-        self.tier.commit(slot, step, nbytes)
+        wire = self.groups.wire(self.rank, holder)
+        wire.bind()
+        label = f"rank {holder}'s replica of rank {self.rank}'s step {step}"
+        if wire.device is not None and nbytes <= READ_ONCE_GPU_FRACTION * torch.cuda.mem_get_info(wire.device)[0]:
+            image = torch.empty(nbytes, dtype=torch.uint8, device=wire.device)
+            wire.recv_to_device(image, holder, TAG_RESTORE)
+            self._images[step] = DeviceImage(image, label)
+        else:
+            slot, _ = self.tier.reserve(step, nbytes)
+            try:
+                wire.recv_image(slot, nbytes, holder, TAG_RESTORE)
+                why = check_image(slot, nbytes, None, label)
+                if why is not None:
+                    raise CheckpointFormatError(f"{label} is damaged: {why}", path=label)
+            except BaseException:
+                self.tier.abandon(slot)
+                raise
+            self.tier.commit(slot, step, nbytes)
         self.from_peer[step] = holder
+        self.fetched = dict(wire.last, step=step, holder=holder, device=step in self._images)
         log.info("gdsckpt: rank %d received its step %d from rank %d's replica (%d bytes)", self.rank, step, holder,
                  nbytes)
+
+    def image(self, step: int) -> DeviceImage | None:
+        """This rank's image of `step` received into device memory at this restore (checked by
+        the restore as it reads it), or None: its copy is in the rank's tier."""
+        return self._images.get(step)
+
+    def forget_images(self) -> None:
+        """Free the device memory of the images received (the restore is over)."""
+        self._images.clear()
 
     # ------------------------------------------------------------ reporting, closing
     def status(self, steps: list[int]) -> dict:
@@ -147,7 +175,9 @@ class PeerReplicas:
                 "steps": {s: {"replicated_on": self.sender.replicated(s), "holders": sent["steps"].get(s, {})}
                           for s in steps},
                 "closed": sent["closed"], "last": sent["last"], "from_peer": dict(self.from_peer),
+                "fetched": dict(self.fetched),
                 "receivers_ended": {r.origin: r.ended for r in self.receivers if r.ended},
+                "received": {r.origin: r.last for r in self.receivers if r.last},
                 **self.store.status()}
 
     def close(self, timeout: float = 60.0) -> None:

@@ -26,9 +26,12 @@ committed since its last exchange: a slow wire coalesces, it does not queue):
                                          <-  ack [step, COMMITTED | DAMAGED]
 
 The step counts as replicated on that holder only with COMMITTED. The pieces are the same on
-both back ends; only the buffer differs (Wire.outgoing / Wire.incoming): on gloo the segment's
-own mapping, on NCCL a device staging buffer of one piece (host -> device before a send, device
--> host after a receive). THE NCCL PATH IS NOT EXERCISED BY THE CPU TESTS: it needs 2 GPUs.
+both back ends; only the buffers differ. On gloo they are the segment's own mapping. On NCCL they
+are device staging buffers, PIPELINE_DEPTH pieces in flight, copied on a CUDA stream of the
+wire's own (host -> device before a send, device -> host after a receive): the copies overlap
+the sends and never queue with training's work. At a restore, the rank that lost its copy
+receives the image straight into device memory (Wire.recv_to_device) and decodes it from there.
+THE NCCL PATH IS NOT EXERCISED BY THE CPU TESTS: it needs 2 GPUs (tests/manager/test_replicas_gpu.py).
 
 Bounded: every wait on the origin's side is at most defaults.REPLICA_TIMEOUT_S + bytes /
 REPLICA_MIN_BYTES_PER_S; a save never waits for replication at all (the copy is held, not
@@ -65,6 +68,9 @@ READY, REFUSED, COMMITTED, DAMAGED = 1, 2, 3, 4
 _HEADER = struct.Struct("<qqq")  # kind, step, bytes; then the image's footer
 HEADER_BYTES = _HEADER.size + fmt.FOOTER_SIZE
 _IDLE = datetime.timedelta(days=30)  # the group's own timeout: a receiver idles between steps
+# Pieces of an image in flight on NCCL at once, each in a staging buffer of its own: copies to and
+# from the device overlap the sends, at PIPELINE_DEPTH * REPLICA_PIECE_BYTES of device memory a wire.
+PIPELINE_DEPTH = 3
 
 
 def bound(nbytes: int) -> float:
@@ -97,86 +103,165 @@ class Groups:
 
 class Wire:
     """Point-to-point on the replication groups: messages on `control` (gloo), images on `data`
-    (the same group, or NCCL: then `device` is the CUDA device whose staging buffer NCCL sends
+    (the same group, or NCCL: then `device` is the CUDA device whose staging buffers NCCL sends
     from and receives into; one Wire per thread)."""
 
     def __init__(self, control, data, device: torch.device | None = None):
         self.control, self.data, self.device = control, data, device
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor] = []
+        self._stream = None
+        # the last image's: seconds in all, and in taking/page-locking host arenas first reached
+        self.last: dict = {}
 
     def bind(self) -> None:
-        """On the thread that uses this Wire: NCCL's device is this rank's (not device 0)."""
+        """On the thread that uses this Wire: NCCL's device is this rank's (not device 0), and
+        the image's copies run on a stream of the wire's own (on the thread's default stream
+        they would queue behind training's kernels, and training's behind them)."""
         if self.device is not None:
             torch.cuda.set_device(self.device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
 
     # ------------------------------------------------------------ messages
     def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None, group=None) -> None:
         """A message (or, group=self.data, a piece of an image) to `dst`, waited for at most `timeout`."""
         import torch.distributed as dist
-        try:
-            self._wait(dist.isend(tensor, dst=dst, group=self.control if group is None else group, tag=tag), timeout)
-        except RuntimeError as e:
-            raise ChannelClosed(f"sending to rank {dst}: {_short(e)}") from None
+        self._wait(self._start(dist.isend, tensor, dst, tag, group), timeout, f"sending to rank {dst}")
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float | None, group=None) -> torch.Tensor:
         import torch.distributed as dist
-        try:
-            self._wait(dist.irecv(tensor, src=src, group=self.control if group is None else group, tag=tag), timeout)
-        except RuntimeError as e:
-            raise ChannelClosed(f"receiving from rank {src}: {_short(e)}") from None
+        self._wait(self._start(dist.irecv, tensor, src, tag, group), timeout, f"receiving from rank {src}")
         return tensor
 
+    def _start(self, op, tensor: torch.Tensor, peer: int, tag: int, group=None):
+        try:
+            return op(tensor, peer, self.control if group is None else group, tag)
+        except RuntimeError as e:
+            raise ChannelClosed(f"rank {peer}: {_short(e)}") from None
+
     @staticmethod
-    def _wait(work, timeout: float | None) -> None:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=timeout))
+    def _wait(work, timeout: float | None, what: str) -> None:
+        """Until `work` is done (a timeout makes NCCL's wait block this thread too, not only
+        order the current stream after it)."""
+        try:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise ChannelClosed(f"{what}: {_short(e)}") from None
 
     # ------------------------------------------------------------ images, in pieces
     def send_image(self, slot, nbytes: int, dst: int, tag: int) -> None:
-        """The first `nbytes` of `slot` to `dst`, piece by piece (each wait bounded)."""
-        for lo in range(0, nbytes, REPLICA_PIECE_BYTES):
-            hi = min(nbytes, lo + REPLICA_PIECE_BYTES)
-            self.send(self.outgoing(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
+        """The first `nbytes` of `slot` to `dst`, piece by piece (each wait bounded). On NCCL,
+        PIPELINE_DEPTH pieces in flight: a piece is copied to the device while those before it
+        are on the wire."""
+        import torch.distributed as dist
+        if self.device is None:
+            for lo, hi in pieces(nbytes):
+                self.send(_host_bytes(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
+            return
+        what = f"sending an image to rank {dst}"
+        t, pin = time.perf_counter(), 0.0
+        inflight: deque = deque()
+        with torch.cuda.stream(self._stream):
+            for n, (lo, hi) in enumerate(pieces(nbytes)):
+                if len(inflight) == PIPELINE_DEPTH:  # its staging buffer is free once its send is done
+                    self._wait(*inflight.popleft(), what)
+                buf = self._buffer(n, hi - lo)
+                host, spent = _pinned(slot, lo, hi)
+                pin += spent
+                at = 0
+                for piece in host:  # host -> device on the wire's stream; NCCL's send waits for it
+                    buf[at:at + piece.numel()].copy_(piece, non_blocking=True)
+                    at += piece.numel()
+                inflight.append((self._start(dist.isend, buf, dst, tag, self.data), bound(hi - lo)))
+            while inflight:
+                self._wait(*inflight.popleft(), what)
+        self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": pin}
 
     def recv_image(self, slot, nbytes: int, src: int, tag: int) -> None:
-        """`nbytes` from `src` into `slot` from offset 0 (its mapping holds them: made for them)."""
-        for lo in range(0, nbytes, REPLICA_PIECE_BYTES):
-            hi = min(nbytes, lo + REPLICA_PIECE_BYTES)
-            buf = self.recv(self.incoming(slot, lo, hi), src, tag, bound(hi - lo), self.data)
-            if self.device is not None:  # NCCL: device staging -> the segment (page-locked pieces)
-                pieces, _ = slot.host(lo, hi, pin=True)
-                pos = 0
-                for p in pieces:
-                    p.copy_(buf[pos:pos + p.numel()])
-                    pos += p.numel()
-                torch.cuda.current_stream(self.device).synchronize()
-
-    def outgoing(self, slot, lo: int, hi: int) -> torch.Tensor:
-        """Bytes [lo, hi) of `slot` as the buffer sent: gloo, the mapping itself (or a copy where
-        an index outgrew it); NCCL, the device staging buffer filled from it."""
-        host = slot.tensor[lo:hi] if hi <= slot.mapped else torch.frombuffer(bytearray(slot.read(hi - lo, lo)),
-                                                                            dtype=torch.uint8)
+        """`nbytes` from `src` into `slot` from offset 0 (its mapping holds them: made for them).
+        On NCCL, PIPELINE_DEPTH pieces in flight: a piece is copied to the segment (page-locked
+        arenas) while the next ones arrive."""
+        import torch.distributed as dist
         if self.device is None:
-            return host
-        buf = self._stage(hi - lo)
-        buf.copy_(host, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return buf
+            for lo, hi in pieces(nbytes):
+                slot.host(lo, hi, pin=False)  # its arenas taken first: a full /dev/shm is an error, not a SIGBUS
+                self.recv(slot.tensor[lo:hi], src, tag, bound(hi - lo), self.data)
+            return
+        what = f"receiving an image from rank {src}"
+        t, pin = time.perf_counter(), 0.0
+        ranges = list(pieces(nbytes))
+        inflight: deque = deque()
 
-    def incoming(self, slot, lo: int, hi: int) -> torch.Tensor:
-        """The buffer bytes [lo, hi) of `slot` are received into: gloo, the mapping (its arenas
-        taken first: a full /dev/shm is an error, not a SIGBUS); NCCL, the staging buffer."""
-        if self.device is None:
-            slot.host(lo, hi, pin=False)
-            return slot.tensor[lo:hi]
-        return self._stage(hi - lo)
+        def post(n: int) -> None:  # NCCL's receive waits for the copy out of its buffer queued before it
+            lo, hi = ranges[n]
+            buf = self._buffer(n, hi - lo)
+            inflight.append((self._start(dist.irecv, buf, src, tag, self.data), n, buf))
 
-    def _stage(self, n: int) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty(REPLICA_PIECE_BYTES, dtype=torch.uint8, device=self.device)
-        return self._staging[:n]
+        with torch.cuda.stream(self._stream):
+            for n in range(min(PIPELINE_DEPTH, len(ranges))):
+                post(n)
+            while inflight:
+                work, n, buf = inflight.popleft()
+                lo, hi = ranges[n]
+                self._wait(work, bound(hi - lo), what)
+                host, spent = slot.host(lo, hi, pin=True)
+                pin += spent
+                at = 0
+                for piece in host:
+                    piece.copy_(buf[at:at + piece.numel()], non_blocking=True)
+                    at += piece.numel()
+                if n + PIPELINE_DEPTH < len(ranges):
+                    post(n + PIPELINE_DEPTH)
+            self._stream.synchronize()
+        self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": pin}
+
+    def recv_to_device(self, image: torch.Tensor, src: int, tag: int) -> None:
+        """An image sent by send_image received straight into the device tensor `image` (its
+        length), PIPELINE_DEPTH pieces posted at a time: no staging, no host memory."""
+        import torch.distributed as dist
+        what = f"receiving an image from rank {src}"
+        t = time.perf_counter()
+        inflight: deque = deque()
+        with torch.cuda.stream(self._stream):
+            for lo, hi in pieces(image.numel()):
+                if len(inflight) == PIPELINE_DEPTH:
+                    self._wait(*inflight.popleft(), what)
+                inflight.append((self._start(dist.irecv, image[lo:hi], src, tag, self.data), bound(hi - lo)))
+            while inflight:
+                self._wait(*inflight.popleft(), what)
+            self._stream.synchronize()
+        self.last = {"bytes": image.numel(), "seconds": time.perf_counter() - t, "pin_seconds": 0.0}
+
+    def _buffer(self, n: int, size: int) -> torch.Tensor:
+        """Piece n's staging buffer (PIPELINE_DEPTH of them, made on first use)."""
+        while len(self._staging) < PIPELINE_DEPTH:
+            self._staging.append(torch.empty(REPLICA_PIECE_BYTES, dtype=torch.uint8, device=self.device))
+        return self._staging[n % PIPELINE_DEPTH][:size]
+
+
+def pieces(nbytes: int):
+    """The [lo, hi) of each piece an image of `nbytes` goes in."""
+    for lo in range(0, nbytes, REPLICA_PIECE_BYTES):
+        yield lo, min(nbytes, lo + REPLICA_PIECE_BYTES)
+
+
+def _host_bytes(slot, lo: int, hi: int) -> torch.Tensor:
+    """Bytes [lo, hi) of `slot`: the mapping itself, or a copy where an index outgrew it."""
+    if hi <= slot.mapped:
+        return slot.tensor[lo:hi]
+    return torch.frombuffer(bytearray(slot.read(hi - lo, lo)), dtype=torch.uint8)
+
+
+def _pinned(slot, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
+    """Bytes [lo, hi) of `slot` to copy to a device: its page-locked arenas (locked now where a
+    new process has not yet), or a copy where an index outgrew the mapping; and the seconds
+    spent locking."""
+    if hi <= slot.mapped:
+        return slot.host(lo, hi, pin=True)
+    return [_host_bytes(slot, lo, hi)], 0.0
 
 
 def header(kind: int, step: int = 0, nbytes: int = 0, footer: bytes = b"") -> torch.Tensor:
@@ -272,7 +357,8 @@ class Sender:
                                 "run: %s", step, h, e)
         finally:
             self.tier.release(step)
-        self.seconds.append({"step": step, "seconds": time.perf_counter() - t, "bytes": copy.nbytes})
+        self.seconds.append({"step": step, "seconds": time.perf_counter() - t, "bytes": copy.nbytes,
+                             "wire": {h: dict(self.wires[h].last) for h in self.holders}})
 
     def _offer(self, h: int, step: int, copy, footer: bytes) -> str:
         w, b = self.wires[h], bound(copy.nbytes)
@@ -319,6 +405,7 @@ class Receiver:
     def __init__(self, wire: Wire, store, origin: int):
         self.wire, self.store, self.origin = wire, store, origin
         self.ended: str | None = None
+        self.last: dict = {}  # the last image taken: the wire's timings, and the check and commit's
         self._thread = threading.Thread(target=self._run, name=f"gdsckpt-replicas-recv-{origin}", daemon=True)
         self._thread.start()
 
@@ -350,7 +437,9 @@ class Receiver:
         except BaseException:
             self.store.abandon(self.origin, slot)
             raise
+        t = time.perf_counter()
         ok = self.store.commit(self.origin, slot, step, nbytes, footer)
+        self.last = dict(self.wire.last, step=step, commit_seconds=time.perf_counter() - t)
         self.wire.send(pair(step, COMMITTED if ok else DAMAGED), self.origin, TAG_REPLY, REPLICA_TIMEOUT_S)
 
     def join(self, timeout: float) -> bool:
