@@ -6,6 +6,7 @@ tests/manager/test_peer_replicas.py covers the same over gloo on the CPU."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs 2 CUDA GPUs")]
 
-SAVES = 3
+SAVES = 4  # the third and fourth reuse or drop the first two's segments, on both sides
 
 
 def _model(seed: int):
@@ -53,6 +54,7 @@ def _flat(model, opt) -> dict:
 
 def _rank_main(rank: int, world: int, root: str, phase: str) -> None:
     root = Path(root)
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang shows every thread's stack
     os.environ["GDSCKPT_MEMORY_ROOT"] = str(root / f"mem-node{rank}")
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(rank)
@@ -75,6 +77,7 @@ def _rank_main(rank: int, world: int, root: str, phase: str) -> None:
             assert rep["steps"][SAVES]["replicated_on"] == [1 - rank], rep
             assert rep["held"] == {1 - rank: [SAVES - 1, SAVES]}, rep
             (root / f"ready-r{rank}").touch()
+            faulthandler.cancel_dump_traceback_later()
             time.sleep(600)  # killed: a crash, no close()
         want = json.loads((root / "want.json").read_text())
         model, opt = _model(99)

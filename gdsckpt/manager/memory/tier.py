@@ -310,9 +310,10 @@ class MemoryTier:
             self._cond.notify_all()
 
     # ------------------------------------------------------------ writing a step
-    def reserve(self, step: int, need: int) -> tuple[Slot, float]:
+    def reserve(self, step: int, need: int, headroom: int = 0) -> tuple[Slot, float]:
         """A slot of at least `need` bytes for `step`, uncommitted: (slot, seconds waited for room).
-        Makes room in the drop order; waits while only copies being read stand in the way.
+        Makes room in the drop order; waits while only copies being read stand in the way. A slot
+        made anew has `headroom` bytes more (it may then be reused by a step a little larger).
         MemoryTierFullError where no room can be made."""
         if need > self.cap_bytes:
             raise MemoryTierFullError(f"step {step} needs {need} bytes of memory, more than the memory tier's cap "
@@ -323,7 +324,7 @@ class MemoryTier:
             if step in self._copies:  # the same step saved again: its copy goes first
                 self._drop(step, "replaced by a new save of the same step")
             while True:
-                slot = self._make_room(step, need)
+                slot = self._make_room(step, need, headroom)
                 if slot is not None:
                     break
                 if not self._held and not self._making:
@@ -354,14 +355,14 @@ class MemoryTier:
                         + (" of its own and the replicas" if outside else ""))
         return None
 
-    def _make_room(self, step: int, need: int) -> Slot | None:
+    def _make_room(self, step: int, need: int, headroom: int = 0) -> Slot | None:
         order = self._drop_order(for_room=False)
         self._let_go(order, incoming=step)
         order = self._drop_order(for_room=True)
         fitting = min((s for s in self._free if s.mapped >= need), key=lambda s: s.mapped, default=None)
         if fitting is None and self._making:
             return None  # slots are being made ahead of need: wait for them rather than make another
-        while self._held_bytes() + self.outside() + (0 if fitting else need) > self.cap_bytes:
+        while self._held_bytes() + self.outside() + (0 if fitting else need + headroom) > self.cap_bytes:
             spare = [s for s in self._free if s is not fitting]
             if spare:
                 self._free.remove(spare[0])
@@ -380,7 +381,7 @@ class MemoryTier:
         for spare in self._free:  # too small for this step, as for the next ones (a state keeps its size)
             spare.delete()
         self._free.clear()
-        return self._new_slot(need)
+        return self._new_slot(need + headroom)
 
     def _new_slot(self, need: int) -> Slot:
         name = f"slot-{self._next_slot}"

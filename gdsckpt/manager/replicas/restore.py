@@ -27,6 +27,8 @@ from typing import Mapping
 import torch
 
 from gdsckpt.core.defaults import READ_ONCE_GPU_FRACTION
+from gdsckpt.engine.backend import make_backend
+from gdsckpt.manager.memory.source import MemorySource
 from gdsckpt.reading.sources import DeviceImage
 
 from .placement import gather_nodes, held_for, place, same_host
@@ -123,7 +125,15 @@ class PeerReplicas:
         try:
             wire = self.groups.wire(origin, self.rank)
             wire.bind()
-            wire.send_image(copy.slot, copy.nbytes, origin, TAG_RESTORE)
+            if wire.device is None:
+                wire.send_image(copy.slot, copy.nbytes, origin, TAG_RESTORE)
+            else:  # read as the memory tier's restore reads a segment: page-locking it in this new process is slower
+                with make_backend("gpu", io=MemorySource.io, io_threads=MemorySource.io_threads) as be:
+                    segment = MemorySource(copy.slot, copy.nbytes, f"rank {origin}'s replica").open_chunks(be)
+                    try:
+                        wire.send_image(copy.slot, copy.nbytes, origin, TAG_RESTORE, segment=segment)
+                    finally:
+                        segment.close()
         except BaseException as e:  # noqa: BLE001 - told to the caller's thread
             errors.append(e)
         finally:

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable
 
+from gdsckpt.core.defaults import POOL_ARENA_BYTES
 from gdsckpt.format import file as fmt
 from gdsckpt.errors import GdsckptError, MemoryTierFullError
 from gdsckpt.manager.memory.folders import SLOT_NAME, memory_root, tier_folder
@@ -39,6 +40,15 @@ def replica_folder(directory: Path, origin: int, holder: int, root: Path | None 
     own tiers, never taken for one: tier_folders lists folders ending in a rank number only)."""
     own = tier_folder(directory, origin, root)
     return own.with_name(f"{own.name}.replica-r{holder}")
+
+
+def headroom(nbytes: int) -> int:
+    """The bytes a segment made for a replica of `nbytes` has beyond them: a step's compressed
+    size varies a little from step to step, and a segment a few bytes too small for the next step
+    would be made anew (its memory taken and page-locked again, for seconds, beside training)
+    instead of reused. The file is sparse: the headroom takes no memory. Images smaller than an
+    arena get none: a segment for them is quickly made."""
+    return nbytes // 32 if nbytes >= POOL_ARENA_BYTES else 0
 
 
 def folder_bytes(folder: Path) -> int:
@@ -114,10 +124,10 @@ class ReplicaStore:
         tier = self.tiers.get(origin)
         if tier is None:
             raise GdsckptError(f"rank {self.rank} holds no replicas for rank {origin}")
-        why = tier.room_for(nbytes)
+        why = tier.room_for(nbytes + headroom(nbytes))
         if why is None:
             try:
-                return tier.reserve(step, nbytes)[0]
+                return tier.reserve(step, nbytes, headroom(nbytes))[0]
             except MemoryTierFullError as e:
                 why = str(e)
         self._refuse(origin, step, f"no room: {why}")

@@ -89,7 +89,8 @@ class Groups:
 
     def __init__(self):
         import torch.distributed as dist
-        nccl = dist.get_backend() == "nccl" and torch.cuda.is_available()
+        # "nccl", or a device map such as "cpu:gloo,cuda:nccl"
+        nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
         self.control = [dist.new_group(backend="gloo", timeout=_IDLE) for _ in range(2)]
         self.data = [dist.new_group(backend="nccl", timeout=_IDLE) for _ in range(2)] if nccl else self.control
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
@@ -111,7 +112,9 @@ class Wire:
         self._staging: list[torch.Tensor] = []
         self._stream = None
         # the last image's: seconds in all, and in taking/page-locking host arenas first reached
+        # (prepare's, before it, included)
         self.last: dict = {}
+        self._prepared = 0.0
 
     def bind(self) -> None:
         """On the thread that uses this Wire: NCCL's device is this rank's (not device 0), and
@@ -121,6 +124,18 @@ class Wire:
             torch.cuda.set_device(self.device)
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
+                self._buffer(0, 0)  # the staging buffers made now, before any exchange (see prepare)
+
+    def prepare(self, slot, nbytes: int) -> float:
+        """On NCCL, page-lock the host arenas of `slot` under its first `nbytes` before an
+        exchange begins; the seconds it took. A CUDA call such as cudaHostRegister may wait for
+        every kernel on the device, this rank's pending NCCL sends and receives among them: made
+        inside an exchange, it would wait for a peer that may itself be waiting the same way for
+        this rank (NCCL's documentation on using several communicators at once). So the wire
+        threads make such calls only before an image's first piece goes out or its receives are
+        posted, never between."""
+        self._prepared = 0.0 if self.device is None else slot.host(0, min(nbytes, slot.mapped), pin=True)[1]
+        return self._prepared
 
     # ------------------------------------------------------------ messages
     def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float | None, group=None) -> None:
@@ -152,29 +167,33 @@ class Wire:
             raise ChannelClosed(f"{what}: {_short(e)}") from None
 
     # ------------------------------------------------------------ images, in pieces
-    def send_image(self, slot, nbytes: int, dst: int, tag: int) -> None:
+    def send_image(self, slot, nbytes: int, dst: int, tag: int, segment=None) -> None:
         """The first `nbytes` of `slot` to `dst`, piece by piece (each wait bounded). On NCCL,
         PIPELINE_DEPTH pieces in flight: a piece is copied to the device while those before it
-        are on the wire."""
+        are on the wire; from the slot's page-locked arenas (see prepare), or, `segment` given
+        (the GPU backend's ChunkFile on the slot's file), read into the device by its threads."""
         import torch.distributed as dist
         if self.device is None:
             for lo, hi in pieces(nbytes):
                 self.send(_host_bytes(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
             return
         what = f"sending an image to rank {dst}"
-        t, pin = time.perf_counter(), 0.0
+        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         inflight: deque = deque()
         with torch.cuda.stream(self._stream):
             for n, (lo, hi) in enumerate(pieces(nbytes)):
                 if len(inflight) == PIPELINE_DEPTH:  # its staging buffer is free once its send is done
                     self._wait(*inflight.popleft(), what)
                 buf = self._buffer(n, hi - lo)
-                host, spent = _pinned(slot, lo, hi)
-                pin += spent
-                at = 0
-                for piece in host:  # host -> device on the wire's stream; NCCL's send waits for it
-                    buf[at:at + piece.numel()].copy_(piece, non_blocking=True)
-                    at += piece.numel()
+                if segment is not None:
+                    segment.pread(buf, hi - lo, lo).get()
+                else:
+                    host, spent = _pinned(slot, lo, hi)
+                    pin += spent
+                    at = 0
+                    for piece in host:  # host -> device on the wire's stream; NCCL's send waits for it
+                        buf[at:at + piece.numel()].copy_(piece, non_blocking=True)
+                        at += piece.numel()
                 inflight.append((self._start(dist.isend, buf, dst, tag, self.data), bound(hi - lo)))
             while inflight:
                 self._wait(*inflight.popleft(), what)
@@ -191,7 +210,7 @@ class Wire:
                 self.recv(slot.tensor[lo:hi], src, tag, bound(hi - lo), self.data)
             return
         what = f"receiving an image from rank {src}"
-        t, pin = time.perf_counter(), 0.0
+        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         ranges = list(pieces(nbytes))
         inflight: deque = deque()
 
@@ -362,6 +381,7 @@ class Sender:
 
     def _offer(self, h: int, step: int, copy, footer: bytes) -> str:
         w, b = self.wires[h], bound(copy.nbytes)
+        w.prepare(copy.slot, copy.nbytes)
         w.send(header(OFFER, step, copy.nbytes, footer), h, TAG_OFFER, REPLICA_TIMEOUT_S)
         got_step, code = w.recv(pair(0, 0), h, TAG_REPLY, REPLICA_TIMEOUT_S).tolist()
         if got_step != step or code not in (READY, REFUSED):
@@ -432,6 +452,7 @@ class Receiver:
             self.wire.send(pair(step, REFUSED), self.origin, TAG_REPLY, REPLICA_TIMEOUT_S)
             return
         try:
+            self.wire.prepare(slot, nbytes)  # before READY: the origin's sends wait for this rank's receives
             self.wire.send(pair(step, READY), self.origin, TAG_REPLY, REPLICA_TIMEOUT_S)
             self.wire.recv_image(slot, nbytes, self.origin, TAG_OFFER)
         except BaseException:
