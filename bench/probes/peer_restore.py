@@ -241,7 +241,8 @@ def phase_main(a) -> None:
 
 def link_bandwidth(device, nbytes: int = 1 << 30) -> dict:
     """1 GiB each way at once between the two GPUs (send/recv, as the replication's two
-    directions run), and an all_reduce of 1 GiB; GB/s per direction, best of 3."""
+    directions run), an all_reduce of 1 GiB, and 1 GiB copied host -> device and device -> host
+    (page-locked); GB/s per direction, best of 3."""
     import torch
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -262,6 +263,19 @@ def link_bandwidth(device, nbytes: int = 1 << 30) -> dict:
             best = min(best, time.perf_counter() - t)
         busbw = nbytes / best / 1e9 * (2 * (world - 1) / world if name == "all_reduce" else 1)
         out[f"{name}_GBps"] = busbw
+    # a replica's bytes cross PCIe twice (host -> device on the origin, device -> host on the
+    # holder): the copy rates between page-locked host memory and this GPU, every rank at once
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for name, (dst, src) in (("h2d", (dev, host)), ("d2h", (host, dev))):
+        best = float("inf")
+        for _ in range(3):
+            dist.barrier()
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        out[f"{name}_GBps"] = nbytes / best / 1e9
     return out
 
 

@@ -10,7 +10,7 @@ directory's tier id: another run's replicas are removed, never restored), the sa
 (0o700 folder, 0o600 segments), the same commit (a record written after the last byte, naming the
 footer), the same drop order (the newest replica of a step on no disk is never dropped: it may be
 the origin's only other copy). A replica is committed only once every chunk's checksum is checked
-(reader.Checkpoint.check, as a restore from memory checks) and its footer is the one the origin
+(reader.Checkpoint.check, on the CPU: a GPU host's GPU is training's) and its footer is the one the origin
 named in its offer: bytes damaged on the wire, or a segment reused while a late send read it,
 are refused. Replicas count against the rank's memory cap, with its own copies (`outside`).
 """
@@ -200,8 +200,8 @@ def check_image(slot, nbytes: int, footer: bytes | None, label: str) -> str | No
         return f"{nbytes} bytes cannot hold a checkpoint"
     if footer is not None and slot.read(fmt.FOOTER_SIZE, nbytes - fmt.FOOTER_SIZE) != footer:
         return "its footer is not the one its origin sent"
-    try:
-        with api.open(MemorySource(slot, nbytes, label)) as ck:
+    try:  # on the CPU's threads, where the image lies: the GPU is training's
+        with api.open(MemorySource(slot, nbytes, label), backend="cpu") as ck:
             ck.check()
     except (GdsckptError, OSError) as e:
         return f"{type(e).__name__}: {e}"

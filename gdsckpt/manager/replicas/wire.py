@@ -71,6 +71,7 @@ _IDLE = datetime.timedelta(days=30)  # the group's own timeout: a receiver idles
 # Pieces of an image in flight on NCCL at once, each in a staging buffer of its own: copies to and
 # from the device overlap the sends, at PIPELINE_DEPTH * REPLICA_PIECE_BYTES of device memory a wire.
 PIPELINE_DEPTH = 3
+REPLICA_NCCL_CTAS = 4  # (_few_ctas) a point-to-point transfer over NVLink fills the link with a few
 
 
 def bound(nbytes: int) -> float:
@@ -92,7 +93,8 @@ class Groups:
         # "nccl", or a device map such as "cpu:gloo,cuda:nccl"
         nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
         self.control = [dist.new_group(backend="gloo", timeout=_IDLE) for _ in range(2)]
-        self.data = [dist.new_group(backend="nccl", timeout=_IDLE) for _ in range(2)] if nccl else self.control
+        self.data = [dist.new_group(backend="nccl", timeout=_IDLE, pg_options=_few_ctas())
+                     for _ in range(2)] if nccl else self.control
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
     def wire(self, origin: int, holder: int) -> "Wire":
@@ -259,6 +261,19 @@ class Wire:
         while len(self._staging) < PIPELINE_DEPTH:
             self._staging.append(torch.empty(REPLICA_PIECE_BYTES, dtype=torch.uint8, device=self.device))
         return self._staging[n % PIPELINE_DEPTH][:size]
+
+
+def _few_ctas():
+    """NCCL options for the images' groups: at most REPLICA_NCCL_CTAS thread blocks a transfer
+    (NCCL's maxCTAs), so that replication running beside training takes a few of the GPU's SMs,
+    not as many as a collective of training's; None where this torch has no such option."""
+    import torch.distributed as dist
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = REPLICA_NCCL_CTAS
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return opts
 
 
 def pieces(nbytes: int):
