@@ -111,9 +111,14 @@ def run_train(args) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size if args.size in TRAIN_SIZES else ("gpt2-medium" if device.startswith("cuda") else "small-cpu")
     memory = getattr(args, "memory", False)
-    methods = select(args.methods or ("none,async" if memory else DEFAULT_METHODS_RANKS if rk else DEFAULT_METHODS))
+    replicas = getattr(args, "replicas", 0) if memory else 0
+    if replicas and not rk:
+        raise SystemExit("--replicas: peer replicas need other ranks to hold them; run under torchrun "
+                         "(torchrun --nproc-per-node 2 -m gdsckpt.bench --train --memory --replicas 1)")
+    default = ("none,async-shards" if rk else "none,async") if memory else DEFAULT_METHODS_RANKS if rk else DEFAULT_METHODS
+    methods = select(args.methods or default)
     if memory:  # the memory tier beside them (train_memory.py), at the same interval
-        methods.append(train_memory.CkptMemory(args.every_local))
+        methods += train_memory.methods(args.every_local, replicas)
     threads = torch.get_num_threads()
     if not device.startswith("cuda"):
         # One thread trains, as one process drives a GPU: the save's threads get the other cores,
@@ -121,7 +126,11 @@ def run_train(args) -> dict:
         # ran 5-10x slower on the loaded 2-core host).
         torch.set_num_threads(1)
     try:
-        return _run(args, rk, device, size, methods, memory, gpu_ok)
+        with train_memory.node_per_rank(rk, replicas) as nodes:
+            for m in methods:
+                if getattr(m, "replicas", 0) and nodes:
+                    m.node = nodes["node"]
+            return _run(args, rk, device, size, methods, memory, gpu_ok)
     finally:
         torch.set_num_threads(threads)
 
@@ -280,9 +289,14 @@ def _run(args, rk, device, size, methods, memory, gpu_ok) -> dict:
         rk.close()
     result["targets"] = targets.check(result)
     if memory:
-        mem = next(m for m in methods if isinstance(m, train_memory.CkptMemory))
-        result["memory"] = {"loop": mem.summary(), "restore": restore if not rk else None,
+        rows_by = {r["name"]: r for r in out_methods}
+        result["memory"] = {"loop": rows_by[train_memory.NAME].get("memory"), "restore": restore if not rk else None,
                             "targets": train_memory.idle_target(out_methods)}
+        with_replicas = [name for name in rows_by if name.startswith(train_memory.NAME + " replicas=")]
+        if with_replicas:  # each rank's replication, by method
+            result["memory"]["replicas"] = {
+                name: [(next(x for x in rank["methods"] if x["name"] == name).get("memory") or {}).get("replicas")
+                       for rank in result["ranks"]] for name in with_replicas}
     return result
 
 

@@ -16,10 +16,19 @@ the device, and checked bit for bit against the state saved (a CRC-64 per tensor
 from the local file cold (its page cache dropped first), and from the store. The targets (issue 21): from memory <= 0.5 s on a GPU, and
 <= 0.5 x the cold local file on the CPU; idle time per memory checkpoint no higher than
 save_async's.
+
+Under torchrun, `--replicas N` adds "gdsckpt Checkpointer memory replicas=N" beside the memory
+tier alone, in the same run: each rank's copy also held in the memory of N ranks on other nodes
+(docs/replicas.md). Where every rank is on one host, each rank is a node of its own (node=rank,
+its memory root a folder of its own under the tier's root: node_per_rank), as the replica tests
+simulate nodes. Per checkpoint and rank, from Checkpointer.status(): on which holders the step
+ended replicated (or why not) and how long its replication took. The target (issue 46):
+replication adds <= 0.02 s of GPU idle per checkpoint per rank, against the memory tier alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +47,8 @@ from .train_methods import Method, checkpoint_state, reservation
 NAME = "gdsckpt Checkpointer memory"
 RESTORE_TARGET_GPU_S = 0.5
 RESTORE_TARGET_CPU_X = 0.5
+REPLICATION_IDLE_TARGET_S = 0.02  # issue 46: GPU idle replication adds per checkpoint per rank
+REPLICAS_WAIT_S = 600  # at the end: the last step's replication, waited for before the tier closes
 
 
 def add_arguments(g) -> None:
@@ -48,30 +59,88 @@ def add_arguments(g) -> None:
                    help="--memory: write every N-th memory checkpoint to the directory (default 4)")
     g.add_argument("--memory-remote", default=None,
                    help="--memory: also upload the restore test's step to this s3://bucket/prefix and time its restore")
+    g.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="--memory under torchrun: also run the memory tier with replicas=N (each step's copy held "
+                        "by N ranks on other nodes) beside it, in the same run; where every rank is on one host, "
+                        "each rank is a node of its own (node=rank, a memory root of its own)")
+
+
+def methods(every_local: int, replicas: int) -> list:
+    """The memory tier's methods: alone, and with `replicas` peer replicas where asked."""
+    return [CkptMemory(every_local)] + ([CkptMemory(every_local, replicas)] if replicas else [])
+
+
+@contextlib.contextmanager
+def node_per_rank(rk, replicas: int):
+    """Under torchrun with replicas, where every rank is on one host: each rank its own node, its
+    memory root (GDSCKPT_MEMORY_ROOT, read by the tier whenever it looks for its folders) a
+    folder of its own under the root, removed at the end. Yields {"rank": node} or None (the
+    nodes torchrun names: several hosts, or no replicas)."""
+    import socket
+    from gdsckpt.manager.memory.folders import ROOT_ENV, memory_root
+    if rk is None or not replicas or len(set(rk.gather(socket.gethostname()))) > 1:
+        yield None
+        return
+    before = os.environ.get(ROOT_ENV)
+    root = tempfile.mkdtemp(prefix=f"gdsckpt-bench-node{rk.rank}-", dir=memory_root())
+    os.environ[ROOT_ENV] = root
+    try:
+        yield {"node": rk.rank, "memory_root": root}
+    finally:
+        if before is None:
+            os.environ.pop(ROOT_ENV, None)
+        else:
+            os.environ[ROOT_ENV] = before
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class CkptMemory(Method):
     """Checkpointer(memory=True, every_local=N).save_async every interval: one Checkpointer for
-    every loop, in a directory beside the loops' (which is emptied between loops), its steps
-    numbered on across loops. Its setup reserves the tier's slots (Checkpointer.reserve, waited
-    for: each slot made and, on a GPU host, page-locked before the first save and the loops), so
-    that its first save, like the loops', takes a slot that exists."""
+    every loop, in a directory beside the loops' (which is emptied between loops; under torchrun
+    one rank 0 made), its steps numbered on across loops. Its setup reserves the tier's slots
+    (Checkpointer.reserve, waited for: each slot made and, on a GPU host, page-locked before the
+    first save and the loops), so that its first save, like the loops', takes a slot that exists.
+    replicas: Checkpointer(replicas=N, node=the rank's node where node_per_rank set one); the
+    replication's outcome per step read from status() off the training thread, after each commit."""
 
-    name = NAME
     asynchronous = True
+    sharded = True
 
-    def __init__(self, every_local: int = 4):
-        self.every_local = every_local
+    def __init__(self, every_local: int = 4, replicas: int = 0):
+        self.every_local, self.replicas = every_local, replicas
+        self.name = NAME + (f" replicas={replicas}" if replicas else "")
+        self.node = None  # this rank's node= (node_per_rank), else torchrun's
         self.ck = None
+        self.ranks = None
         self.root: Path | None = None
         self.step = 0
         self.records: list[dict] = []
         self.tier: dict = {}  # the tier's status() at the end: cap, slots' bytes, fallbacks, coalesced
+        self.replication: dict[int, dict] = {}  # step -> what status() said of its replication
+        self.polls = None  # the thread that reads status() after each commit
+        self.closed: dict = {}  # holder -> why its channel closed (status())
+
+    def available(self):
+        if self.replicas and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return "replicas need other ranks to hold them: run under torchrun (each rank a node on one host)"
+        return None
 
     def setup(self, ctx) -> None:
+        from concurrent.futures import ThreadPoolExecutor
         from gdsckpt import Checkpointer
-        self.root = Path(tempfile.mkdtemp(prefix="gdsckpt-bench-memory-", dir=ctx.directory.parent))
-        self.ck = Checkpointer(self.root / "ckpt", memory=True, every_local=self.every_local)
+        self.ranks = ctx.ranks
+        root = tempfile.mkdtemp(prefix="gdsckpt-bench-memory-", dir=ctx.directory.parent) if (
+            not ctx.ranks or ctx.ranks.rank == 0) else None
+        if ctx.ranks:  # one directory for every rank (DCP's steps), rank 0's
+            import torch.distributed as dist
+            box = [root]
+            dist.broadcast_object_list(box, src=0, group=ctx.ranks.group)
+            root = box[0]
+        self.root = Path(root)
+        kw = {"replicas": self.replicas, "node": self.node} if self.replicas else {}
+        self.ck = Checkpointer(self.root / "ckpt", memory=True, every_local=self.every_local, **kw)
+        if self.replicas:
+            self.polls = ThreadPoolExecutor(1, thread_name_prefix="gdsckpt-bench-replicas")
         self.reserved = reservation(lambda: self.ck.reserve(ctx.state()) if hasattr(self.ck, "reserve") else None)
 
     def save(self, ctx, state, path):
@@ -83,17 +152,23 @@ class CkptMemory(Method):
         rec = {"loop": tag, "step": step, "local": local, "behind_steps": step - disk[-1] if disk else None,
                "memory_s": None, "durable_s": None, "coalesced": False}
         self.records.append(rec)
-        durable = self.ck.memory.when_written(step) if local else None
+        # Under torchrun a step due in the directory is a DCP checkpoint, not held in memory: its
+        # future is its write's (no local write from memory follows)
+        dcp_step = local and self.ranks is not None
+        durable = self.ck.memory.when_written(step) if local and not dcp_step else None
         t = time.perf_counter()
         fut = self.ck.save_async(step, state)
         handle = Future()
 
         def committed(f):
-            rec["memory_s"] = time.perf_counter() - t
+            rec["durable_s" if dcp_step else "memory_s"] = time.perf_counter() - t
+            if self.polls is not None and not dcp_step:  # off this thread, which may hold the tier's locks
+                self.polls.submit(self._poll)
             if f.exception() is not None:
                 handle.set_exception(f.exception())
             elif durable is None:
-                ctx.stored_bytes = f.result().file_bytes
+                # a Stats (the memory copy's file bytes); a DCP step's Metadata has none
+                ctx.stored_bytes = getattr(f.result(), "file_bytes", None) or ctx.stored_bytes
                 handle.set_result(None)
             else:
                 durable.add_done_callback(written)
@@ -108,14 +183,40 @@ class CkptMemory(Method):
         fut.add_done_callback(committed)
         return handle
 
+    def _poll(self) -> None:
+        """What status() says of each step's replication: the holders that committed it, each
+        holder's outcome, and the last replication's seconds and bytes (status keeps the last
+        only: read after every commit, it names each step's in turn)."""
+        reps = self.ck.status()["memory"].get("replicas") or {}
+        for step, st in (reps.get("steps") or {}).items():
+            r = self.replication.setdefault(int(step), {"replicated_on": [], "holders": {}, "seconds": None,
+                                                        "bytes": None})
+            r["replicated_on"] = list(st.get("replicated_on") or r["replicated_on"])
+            r["holders"].update({int(h): what for h, what in (st.get("holders") or {}).items()})
+        last = reps.get("last")
+        if last:
+            r = self.replication.setdefault(int(last["step"]), {"replicated_on": [], "holders": {}})
+            r.update(seconds=last["seconds"], bytes=last["bytes"])
+        self.closed = dict(reps.get("closed") or {})
+
     def teardown(self) -> None:
         if self.ck is not None:
-            self.tier = {k: v for k, v in self.ck.status()["memory"].items() if k != "dropped"}
+            if self.replicas:
+                self.ck.memory.wait_replicas(REPLICAS_WAIT_S)
+                self.polls.shutdown(wait=True)
+                self._poll()
+            self.tier = {k: v for k, v in self.ck.status()["memory"].items() if k not in ("dropped", "replicas")}
             self.ck.release_memory()
             self.ck.close()
             self.ck = None
-        if self.root is not None:
+        if self.ranks:  # every rank done with the directory before rank 0 removes it
+            self.ranks.barrier()
+        if self.root is not None and (not self.ranks or self.ranks.rank == 0):
             shutil.rmtree(self.root, ignore_errors=True)
+        self.root = None
+
+    def extra(self) -> dict:
+        return {"memory": self.summary()}
 
     def summary(self) -> dict:
         """Per checkpoint, over the timed loops (the first save apart)."""
@@ -123,7 +224,7 @@ class CkptMemory(Method):
         mem = [r["memory_s"] for r in recs if r["memory_s"] is not None]
         dur = [r["durable_s"] for r in recs if r["durable_s"] is not None]
         behind = [r["behind_steps"] for r in recs if r["behind_steps"] is not None]
-        return {"every_local": self.every_local, "checkpoints": len(recs),
+        out = {"every_local": self.every_local, "checkpoints": len(recs),
                 "local_writes": sum(r["local"] for r in recs), "coalesced": sum(r["coalesced"] for r in recs),
                 "memory_commit_s": _stats(mem), "durable_s": _stats(dur),
                 "behind_steps": {"mean": sum(behind) / len(behind) if behind else None,
@@ -131,6 +232,22 @@ class CkptMemory(Method):
                 "fallbacks": self.tier.get("fallbacks", []), "cap_bytes": self.tier.get("cap_bytes"),
                 "held_bytes": self.tier.get("held_bytes"), "pinned_bytes": self.tier.get("pinned_bytes"),
                 "per_checkpoint": recs}
+        if self.replicas:
+            out["replicas"] = self.replication_summary(recs)
+        return out
+
+    def replication_summary(self, recs: list[dict]) -> dict:
+        """Per checkpoint of the loops: on which holders it ended replicated, why not, and the
+        replication's own seconds (from the offer to the last holder's acknowledgement)."""
+        for rec in recs:
+            r = self.replication.get(rec["step"], {})
+            rec.update(replicated_on=r.get("replicated_on", []), replication=r.get("holders", {}),
+                       replication_s=r.get("seconds"), replication_bytes=r.get("bytes"))
+        secs = [r["replication_s"] for r in recs if r["replication_s"] is not None]
+        return {"replicas": self.replicas, "node": self.node,
+                "replicated": sum(bool(r["replicated_on"]) for r in recs), "checkpoints": len(recs),
+                "replication_s": _stats(secs), "closed": self.closed,
+                "not_replicated": {r["step"]: r["replication"] for r in recs if not r["replicated_on"]}}
 
 
 def _stats(xs: list) -> dict:
@@ -187,12 +304,25 @@ def _restore_targets(out: dict, device: str) -> dict:
 
 
 def idle_target(methods: list[dict]) -> dict:
-    """Idle time per memory checkpoint against save_async's in the same run."""
+    """Idle time per memory checkpoint against save_async's in the same run (under torchrun: its
+    per-rank save_async); with replicas, what they add to the memory tier alone."""
     by = {m["name"]: m for m in methods}
-    mem, ref = by.get(NAME), by.get("gdsckpt.save_async")
+    mem = by.get(NAME)
+    ref = by.get("gdsckpt.save_async") or by.get("gdsckpt.save_async per rank, no DCP")
+    a, b = (_idle(m) for m in (mem, ref))
+    out = {"idle_s_vs_save_async": {"target": b, "measured": a, "met": None if a is None or b is None else a <= b}}
+    for name, row in by.items():
+        if name.startswith(NAME + " replicas="):
+            r = _idle(row)
+            extra = None if r is None or a is None else r - a
+            out[f"replication_idle_extra_s ({name.rpartition(' ')[2]})"] = {
+                "target": REPLICATION_IDLE_TARGET_S, "measured": extra,
+                "met": None if extra is None else extra <= REPLICATION_IDLE_TARGET_S}
+    return out
 
-    a, b = (idle_estimate(m)[0] if m else None for m in (mem, ref))
-    return {"idle_s_vs_save_async": {"target": b, "measured": a, "met": None if a is None or b is None else a <= b}}
+
+def _idle(row: dict | None) -> float | None:
+    return idle_estimate(row)[0] if row and row.get("status") == "ok" and row.get("overhead_per_ckpt_s") else None
 
 
 def _restore_child(what: str, d: Path, size: str, device: str, remote: str | None) -> dict:
@@ -254,6 +384,17 @@ def print_memory(m: dict, out=None) -> None:
         elif x:
             print(f"  restore in a new process from {what:<10} {x['seconds']:.3f} s (source {x['source']}, "
                   f"bit-exact: {x['bit_exact']})", file=out)
+    for name, rep in (m.get("replicas") or {}).items():
+        for rank, x in enumerate(rep):
+            if not x:
+                print(f"  {name} rank {rank}: no replication measured", file=out)
+                continue
+            print(f"  {name} rank {rank} (node {x['node'] if x['node'] is not None else 'torchrun'}): "
+                  f"{x['replicated']}/{x['checkpoints']} checkpoints replicated, replication "
+                  f"{_f(x['replication_s']['mean'])} s (max {_f(x['replication_s']['max'])})"
+                  + (f"; channels closed: {x['closed']}" if x["closed"] else ""), file=out)
+            for step, why in list(x["not_replicated"].items())[:3]:
+                print(f"    step {step} not replicated: {why or 'no outcome in status()'}", file=out)
     for name, t in {**(r.get("targets") or {}), **(m.get("targets") or {})}.items():
         print(f"  target {name}: {_f(t['target'])} measured {_f(t['measured'])} -> "
               f"{'met' if t['met'] else 'not met' if t['met'] is not None else '-'}", file=out)

@@ -94,6 +94,10 @@ class Method:
     def teardown(self) -> None:
         pass
 
+    def extra(self) -> dict:
+        """Fields of its own for the method's row (after teardown)."""
+        return {}
+
 
 def reservation(start) -> dict | None:
     """Run a reservation (start(): gdsckpt.reserve, gdsckpt.dcp.reserve or Checkpointer.reserve, a Future of a

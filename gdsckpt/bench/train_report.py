@@ -37,13 +37,16 @@ TRAIN_SCHEMA_DOC = """--train JSON: {schema: 1, mode: "train", date, host, devic
    reserve: {when, seconds, where, allocated_bytes, held_bytes, limit_bytes, pinned, warm_s, alloc_s, slots} | null
    (what the method's setup reserved ahead of its first save: gdsckpt.reserve / Checkpointer.reserve),
    stored_bytes, gpu: {peak_extra_torch_bytes, peak_extra_device_bytes},
-   host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes}],
+   host: {pinned_torch_bytes, pinned_gdsckpt_bytes (Stats.memory), rss_peak_extra_bytes}, notes,
+   memory (--memory's methods: train_memory.CkptMemory.summary; with --replicas its replicas: {replicas, node,
+     replicated, checkpoints, replication_s, closed, not_replicated}, and per_checkpoint's replicated_on,
+     replication (holder -> outcome), replication_s, replication_bytes, from Checkpointer.status())}],
  cost: {...} | null, targets: [{method, rank, checks: {idle_s | blocked_s | extra_gpu_bytes | durable_x_sync |
    first_blocked_beyond_steady_s: {target, measured, met, short_by}}}] (bench/targets.py; idle_s also says its
    estimate: local | loop, and by_medians: overhead_median_per_ckpt_s);
  under torchrun (rank 0 writes it) also: world_size, model.sharding, state.per_rank_bytes,
  ranks: [{rank, methods: [{name, status, error, overhead_per_ckpt_s, blocked_s, completion_s, first_save, reserve,
-   steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes}]}]}"""
+   steps_after_ckpt_extra_s, gpu_wait_after_ckpt_extra_s, gpu, host, stored_bytes, memory}]}]}"""
 
 
 def _summ(xs: list) -> dict:
@@ -62,6 +65,7 @@ def method_rows(methods: list[Method], rows: dict, interval: int, ckpts: int) ->
     for m in methods:
         row = rows[m.name]
         row["notes"] = row["notes"] or m.notes
+        row.update(m.extra())
         loops: list[Loop] = row.pop("loops")
         if loops and none_loops:
             # Paired with the 'none' loop of the same repeat (they ran minutes apart at most).
@@ -190,7 +194,7 @@ def rank_row(r: dict) -> dict:
     """The figures of one rank's method row that the per-rank table shows."""
     keep = ("name", "status", "error", "overhead_per_ckpt_s", "blocked_s", "completion_s", "first_save", "reserve",
             "steps_after_ckpt_extra_s", "gpu_wait_after_ckpt_extra_s", "overhead_local_per_ckpt_s", "gpu", "host",
-            "stored_bytes")
+            "stored_bytes", "memory")
     return {k: r[k] for k in keep if k in r}
 
 
