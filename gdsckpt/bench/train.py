@@ -119,6 +119,9 @@ def run_train(args) -> dict:
     methods = select(args.methods or default)
     if memory:  # the memory tier beside them (train_memory.py), at the same interval
         methods += train_memory.methods(args.every_local, replicas)
+    for m in methods:  # DLRover's flash checkpoint writes to disk as often as the memory tier does
+        if hasattr(m, "every_local"):
+            m.every_local = args.every_local
     threads = torch.get_num_threads()
     if not device.startswith("cuda"):
         # One thread trains, as one process drives a GPU: the save's threads get the other cores,

@@ -383,6 +383,72 @@ class DcpSave(Method):
             ctx.io_path = w.last_stats.io_path
 
 
+class DlroverFlash(Method):
+    """DLRover's flash checkpoint (dlrover_flash.py), the in-memory baseline: every checkpoint
+    copied into DLRover's shared memory by the training process (its whole cost is the call),
+    every every_local-th (--every-local, as the memory tier's) also handed to DLRover's saver
+    process to write to a directory of its own beside the loops'; that write's completion (the
+    tracker naming the step) is the checkpoint's. Not a default method (--methods dlrover-flash, all)."""
+
+    name = "dlrover flash checkpoint"
+    sharded = True
+    spawns_process = True
+
+    def __init__(self, every_local: int = 4):
+        self.every_local, self.engine, self.root, self.step, self.ranks = every_local, None, None, 0, None
+
+    def available(self):
+        from . import dlrover_flash
+        return dlrover_flash.why_unavailable()
+
+    def setup(self, ctx):
+        from . import dlrover_flash
+        import torch.distributed as dist
+        self.ranks = ctx.ranks
+        box = [tempfile.mkdtemp(prefix="gdsckpt-bench-dlrover-", dir=ctx.directory.parent)
+               if not ctx.ranks or ctx.ranks.rank == 0 else None]
+        if ctx.ranks:  # one directory for every rank, rank 0's
+            dist.broadcast_object_list(box, src=0, group=ctx.ranks.group)
+        self.root = Path(box[0])
+        self.engine = dlrover_flash.open_engine(self.root, sharded=bool(ctx.ranks))
+        self.notes = (f"DLRover {_version('dlrover')}: save_to_memory every checkpoint, save_to_storage (its saver "
+                      f"process writes) every {self.every_local}th; run without dlrover-run (its engine starts "
+                      "the saver)")
+
+    def save(self, ctx, state, path):
+        from . import dlrover_flash
+        self.step += 1
+        to_disk = (self.step - 1) % self.every_local == 0
+        where = self.root / str(self.step) if ctx.ranks else self.root / str(self.step) / "rank_0.pt"  # DCP: a folder
+        dlrover_flash.save(self.engine, self.step, state, where, to_disk, sharded=bool(ctx.ranks))
+        if not to_disk:
+            return None
+        fut = dlrover_flash.when_persisted(self.root, self.step)
+        fut.add_done_callback(lambda f: f.exception() is None and setattr(
+            ctx, "stored_bytes", dlrover_flash.stored_bytes(self.root / str(self.step))))
+        return fut
+
+    def teardown(self):
+        import shutil
+        from . import dlrover_flash
+        if self.engine is not None:
+            dlrover_flash.close(self.engine)
+            self.engine = None
+        if self.ranks:
+            self.ranks.barrier()
+        if self.root is not None and (not self.ranks or self.ranks.rank == 0):
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.root = None
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None
+
+
 # One line per method or mode: adding a save_async mode is one more GdsSaveAsync line.
 METHODS: list[Callable[[], Method]] = [
     NoCheckpoint,
@@ -404,6 +470,7 @@ METHODS: list[Callable[[], Method]] = [
     lambda: DcpGdsckpt(snapshot="device"),
     GdsSaveAsyncShards,
     lambda: GdsSaveAsyncShards(overlap=True),
+    DlroverFlash,
 ]
 ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSystemWriter",
            "dcp-gdsckpt-sync": "dcp.save GdsckptWriter", "dcp-thread": "dcp.async_save pinned thread",
@@ -414,7 +481,8 @@ ALIASES = {"none": "none", "torch": "torch.save", "dcp-sync": "dcp.save FileSyst
            "async-shards": "gdsckpt.save_async per rank, no DCP",
            "async-shards-overlap": "gdsckpt.save_async overlap per rank, no DCP",
            "dcp-gdsckpt": "dcp.async_save GdsckptWriter", "dcp-recipe": "gdsckpt.dcp.async_save", "dcp-gdsckpt-overlap": "dcp.async_save GdsckptWriter overlap",
-           "dcp-gdsckpt-device": "dcp.async_save GdsckptWriter snapshot=device"}
+           "dcp-gdsckpt-device": "dcp.async_save GdsckptWriter snapshot=device",
+           "dlrover-flash": "dlrover flash checkpoint"}
 
 
 def all_methods() -> dict[str, Method]:
