@@ -19,10 +19,12 @@ JSON documents, by command (fields are only ever added):
   convert        {"src", "dst", "codec", "tensors", "streams", "logical_bytes", "stored_bytes", "file_bytes",
                   "ratio", "seconds", "backend"}
   export         {"src", "dst", "to", "tensors", "bytes"[, "values_left_out"]}
-  clean          {"directory", "stale": [paths], "removed", "memory_dropped": [{rank, steps, bytes, folder, ...}]}
-  clean --memory {"directory": null, "removed", "memory_gone": [{directory, rank, steps, bytes, folder, removed}]}
-  ls             [{step, memory, memory_bytes, memory_state, local, local_bytes, local_state, remote,
-                  remote_bytes, remote_state, remote_files}]
+  clean          {"directory", "stale": [paths], "removed", "memory_dropped": [{rank, holder, steps, bytes, folder}],
+                  "replicas_kept": [{rank, holder, folder, step, why}]} (holder: a peer replica's, null: own)
+  clean --memory {"directory": null, "removed", "memory_gone": [{directory, rank, holder, steps, bytes, folder,
+                  removed}]}
+  ls             [{step, memory, memory_bytes, memory_state, replicas, replicas_bytes, replicas_state, local,
+                  local_bytes, local_state, remote, remote_bytes, remote_state, remote_files}]
   restore-test   {"location", "remote", "step", "newest", "checked": [ls rows]}
   prune          {"directory", "removed", "local": [steps], "remote": [steps], "rollback": {"local": [steps],
                   "remote": [steps]} (a pending rollback's, among "local" and "remote"), "damaged": {step: why}}

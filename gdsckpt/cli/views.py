@@ -33,15 +33,20 @@ def cmd_clean(args) -> int:
     d = Path(args.directory)
     if not args.memory:  # with --memory: also a directory removed whole, whose copies are left here
         expect_directory(d, "a checkpoint directory")
-    dropped = []
+    dropped, kept = [], []
     if args.memory:  # the memory tier's copies on this host: a cache of the run's newest steps
-        from gdsckpt.manager.memory.folders import drop_copies
-        dropped = drop_copies(d)
+        from gdsckpt.manager.memory.folders import drop_copies, kept_replicas
+        on_disk = _disk_steps(d) if d.is_dir() else None
+        kept = kept_replicas(d, on_disk)
+        dropped = drop_copies(d, on_disk=on_disk)
         if not args.json:
             for t in dropped:
-                print(f"dropped the memory copies of rank {t['rank']} (steps {t['steps'] or 'none'}, "
+                whose = f"rank {t['rank']}" if t["holder"] is None else f"rank {t['rank']} held by rank {t['holder']}"
+                print(f"dropped the memory copies of {whose} (steps {t['steps'] or 'none'}, "
                       f"{format_bytes(t['bytes'])}): {t['folder']}")
-            if not dropped:
+            for t in kept:
+                print(f"kept the replica of rank {t['rank']} held by rank {t['holder']}: {t['why']}: {t['folder']}")
+            if not dropped and not kept:
                 print(f"no memory copies of {args.directory} on this host")
     # A directory removed with its copies left on this host: those are what --memory cleans.
     stale = [] if args.memory and not d.exists() else stale_temporaries(d)
@@ -53,12 +58,20 @@ def cmd_clean(args) -> int:
     if args.json:
         emit_json({"directory": args.directory, "stale": [str(p) for p in stale], "removed": bool(args.yes),
                    "memory_dropped": [{k: str(v) if isinstance(v, Path) else v for k, v in t.items()}
-                                      for t in dropped]})
+                                      for t in dropped],
+                   "replicas_kept": [{k: str(v) if isinstance(v, Path) else v for k, v in t.items()} for t in kept]})
     elif stale and not args.yes:
         print("re-run with --yes to remove them")
     elif not stale:
         print(f"no stale gdsckpt temporaries in {args.directory}")
     return ExitCode.OK
+
+
+def _disk_steps(d: Path) -> set[int]:
+    """The steps in directory `d` (files or DCP folders; complete or not: a replica of a step
+    whose write is under way is not yet its origin's only other copy to keep)."""
+    from gdsckpt.manager.steps import parse_step_name
+    return {parsed[0] for parsed in map(parse_step_name, os.listdir(d)) if parsed}
 
 
 def _clean_gone_memory(args) -> int:
@@ -74,7 +87,8 @@ def _clean_gone_memory(args) -> int:
         return ExitCode.OK
     for t in rows:
         what = ("removed" if t["removed"] else "held by a running process, left") if args.yes else "gone"
-        print(f"{what}: the memory copies of {t['directory']} (rank {t['rank']}, steps {t['steps'] or 'none'}, "
+        whose = f"rank {t['rank']}" if t["holder"] is None else f"rank {t['rank']}'s replica held by rank {t['holder']}"
+        print(f"{what}: the memory copies of {t['directory']} ({whose}, steps {t['steps'] or 'none'}, "
               f"{format_bytes(t['bytes'])}): {t['folder']}")
     if not rows:
         print("no memory copies of a moved or removed directory on this host")
@@ -105,6 +119,7 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
 
     def row(step):
         return rows.setdefault(step, {"step": step, "memory": None, "memory_bytes": 0, "memory_state": None,
+                                      "replicas": None, "replicas_bytes": 0, "replicas_state": None,
                                       "local": None, "local_bytes": 0, "local_state": None,
                                       "remote": None, "remote_bytes": 0, "remote_state": None,
                                       "remote_files": []})
@@ -119,6 +134,12 @@ def describe(location: str, *, remote: str | None = None, deep: bool = False) ->
             r["memory_bytes"] += c["bytes"]
             state = _memory_state(c, deep)
             r["memory_state"] = state if r["memory_state"] in (None, "ok") else r["memory_state"]
+        for c in _memory_copies(d, replicas=True):  # peer replicas held on this host (replicas=k)
+            r = row(c["step"])
+            r["replicas"] = ",".join(filter(None, [r["replicas"], f"rank {c['rank']} held by rank {c['holder']}"]))
+            r["replicas_bytes"] += c["bytes"]
+            state = _memory_state(c, deep)
+            r["replicas_state"] = state if r["replicas_state"] in (None, "ok") else r["replicas_state"]
         for name in sorted(os.listdir(d)):
             parsed = parse_step_name(name)
             if not parsed:
@@ -184,9 +205,10 @@ def _local_step(p: Path, deep: bool) -> tuple[int, str] | None:
     return (size, state) if p.exists() else None
 
 
-def _memory_copies(d: Path) -> list[dict]:
-    from gdsckpt.manager.memory.folders import list_copies
-    return list_copies(d) if d.is_dir() else []
+def _memory_copies(d: Path, replicas: bool = False) -> list[dict]:
+    """This host's memory copies of `d`: the ranks' own, or (replicas) the peer replicas held here."""
+    from gdsckpt.manager.memory.folders import list_copies, list_replicas
+    return (list_replicas if replicas else list_copies)(d) if d.is_dir() else []
 
 
 def _memory_state(copy: dict, deep: bool) -> str:
@@ -233,7 +255,7 @@ def restore_test(location: str, *, remote: str | None = None, on_step=None) -> t
 
 
 def _where(r) -> str:
-    return "+".join(w for w in WHERE if r[w] is not None)
+    return "+".join(w for w in WHERE if r[w] is not None) or "-"
 
 
 def cmd_ls(args) -> int:
@@ -251,6 +273,9 @@ def cmd_ls(args) -> int:
         print(f"{r['step']:>10}  {_where(r):<20}{format_bytes(r['memory_bytes']) if r['memory'] else '-':>12}"
               f"{format_bytes(r['local_bytes']) if r['local'] else '-':>12}"
               f"{format_bytes(r['remote_bytes']) if r['remote'] else '-':>13}  {'; '.join(states)}")
+        if r["replicas"]:  # another rank's step, held here for it: not a step this host restores
+            print(f"{'':>10}  {'replicas':<20}{format_bytes(r['replicas_bytes']):>12}{'':>25}  "
+                  f"{r['replicas']}: {r['replicas_state']}")
     return ExitCode.OK
 
 

@@ -123,7 +123,8 @@ def test_json_of_the_manager_commands(tmp_path):
     doc = json.loads(out)
     assert rc == 0 and doc["removed"] is False and doc["local"] == [1] and list(doc["damaged"]) == ["3"], doc
     rc, out, _ = run_cli("clean", d, "--json")
-    assert rc == 0 and json.loads(out) == {"directory": str(d), "stale": [], "removed": False, "memory_dropped": []}
+    assert rc == 0 and json.loads(out) == {"directory": str(d), "stale": [], "removed": False, "memory_dropped": [],
+                                         "replicas_kept": []}
     rc, out, err = run_cli("restore-test", tmp_path / "empty-run")
     assert rc == 3, (out, err)
 

@@ -2,6 +2,8 @@
 memory tier's layout and identity: gdsckpt/manager/memory/tier.py's docstring): one folder per directory
 and rank under the root, its owner file naming the directory's tier id, commit records checked
 against the segments they name; read without the tier's lock by the CLI (`ls`, `clean --memory`).
+The peer replicas a rank holds for another (gdsckpt/manager/replicas/store.py) are tiers of the same
+shape, in folders named after the origin's own with REPLICA_TAG and the holder's rank.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ ID_NAME = ".gdsckpt-memory-id"  # in the checkpoint directory
 OWNER = "owner.json"
 COMMIT_NAME = re.compile(r"^step_(\d{8,})\.commit$")
 SLOT_NAME = re.compile(r"^slot-(\d+)$")
-TIER_NAME = re.compile(r"^gdsckpt-.*-([0-9a-f]{12})-r\d+$")  # _prefix + rank
+REPLICA_TAG = ".replica-r"  # <origin's tier folder>.replica-r<holder>: a peer replica's folder
+TIER_NAME = re.compile(r"^gdsckpt-.*-([0-9a-f]{12})-r\d+(?:\.replica-r(\d+))?$")  # _prefix + rank [+ holder]
 
 
 def memory_root() -> Path:
@@ -59,6 +62,21 @@ def tier_folders(directory: Path, root: Path | None = None) -> dict[int, Path]:
     for name in entries:
         if name.startswith(prefix) and name[len(prefix):].isdigit():
             out[int(name[len(prefix):])] = (root or memory_root()) / name
+    return dict(sorted(out.items()))
+
+
+def replica_folders(directory: Path, root: Path | None = None) -> dict[tuple[int, int], Path]:
+    """{(origin, holder): folder} of every peer replica tier of `directory` on this host."""
+    prefix, root = _prefix(directory), root or memory_root()
+    out = {}
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return {}
+    for name in entries:
+        origin, tag, holder = name[len(prefix):].partition(REPLICA_TAG)
+        if name.startswith(prefix) and tag and origin.isdigit() and holder.isdigit():
+            out[(int(origin), int(holder))] = root / name
     return dict(sorted(out.items()))
 
 
@@ -145,9 +163,23 @@ def list_copies(directory: Path, root: Path | None = None) -> list[dict]:
     `ls`): [{"rank", "step", "bytes", "folder", "record", "damaged"}], by rank and step; check
     them with memory_source.check_copy ("damaged": why a record is not the one sealed for its
     step and image, or None). Folders and records not this user's own are left out."""
+    return _records(directory, tier_folders(directory, root).items())
+
+
+def list_replicas(directory: Path, root: Path | None = None) -> list[dict]:
+    """The peer replicas of `directory` held on this host, as list_copies lists a rank's own
+    copies, each also naming its "holder" ("rank" is the origin, whose copy it is). A replica's
+    commit record is written only once every chunk was checked on arrival (replicas/store.py)."""
+    folders = replica_folders(directory, root)
+    rows = _records(directory, [(origin, f) for (origin, _), f in folders.items()])
+    holder = {f: h for (_, h), f in folders.items()}
+    return [{**r, "holder": holder[r["folder"]]} for r in rows]
+
+
+def _records(directory: Path, folders) -> list[dict]:
     ident = directory_id(directory, create=False)
     out = []
-    for rank, folder in tier_folders(directory, root).items():
+    for rank, folder in folders:
         if ident is None or trusted(folder) is None or owner_of(folder).get("id") != ident:
             continue  # another run's, under this path (or another user's): not this directory's
         for name in sorted(os.listdir(folder)):
@@ -172,28 +204,60 @@ def trusted(folder: Path) -> Path | None:
     return folder
 
 
-def drop_copies(directory: Path, root: Path | None = None) -> list[dict]:
+def drop_copies(directory: Path, root: Path | None = None, on_disk: set[int] | None = None) -> list[dict]:
     """Remove every rank's memory tier of `directory` on this host (`gdsckpt clean --memory`),
-    and those it left under the path it had before it was moved (its tier id is theirs, their
-    directory is gone): [{"rank", "folder", "bytes", "steps"}]. CheckpointLockedError, before
-    anything is removed, if a manager holds one of them. Folders not this user's own are left
-    alone (a warning names them)."""
-    folders = [(rank, f) for rank, f in tier_folders(directory, root).items() if trusted(f) is not None]
+    the peer replicas held here (but kept_replicas'), and those it left under the path it had
+    before it was moved (its tier id is theirs, their directory is gone): [{"rank", "holder",
+    "folder", "bytes", "steps"}] ("holder": None for a rank's own). on_disk: the directory's steps
+    (None: it is gone). CheckpointLockedError, before anything is removed, if a manager holds one
+    of them. Folders not this user's own are left alone (a warning names them)."""
+    folders = [(rank, None, f) for rank, f in tier_folders(directory, root).items() if trusted(f) is not None]
+    kept = {k["folder"] for k in kept_replicas(directory, on_disk, root)}
+    folders += [(origin, holder, f) for (origin, holder), f in replica_folders(directory, root).items()
+                if f not in kept and trusted(f) is not None]
     ident = directory_id(directory, create=False)
     if ident is not None:
-        folders += [(t["rank"], t["folder"]) for t in gone_tiers(root) if t["id"] == ident]
+        folders += [(t["rank"], t["holder"], t["folder"]) for t in gone_tiers(root) if t["id"] == ident]
     locks = []
     try:
-        for _, folder in folders:
+        for _, _, folder in folders:
             locks.append(DirectoryLock(folder))
         out = []
-        for rank, folder in folders:
+        for rank, holder, folder in folders:
             held, steps = empty_folder(folder)
-            out.append({"rank": rank, "folder": str(folder), "bytes": held, "steps": steps})
+            out.append({"rank": rank, "holder": holder, "folder": str(folder), "bytes": held, "steps": steps})
         return out
     finally:
         for lock in locks:
             lock.release()
+
+
+def kept_replicas(directory: Path, on_disk: set[int] | None, root: Path | None = None) -> list[dict]:
+    """The replica folders of `directory` that `clean --memory` keeps: those whose newest step is
+    on no disk (`on_disk`, the directory's steps), which may be their origin's only other copy of
+    it, while the origin's manager, on another node, may be alive (the rule a holder's own tier
+    keeps: replicas/store.py). None where the directory is gone: a replica is found by its
+    directory's path and tier id, which no restore can name any more, so it is kept for no one.
+    [{"rank" (the origin), "holder", "folder", "step", "why"}]."""
+    if on_disk is None:
+        return []
+    ident, out = directory_id(directory, create=False), []
+    for (origin, holder), folder in replica_folders(directory, root).items():
+        if ident is None or owner_of(folder).get("id") != ident:
+            continue  # another run's: nothing of this directory's
+        steps = [int(m.group(1)) for m in map(COMMIT_NAME.match, _names(folder)) if m]
+        if steps and max(steps) not in on_disk:
+            out.append({"rank": origin, "holder": holder, "folder": folder, "step": max(steps),
+                        "why": f"rank {origin}'s step {max(steps)} is on no disk: this replica may be its only "
+                               "other copy while its manager, on another node, may be alive"})
+    return out
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def empty_folder(folder: Path) -> tuple[int, list[int]]:
@@ -220,7 +284,10 @@ def empty_folder(folder: Path) -> tuple[int, list[int]]:
 
 def gone_tiers(root: Path | None = None) -> list[dict]:
     """This user's tier folders made on this host whose directory is gone (moved or removed),
-    read without a lock: [{"folder", "directory", "rank", "id", "bytes", "steps"}]."""
+    read without a lock: [{"folder", "directory", "rank", "holder", "id", "bytes", "steps"}]
+    ("holder": the rank holding a peer replica's folder, None for a rank's own). A replica
+    goes as its own tier does, once its holder's manager is gone (its lock free): restores look
+    a replica up by its directory's path and tier id, and no restore can name a gone one's."""
     root = root or memory_root()
     try:
         names = sorted(os.listdir(root))
@@ -246,7 +313,8 @@ def gone_tiers(root: Path | None = None) -> list[dict]:
             entries = os.listdir(folder)
         except OSError:
             continue
-        out.append({"folder": folder, "directory": directory, "rank": owner.get("rank"), "id": owner.get("id"),
+        out.append({"folder": folder, "directory": directory, "rank": owner.get("rank"),
+                    "holder": int(m.group(2)) if m.group(2) else None, "id": owner.get("id"),
                     "bytes": sum(_size(folder / n) for n in entries if SLOT_NAME.match(n)),
                     "steps": sorted(int(c.group(1)) for c in map(COMMIT_NAME.match, entries) if c)})
     return out

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 from gdsckpt.core.defaults import POOL_ARENA_BYTES
 from gdsckpt.format import file as fmt
 from gdsckpt.errors import GdsckptError, MemoryTierFullError
-from gdsckpt.manager.memory.folders import SLOT_NAME, memory_root, tier_folder
+from gdsckpt.manager.memory.folders import REPLICA_TAG, SLOT_NAME, memory_root, tier_folder
 from gdsckpt.manager.memory.source import MemorySource
 from gdsckpt.manager.memory.tier import MemoryTier
 
@@ -39,7 +39,7 @@ def replica_folder(directory: Path, origin: int, holder: int, root: Path | None 
     """Where rank `holder` keeps rank `origin`'s replicas of `directory` on this host (beside the
     own tiers, never taken for one: tier_folders lists folders ending in a rank number only)."""
     own = tier_folder(directory, origin, root)
-    return own.with_name(f"{own.name}.replica-r{holder}")
+    return own.with_name(f"{own.name}{REPLICA_TAG}{holder}")
 
 
 def headroom(nbytes: int) -> int:
