@@ -106,6 +106,15 @@ def stored_bytes(directory: Path) -> int:
 
 
 def close(engine) -> None:
-    """Unmap the engine's shared memory (the saver process, a daemon, ends with the bench)."""
+    """Unmap and unlink the engine's shared memory (its segment, the state's size, would stay in
+    /dev/shm: DLRover's close only unmaps it), and end the saver process the engine started
+    (local rank 0's; a daemon, it would otherwise run until the bench exits)."""
+    handler = getattr(engine, "_shm_handler", None)  # DLRover's engine keeps its segment's handler here
     engine.close()
+    if handler is not None:
+        handler.unlink()
+    proc = getattr(engine, "saver_proc", None)
+    if proc is not None:
+        proc.terminate()
+        proc.join(10)
     os.sync()

@@ -111,7 +111,9 @@ def run_train(args) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size if args.size in TRAIN_SIZES else ("gpt2-medium" if device.startswith("cuda") else "small-cpu")
     memory = getattr(args, "memory", False)
-    replicas = getattr(args, "replicas", 0) if memory else 0
+    replicas = getattr(args, "replicas", 0)
+    if replicas and not memory:
+        raise SystemExit("--replicas: peer replicas are the memory tier's; add --memory")
     if replicas and not rk:
         raise SystemExit("--replicas: peer replicas need other ranks to hold them; run under torchrun "
                          "(torchrun --nproc-per-node 2 -m gdsckpt.bench --train --memory --replicas 1)")

@@ -4,6 +4,7 @@ says why in one line, and the run goes on."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from gdsckpt.bench.cli import main
 def test_dlrover_flash_beside_the_memory_tier(tmp_path, shm):
     """One process: DLRover's engine starts its own saver process (no dlrover-run); every checkpoint
     goes to its shared memory, every 2nd also to the directory, whose write completes the checkpoint."""
+    before = set(os.listdir("/dev/shm"))
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "gdsckpt.bench", "--train", "--memory", "--methods", "none,dlrover-flash",
            "--size", "tiny", "--device", "cpu", "--steps", "6", "--interval", "2", "--every-local", "2",
@@ -33,6 +35,7 @@ def test_dlrover_flash_beside_the_memory_tier(tmp_path, shm):
     assert rows["gdsckpt Checkpointer memory"]["status"] == "ok"
     assert "[INFO]" not in p.stderr  # DLRover's loggers quiet, the root logger as it was
     assert not list(tmp_path.glob("gdsckpt-bench-dlrover-*"))  # its directory removed
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if "ckpt_shm" in n]  # and its shared memory
 
 
 def test_dlrover_flash_that_cannot_run_says_why(tmp_path, monkeypatch):
