@@ -6,4 +6,6 @@ and is an optional extra; `import gdsckpt` imports none of them.
     gdsckpt.integrations.transformers  GdsckptTrainer, a transformers.Trainer           (gdsckpt[transformers])
     gdsckpt.integrations.torchtitan    GdsckptCheckpointManager, torchtitan's DCP checkpointer through
                                        GdsckptWriter / GdsckptReader                    (gdsckpt[torchtitan])
+    gdsckpt.integrations.deepspeed     use_gdsckpt(engine): a DeepSpeed CheckpointEngine for
+                                       engine.save_checkpoint / load_checkpoint         (gdsckpt[deepspeed])
 """

@@ -98,9 +98,28 @@ def one_case(mode: str, root: Path, case: str) -> dict:
         engine.checkpoint_engine.wait()  # a decoupled save's commit (and `latest`) is otherwise at the next step
         return {"reference": reference}
     engine = build(stage, options)
+    damaged = damaged_error(engine, root)
     path, client = engine.load_checkpoint(str(root))
     restored = {"path": path, "client": {k: client[k] for k in ("epoch", "note")}, "steps": engine.global_steps}
-    return final(engine, train(engine, SAVE_AT, STEPS)) | {"restored": restored}
+    return final(engine, train(engine, SAVE_AT, STEPS)) | {"restored": restored, "damaged": damaged}
+
+
+def damaged_error(engine, root: Path) -> list[str]:
+    """load_checkpoint of a copy of the checkpoint whose optimizer (or, at stage 0, model) file
+    lost its last 100 bytes: the error's type and message."""
+    import shutil
+    import torch
+    copy = root.parent / f"{root.name}-damaged-{engine.global_rank}"
+    shutil.copytree(root, copy)
+    torch.distributed.barrier()
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt" if engine.zero_optimization() else "mp_rank_00_model_states.pt"
+    file = copy / f"global_step{SAVE_AT}" / name
+    os.truncate(file, file.stat().st_size - 100)
+    try:
+        engine.load_checkpoint(str(copy))
+    except Exception as e:  # noqa: BLE001 - reported to the test, which checks its type
+        return [type(e).__name__, str(e), str(file)]
+    return ["nothing raised", "", str(file)]
 
 
 # ---------------------------------------------------------------- the tests
@@ -151,11 +170,83 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path, world):
             for what in ("model", "optimizer", "scheduler", "global_steps", "global_samples", "losses"):
                 assert got[what] == ref[what], f"{case}, rank {rank}: {what} differs from the uninterrupted run's"
             assert got["model"] and got["optimizer"]
+        error, message, file = resumed[0][case]["damaged"]
+        assert error in ("CheckpointFormatError", "ChecksumError") and file in message, (case, error, message)
         assert (root / "latest").read_text() == f"global_step{SAVE_AT}"
         files = sorted(p.name for p in (root / f"global_step{SAVE_AT}").iterdir())
         assert files == ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
                                                           for r in range(world) if CASES[case][0]], case
         assert gdsckpt_files_only(root, allowed_other=("latest", "zero_to_torch.py", "zero_to_fp32.py")) == []  # no pickle
+
+
+# ---------------------------------------------------------------- the engine alone, in this process
+
+
+@pytest.fixture
+def engine_module():
+    import gdsckpt.integrations.deepspeed as module
+    return module
+
+
+def test_deepspeed_objects_round_trip_as_plain_values(tmp_path, engine_module):
+    """The objects DeepSpeed puts in its dicts come back as themselves, from a file with no pickle."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    import gdsckpt
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=500, min_scale=1.0,
+                               delayed_shift=2, consecutive_hysteresis=False, raise_error_at_min_scale=True,
+                               dtype=torch.float16)
+    scaler.cur_iter = 7
+    weights = torch.arange(6.0)
+    state = {"param_shapes": [{"w": torch.Size([2, 3])}], "zero_stage": ZeroStageEnum.gradients,
+             "loss_scaler": scaler, "static": LossScaler(4.0), "w": weights,
+             "param_slice_mappings": [{"w": fragment_address(numel=6, start=0)}], "dtype": torch.bfloat16}
+    engine = engine_module.GdsckptCheckpointEngine(async_save=False)
+    engine.save(state, str(tmp_path / "f.pt"))
+    assert state["w"] is weights and type(state["param_shapes"][0]["w"]) is torch.Size  # the caller's dict as it was
+    with open(tmp_path / "f.pt", "rb") as f:
+        assert f.read(8) == b"GDSCKPT\x00"
+    got = engine.load(str(tmp_path / "f.pt"), map_location=lambda storage, loc: storage)
+    assert type(got["param_shapes"][0]["w"]) is torch.Size and got["param_shapes"][0]["w"] == (2, 3)
+    assert got["zero_stage"] is ZeroStageEnum.gradients and got["dtype"] is torch.bfloat16
+    assert got["param_slice_mappings"] == [{"w": fragment_address(numel=6, start=0)}]
+    assert type(got["loss_scaler"]) is DynamicLossScaler and vars(got["loss_scaler"]) == vars(scaler)
+    assert type(got["static"]) is LossScaler and got["static"].loss_scale == 4.0
+    assert torch.equal(got["w"], weights)
+    assert gdsckpt.load(tmp_path / "f.pt")["zero_stage"] == {engine_module.OBJECT_TAG: "ZeroStageEnum", "value": 2}
+
+
+def test_an_object_gdsckpt_cannot_store_is_refused_naming_its_key(tmp_path, engine_module):
+    import gdsckpt
+    import torch
+    engine = engine_module.GdsckptCheckpointEngine()
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    with pytest.raises(gdsckpt.UnsupportedStateError, match="'args'") as e:
+        engine.save({"module": {"w": torch.ones(2)}, "args": object()}, str(path))
+    assert "client_state" in "\n".join(e.value.__notes__)
+    engine.commit(None)
+    assert not path.exists()  # nothing written
+    with pytest.raises(gdsckpt.UnsupportedStateError, match="reserved"):
+        engine.save({"x": {engine_module.OBJECT_TAG: 1}}, str(path))
+
+
+def test_files_it_did_not_write_are_typed_errors_naming_them(tmp_path, engine_module):
+    import gdsckpt
+    import torch
+    engine = engine_module.GdsckptCheckpointEngine(async_save=False)
+    torch.save({"w": torch.ones(2)}, tmp_path / "torch.pt")
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="torch.pt") as e:
+        engine.load(str(tmp_path / "torch.pt"))
+    assert "written by torch.save" in "\n".join(e.value.__notes__)
+    gdsckpt.save({"x": {engine_module.OBJECT_TAG: "os.system", "value": "true"}}, tmp_path / "hostile.pt")
+    with pytest.raises(gdsckpt.CheckpointFormatError, match="unknown type 'os.system'.*hostile.pt"):
+        engine.load(str(tmp_path / "hostile.pt"))
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        engine.load(str(tmp_path / "missing.pt"))
+    with pytest.raises(TypeError, match="map_location"):
+        engine.load(str(tmp_path / "hostile.pt"), map_location=lambda storage, loc: storage.cuda())
 
 
 if __name__ == "__main__":
