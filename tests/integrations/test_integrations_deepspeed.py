@@ -1,13 +1,16 @@
 """gdsckpt.integrations.deepspeed with the real DeepSpeed on the CPU (gdsckpt[deepspeed]).
 
 Training: a small MLP, torch's AdamW with a StepLR schedule and gradient clipping, through
-`deepspeed.initialize` with DS_ACCELERATOR=cpu and gloo, each rank on its own batches. One
-child run (WORLD processes) trains STEPS steps uninterrupted (the reference), then builds
+`deepspeed.initialize` with DS_ACCELERATOR=cpu and gloo, each rank on its own batches (RUNS:
+ZeRO 2 on two ranks; ZeRO 1 in bf16 with the decoupled commit and ZeRO 0 with synchronous saves
+on one; on the GPU, marked `gpu`, bf16 at ZeRO 2 and 1 and fp32 at ZeRO 0). One
+child run (its processes) trains STEPS steps uninterrupted (the reference), then builds
 everything afresh, trains SAVE_AT steps, `save_checkpoint`s through `use_gdsckpt` (with a
 client_state) and exits. A second run, new processes, builds everything afresh,
 `load_checkpoint`s and trains to STEPS: the final weights, the optimizer's state (ZeRO's fp32
 partitions and AdamW moments, or AdamW's own at stage 0), the schedule, the step counters and
-every loss after the save must equal the reference's bit for bit, on every rank.
+every loss after the save must equal the reference's bit for bit, on every rank. Before that,
+loading a copy with a truncated file raises a CheckpointFormatError naming it, through DeepSpeed.
 Run as a script, this file is the child (one rank).
 
 DeepSpeed's CPU accelerator builds its shared-memory collectives (a C++ extension) on first
@@ -30,14 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from integration_tools import REPO, PREFIX, digests, gdsckpt_files_only, report  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
-CASES = {  # name: (ZeRO stage, use_gdsckpt options)
-    "zero2-async": (2, {}),
-    "zero1-decoupled": (1, {"decoupled": True}),
-    "zero0-sync": (0, {"async_save": False}),
+CASES = {  # name: (ZeRO stage, use_gdsckpt options, extra ds_config)
+    "zero2-async": (2, {}, {}),
+    "zero0-sync": (0, {"async_save": False}, {}),
+    "zero2-bf16": (2, {}, {"bf16": {"enabled": True}}),
+    "zero1-bf16-decoupled": (1, {"decoupled": True}, {"bf16": {"enabled": True}}),
 }
-RUNS = {  # world size: the cases its processes run one after the other (one import of DeepSpeed)
-    2: ("zero2-async",),
-    1: ("zero1-decoupled", "zero0-sync"),
+RUNS = {  # name: (world size, device, the cases its processes run one after the other: one import of DeepSpeed)
+    "2ranks": (2, "cpu", ("zero2-async",)),
+    "1rank": (1, "cpu", ("zero1-bf16-decoupled", "zero0-sync")),
+    "gpu": (1, "cuda", ("zero2-bf16", "zero1-bf16-decoupled", "zero0-sync")),
 }
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
@@ -46,19 +51,20 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, r
 # ---------------------------------------------------------------- the child (one rank)
 
 
-def build(stage: int, options: dict):
+def build(case: str, device: str):
     import deepspeed
     import deepspeed.ops
     import torch
     from gdsckpt.integrations.deepspeed import use_gdsckpt
+    stage, options, extra = CASES[case]
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build: gloo does the collectives
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
-                                torch.nn.Linear(32, 4))
+                                torch.nn.Linear(32, 4)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, **extra}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
     use_gdsckpt(engine, **options)
     return engine
@@ -70,7 +76,8 @@ def train(engine, start: int, stop: int) -> list[str]:
     for step in range(start, stop):
         g = torch.Generator().manual_seed(1000 * step + engine.global_rank)
         x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+        out = engine(x.to(engine.device, next(engine.module.parameters()).dtype))
+        loss = torch.nn.functional.mse_loss(out.float(), y.to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item().hex())
@@ -83,21 +90,21 @@ def final(engine, losses: list[str]) -> dict:
             "global_samples": engine.global_samples, "losses": losses}
 
 
-def child(mode: str, root: Path, world: int) -> dict:
-    return {case: one_case(mode, root / case, case) for case in RUNS[world]}
+def child(mode: str, root: Path, run: str) -> dict:
+    _, device, cases = RUNS[run]
+    return {case: one_case(mode, root / case, case, device) for case in cases}
 
 
-def one_case(mode: str, root: Path, case: str) -> dict:
-    stage, options = CASES[case]
+def one_case(mode: str, root: Path, case: str, device: str) -> dict:
     if mode == "first":
-        engine = build(stage, options)
+        engine = build(case, device)
         reference = final(engine, train(engine, 0, STEPS)[SAVE_AT:])
-        engine = build(stage, options)
+        engine = build(case, device)
         train(engine, 0, SAVE_AT)
         engine.save_checkpoint(str(root), client_state={"epoch": 1, "note": "mid-run"})
         engine.checkpoint_engine.wait()  # a decoupled save's commit (and `latest`) is otherwise at the next step
         return {"reference": reference}
-    engine = build(stage, options)
+    engine = build(case, device)
     damaged = damaged_error(engine, root)
     path, client = engine.load_checkpoint(str(root))
     restored = {"path": path, "client": {k: client[k] for k in ("epoch", "note")}, "steps": engine.global_steps}
@@ -112,8 +119,8 @@ def damaged_error(engine, root: Path) -> list[str]:
     copy = root.parent / f"{root.name}-damaged-{engine.global_rank}"
     shutil.copytree(root, copy)
     torch.distributed.barrier()
-    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt" if engine.zero_optimization() else "mp_rank_00_model_states.pt"
-    file = copy / f"global_step{SAVE_AT}" / name
+    files = sorted((copy / f"global_step{SAVE_AT}").glob("*rank_0_mp_rank_00_optim_states.pt"))
+    file = files[0] if files else copy / f"global_step{SAVE_AT}" / "mp_rank_00_model_states.pt"
     os.truncate(file, file.stat().st_size - 100)
     try:
         engine.load_checkpoint(str(copy))
@@ -131,16 +138,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(mode: str, root: Path, world: int, timeout: float = 180) -> list[dict]:
-    """Run the child as `world` processes of one gloo group; each rank's RESULT, by rank."""
+def run_ranks(mode: str, root: Path, run: str, timeout: float = 180) -> list[dict]:
+    """Run the child as the run's processes of one process group; each rank's RESULT, by rank."""
     import json
+    world, device, _ = RUNS[run]
     port = _free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "DS_ACCELERATOR": device, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(root), str(world)], env=env, cwd=REPO,
+        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(root), run], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for rank, proc in enumerate(procs):
@@ -151,17 +159,28 @@ def run_ranks(mode: str, root: Path, world: int, timeout: float = 180) -> list[d
                 p.kill()
             raise
         lines = [l for l in out.splitlines() if l.startswith(PREFIX)]
-        assert proc.returncode == 0 and lines, (f"rank {rank} of {mode} (world {world}) exited {proc.returncode}\n"
+        assert proc.returncode == 0 and lines, (f"rank {rank} of {mode} ({run}) exited {proc.returncode}\n"
                                                 f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-8000:]}")
         results.append(json.loads(lines[-1][len(PREFIX):]))
     return results
 
 
-@pytest.mark.parametrize("world", list(RUNS))
-def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path, world):
-    first = run_ranks("first", tmp_path, world)
-    resumed = run_ranks("resume", tmp_path, world)
-    for case in RUNS[world]:
+@pytest.mark.parametrize("run", ["2ranks", "1rank"])
+def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path, run):
+    check_resume(tmp_path, run)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_bf16_train_save_resume_is_bit_identical(tmp_path):
+    """DeepSpeed on CUDA (bf16 at ZeRO 2 and 1, fp32 at ZeRO 0): the tensors are saved from the GPU."""
+    check_resume(tmp_path, "gpu")
+
+
+def check_resume(tmp_path: Path, run: str) -> None:
+    world, _, cases = RUNS[run]
+    first = run_ranks("first", tmp_path, run)
+    resumed = run_ranks("resume", tmp_path, run)
+    for case in cases:
         root = tmp_path / case
         for rank in range(world):
             ref, got = first[rank][case]["reference"], resumed[rank][case]
@@ -174,8 +193,9 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path, world):
         assert error in ("CheckpointFormatError", "ChecksumError") and file in message, (case, error, message)
         assert (root / "latest").read_text() == f"global_step{SAVE_AT}"
         files = sorted(p.name for p in (root / f"global_step{SAVE_AT}").iterdir())
-        assert files == ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-                                                          for r in range(world) if CASES[case][0]], case
+        prefix = "bf16_" if "bf16" in CASES[case][2] else ""
+        assert files == sorted(["mp_rank_00_model_states.pt"] + [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                                                                 for r in range(world) if CASES[case][0]]), case
         assert gdsckpt_files_only(root, allowed_other=("latest", "zero_to_torch.py", "zero_to_fp32.py")) == []  # no pickle
 
 
@@ -250,4 +270,4 @@ def test_files_it_did_not_write_are_typed_errors_naming_them(tmp_path, engine_mo
 
 
 if __name__ == "__main__":
-    report(child(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])))
+    report(child(sys.argv[1], Path(sys.argv[2]), sys.argv[3]))
