@@ -96,6 +96,7 @@ class GdsckptCheckpointEngine(CheckpointEngine):
             save_options.setdefault("snapshot", Snapshot.HOST)
         self.async_save, self.decoupled, self.save_options = async_save, decoupled, save_options
         self._commit_info: CheckpointCommitInfo | None = None
+        self.last_stats: list = []  # the Stats (AsyncStats) of each file of the last checkpoint committed
         self._in_flight: list[Any] = []  # SaveFutures of this engine not yet committed, oldest first
         self._lock = threading.Lock()
 
@@ -104,6 +105,8 @@ class GdsckptCheckpointEngine(CheckpointEngine):
         if self._commit_info is not None:
             self.commit(self._commit_info)
         self._commit_info = info
+        if not self.async_save:
+            self.last_stats = []
 
     def save(self, state_dict, path: str) -> None:
         """Write `state_dict` to `path` as a gdsckpt file (the folder exists: DeepSpeed made it)."""
@@ -114,7 +117,7 @@ class GdsckptCheckpointEngine(CheckpointEngine):
                 with self._lock:
                     self._in_flight.append(fut)
             else:
-                gdsckpt.save(state, path, **self.save_options)
+                self.last_stats.append(gdsckpt.save(state, path, **self.save_options))
         except UnsupportedStateError as e:
             e.add_note(f"gdsckpt.integrations.deepspeed: saving {path}: DeepSpeed's checkpoint dict and the "
                        "client_state passed to save_checkpoint must hold tensors and plain values (int, float, "
@@ -147,6 +150,8 @@ class GdsckptCheckpointEngine(CheckpointEngine):
             self._commit_info = None
         if errors:
             raise errors[0]
+        if waiting:
+            self.last_stats = [fut.result() for fut in waiting]
         return True
 
     def wait(self) -> None:

@@ -2,13 +2,14 @@
 
 Training: a small MLP, torch's AdamW with a StepLR schedule and gradient clipping, through
 `deepspeed.initialize` with DS_ACCELERATOR=cpu and gloo, each rank on its own batches (RUNS:
-ZeRO 2 on two ranks; ZeRO 1 in bf16 with the decoupled commit and ZeRO 0 with synchronous saves
-on one; on the GPU, marked `gpu`, bf16 at ZeRO 2 and 1 and fp32 at ZeRO 0). One
+ZeRO 2 on two ranks; ZeRO 1 in bf16 with the decoupled commit, ZeRO 0 with synchronous saves
+and ZeRO 3 on one; on the GPU, marked `gpu`, bf16 at ZeRO 2 and 1 and fp32 at ZeRO 0 and 3). One
 child run (its processes) trains STEPS steps uninterrupted (the reference), then builds
 everything afresh, trains SAVE_AT steps, `save_checkpoint`s through `use_gdsckpt` (with a
 client_state) and exits. A second run, new processes, builds everything afresh,
 `load_checkpoint`s and trains to STEPS: the final weights, the optimizer's state (ZeRO's fp32
-partitions and AdamW moments, or AdamW's own at stage 0), the schedule, the step counters and
+partitions and AdamW moments, or AdamW's own at stage 0; at stage 3 the weights are
+partitioned, and the fp32 partitions are what the digests compare), the schedule, the step counters and
 every loss after the save must equal the reference's bit for bit, on every rank. Before that,
 loading a copy with a truncated file raises a CheckpointFormatError naming it, through DeepSpeed.
 Run as a script, this file is the child (one rank).
@@ -36,13 +37,14 @@ STEPS, SAVE_AT = 6, 3
 CASES = {  # name: (ZeRO stage, use_gdsckpt options, extra ds_config)
     "zero2-async": (2, {}, {}),
     "zero0-sync": (0, {"async_save": False}, {}),
+    "zero3-async": (3, {}, {}),
     "zero2-bf16": (2, {}, {"bf16": {"enabled": True}}),
     "zero1-bf16-decoupled": (1, {"decoupled": True}, {"bf16": {"enabled": True}}),
 }
 RUNS = {  # name: (world size, device, the cases its processes run one after the other: one import of DeepSpeed)
     "2ranks": (2, "cpu", ("zero2-async",)),
-    "1rank": (1, "cpu", ("zero1-bf16-decoupled", "zero0-sync")),
-    "gpu": (1, "cuda", ("zero2-bf16", "zero1-bf16-decoupled", "zero0-sync")),
+    "1rank": (1, "cpu", ("zero1-bf16-decoupled", "zero0-sync", "zero3-async")),
+    "gpu": (1, "cuda", ("zero2-bf16", "zero1-bf16-decoupled", "zero0-sync", "zero3-async")),
 }
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
@@ -172,7 +174,7 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path, run):
 
 @pytest.mark.gpu
 def test_on_the_gpu_bf16_train_save_resume_is_bit_identical(tmp_path):
-    """DeepSpeed on CUDA (bf16 at ZeRO 2 and 1, fp32 at ZeRO 0): the tensors are saved from the GPU."""
+    """DeepSpeed on CUDA (bf16 at ZeRO 2 and 1, fp32 at ZeRO 0 and 3): the tensors are saved from the GPU."""
     check_resume(tmp_path, "gpu")
 
 
@@ -181,10 +183,14 @@ def check_resume(tmp_path: Path, run: str) -> None:
     first = run_ranks("first", tmp_path, run)
     resumed = run_ranks("resume", tmp_path, run)
     for case in cases:
-        root = tmp_path / case
+        root, stage, _, extra = tmp_path / case, *CASES[case]
+        prefix = "bf16_" if "bf16" in extra else ""
+        model_files = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3 else \
+            ["mp_rank_00_model_states.pt"]
+        optim_files = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)] if stage else []
         for rank in range(world):
             ref, got = first[rank][case]["reference"], resumed[rank][case]
-            assert got["restored"] == {"path": str(root / f"global_step{SAVE_AT}" / "mp_rank_00_model_states.pt"),
+            assert got["restored"] == {"path": str(root / f"global_step{SAVE_AT}" / model_files[0]),
                                        "client": {"epoch": 1, "note": "mid-run"}, "steps": SAVE_AT}, (case, rank)
             for what in ("model", "optimizer", "scheduler", "global_steps", "global_samples", "losses"):
                 assert got[what] == ref[what], f"{case}, rank {rank}: {what} differs from the uninterrupted run's"
@@ -193,9 +199,7 @@ def check_resume(tmp_path: Path, run: str) -> None:
         assert error in ("CheckpointFormatError", "ChecksumError") and file in message, (case, error, message)
         assert (root / "latest").read_text() == f"global_step{SAVE_AT}"
         files = sorted(p.name for p in (root / f"global_step{SAVE_AT}").iterdir())
-        prefix = "bf16_" if "bf16" in CASES[case][2] else ""
-        assert files == sorted(["mp_rank_00_model_states.pt"] + [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-                                                                 for r in range(world) if CASES[case][0]]), case
+        assert files == sorted(model_files + optim_files), case
         assert gdsckpt_files_only(root, allowed_other=("latest", "zero_to_torch.py", "zero_to_fp32.py")) == []  # no pickle
 
 
