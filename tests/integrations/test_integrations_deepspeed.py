@@ -6,7 +6,8 @@ ZeRO 2 on two ranks; ZeRO 1 in bf16 with the decoupled commit, ZeRO 0 with synch
 and ZeRO 3 on one; on the GPU, marked `gpu`, bf16 at ZeRO 2 and 1 and fp32 at ZeRO 0 and 3). One
 child run (its processes) trains STEPS steps uninterrupted (the reference), then builds
 everything afresh, trains SAVE_AT steps, `save_checkpoint`s through `use_gdsckpt` (with a
-client_state) and exits. A second run, new processes, builds everything afresh,
+client_state), trains on (changing every tensor the save holds while its files may still be
+in flight) and exits. A second run, new processes, builds everything afresh,
 `load_checkpoint`s and trains to STEPS: the final weights, the optimizer's state (ZeRO's fp32
 partitions and AdamW moments, or AdamW's own at stage 0; at stage 3 the weights are
 partitioned, and the fp32 partitions are what the digests compare), the schedule, the step counters and
@@ -104,7 +105,8 @@ def one_case(mode: str, root: Path, case: str, device: str) -> dict:
         engine = build(case, device)
         train(engine, 0, SAVE_AT)
         engine.save_checkpoint(str(root), client_state={"epoch": 1, "note": "mid-run"})
-        engine.checkpoint_engine.wait()  # a decoupled save's commit (and `latest`) is otherwise at the next step
+        train(engine, SAVE_AT, STEPS)  # the weights and moments change while the files may still be written
+        engine.checkpoint_engine.wait()
         return {"reference": reference}
     engine = build(case, device)
     damaged = damaged_error(engine, root)
