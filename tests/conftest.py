@@ -42,6 +42,7 @@ INTEGRATION_FILES = frozenset({
     "test_memory_dcp.py",
     "test_integrations_accelerate.py", "test_integrations_accelerate_nodes.py", "test_integrations_lightning.py",
     "test_integrations_torchtitan.py", "test_integrations_transformers.py", "test_integrations_deepspeed.py",
+    "test_integrations_megatron.py", "test_integrations_megatron_gpu.py",
     "test_isolated.py", "test_package.py", "test_readme.py", "test_resume.py", "test_writer_crash.py",
     "test_manager_remote.py", "test_reader_remote.py", "test_remote_tier.py", "test_stores.py",
     "test_peer_replicas.py", "test_manager_dcp_ranks.py", "test_step_links.py", "test_cli_startup.py",

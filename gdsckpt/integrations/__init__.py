@@ -8,4 +8,6 @@ and is an optional extra; `import gdsckpt` imports none of them.
                                        GdsckptWriter / GdsckptReader                    (gdsckpt[torchtitan])
     gdsckpt.integrations.deepspeed     use_gdsckpt(engine): a DeepSpeed CheckpointEngine for
                                        engine.save_checkpoint / load_checkpoint         (gdsckpt[deepspeed])
+    gdsckpt.integrations.megatron      Megatron-core dist_checkpointing save / load strategies and an
+                                       AsyncCallsQueue with no worker process          (gdsckpt[megatron])
 """
