@@ -30,8 +30,8 @@ Megatron's own finalize writes `metadata.json`. So any AsyncCallsQueue runs it w
 this module's `AsyncCallsQueue` (Megatron's interface) finalizes it only once every rank's write is
 done, so that `maybe_finalize_async_calls(blocking=False)` never waits. Megatron's own queue
 finalizes such a request at its next call, waiting there for the write. Host memory: the pool
-holds one save's compressed bytes (the staging of a save waits for the room an earlier write
-frees, gdsckpt's pool bound).
+holds one save's compressed bytes; a save made while the previous one's write is still running
+waits for it before staging (its blocked time), so two never share the pool.
 
 Loading a directory with no gdsckpt files (one Megatron's torch_dist wrote) goes through
 Megatron's own reader, so a run switches from torch_dist to gdsckpt with its next save.
@@ -41,6 +41,9 @@ megatron-core 0.16-0.18 keep a registry of default strategies: importing this mo
 `dist_checkpointing.load` without a strategy picks the load strategy from `metadata.json`.
 megatron-core 0.19 has no registry (its `save` replaces any strategy that is not a
 TorchDistSaveShardedStrategy, which these are): pass the strategies as above.
+
+Megatron-LM's training loop (megatron.training) builds its strategies and its async queue itself:
+`gdsckpt.integrations.megatron.use_in_megatron_lm()` before `pretrain(...)` points them at these.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from gdsckpt.errors import GdsckptError, UnsupportedStateError
 from gdsckpt.options import check_save_options
 
 __all__ = ["BACKEND", "VERSION", "GdsckptSaveShardedStrategy", "GdsckptLoadShardedStrategy", "AsyncCallsQueue",
-           "MegatronSavePlanner", "save_strategy", "load_strategy", "register"]
+           "MegatronSavePlanner", "save_strategy", "load_strategy", "register", "use_in_megatron_lm"]
 
 BACKEND, VERSION = "gdsckpt", 1
 COMMON_FILE = "common.pt"  # megatron.core.dist_checkpointing.strategies.common.COMMON_STATE_FNAME
@@ -135,6 +138,9 @@ class GdsckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
         checkpoint_dir = Path(checkpoint_dir)
         state, tensors = self._translated(sharded_state_dict, checkpoint_dir)
         writer = self.last_writer = GdsckptWriter(checkpoint_dir, codec=self.codec)
+        # The pool holds a staged save until its write; the previous save's write ends first, so
+        # that host memory holds one save's compressed bytes, never two.
+        wait([_WRITER.submit(lambda: None)])
         # GdsckptWriter's own staging (dcp.async_save's stager): the tensors compressed into the
         # pool, stand-ins back, put where DCP's planner will find them (_swap). A staging that
         # failed hands the tensors back and keeps its error for write_data, which DCP raises on
@@ -276,6 +282,26 @@ def register() -> bool:
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, GdsckptSaveShardedStrategy())
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, GdsckptLoadShardedStrategy())
     return True
+
+
+def use_in_megatron_lm() -> None:
+    """Make Megatron-LM's training loop (megatron.training, not part of megatron-core) checkpoint
+    through gdsckpt: call once before pretrain(...), with `--ckpt-format torch_dist` (its default)
+    and, for async saves, `--async-save`. Its checkpointing module's names for the torch_dist
+    strategies (megatron-core 0.19: TorchDistSaveShardedStrategy / TorchDistLoadShardedStrategy;
+    0.16-0.18: get_default_save_sharded_strategy / get_default_load_sharded_strategy) are pointed
+    at gdsckpt's, and its async queue (megatron.training.async_utils._async_calls_queue) is this
+    module's AsyncCallsQueue. Directories torch_dist wrote before still load (Megatron's reader)."""
+    from megatron.training import async_utils, checkpointing
+    if hasattr(checkpointing, "TorchDistSaveShardedStrategy"):
+        checkpointing.TorchDistSaveShardedStrategy = GdsckptSaveShardedStrategy
+    if hasattr(checkpointing, "TorchDistLoadShardedStrategy"):
+        checkpointing.TorchDistLoadShardedStrategy = GdsckptLoadShardedStrategy
+    if hasattr(checkpointing, "get_default_save_sharded_strategy"):
+        checkpointing.get_default_save_sharded_strategy = lambda *args, **kwargs: GdsckptSaveShardedStrategy()
+    if hasattr(checkpointing, "get_default_load_sharded_strategy"):
+        checkpointing.get_default_load_sharded_strategy = lambda *args, **kwargs: GdsckptLoadShardedStrategy()
+    async_utils._async_calls_queue = AsyncCallsQueue()
 
 
 # ---------------------------------------------------------------- helpers
