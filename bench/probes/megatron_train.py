@@ -16,6 +16,9 @@ model's and the optimizer's sharded_state_dict and the iteration, through dist_c
 Modes, one after the other, each with --saves checkpoints and --train-steps steps between them:
 * gdsckpt-sync, gdsckpt-async: gdsckpt.integrations.megatron's save strategy; async scheduled on
   its AsyncCallsQueue (no worker process).
+* gdsckpt-async-megatron-queue: the same saves scheduled on megatron-core's own AsyncCallsQueue,
+  which runs them without forking but finalizes each at its next call, waiting there (GPU only:
+  that queue all-reduces a CUDA tensor).
 * torch_dist-sync, torch_dist-async: Megatron's default strategy; async scheduled on megatron-core's
   AsyncCallsQueue as Megatron-LM's loop does (a forked worker per save, async_strategy "mcore";
   nvidia-resiliency-ext's "nvrx" is not assumed installed). GPU only: torch_dist's save calls
@@ -26,8 +29,8 @@ blocking one before the next mode.
 Per checkpoint: blocked_s (the save call, and scheduling it), idle_s (blocked_s + how much longer
 the following --train-steps steps took than the same steps with no save in flight: work a save
 leaves to the background and the loop pays for), the background's drain (the blocking finalize
-at the mode's end). Per mode: peak host RSS over the mode's start, the process's and its
-children's (Megatron's forked workers), sampled every 5 ms; restore: a fresh model and optimizer
+at the mode's end). Per mode: peak host memory over the mode's start, the process's RSS and its
+children's USS (Megatron's forked workers: what the fork added), sampled every 5 ms; restore: a fresh model and optimizer
 loaded from the mode's last checkpoint through dist_checkpointing.load (gdsckpt's load strategy,
 which reads torch_dist directories through Megatron's own reader), timed, its files first dropped
 from the page cache with posix_fadvise(DONTNEED) ("restore_cache": "fadvise_dontneed", not a
@@ -55,7 +58,8 @@ def args_of(argv=None):
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default OUT/ck)")
-    p.add_argument("--modes", default="gdsckpt-sync,gdsckpt-async,torch_dist-sync,torch_dist-async")
+    p.add_argument("--modes", default="gdsckpt-sync,gdsckpt-async,gdsckpt-async-megatron-queue,"
+                                      "torch_dist-sync,torch_dist-async")
     a = p.parse_args(argv)
     a.dir = a.dir or a.out / "ck"
     return a
@@ -163,7 +167,7 @@ def _stack_sharded(stack, metadata) -> dict:
 
 
 class RssPeak:
-    """The largest RSS of this process plus its children, sampled every 5 ms while it runs."""
+    """The largest RSS of this process plus its children's USS, sampled every 5 ms while it runs."""
 
     def __init__(self):
         import psutil
@@ -171,10 +175,12 @@ class RssPeak:
         self.thread = threading.Thread(target=self.sample, daemon=True)
 
     def rss(self) -> int:
+        """This process's RSS plus its children's USS: a forked worker's RSS counts the pages it
+        shares with this process (copy-on-write) again; its USS is what the fork added."""
         total = self.proc.memory_info().rss
         for c in self.proc.children(recursive=True):
             try:
-                total += c.memory_info().rss
+                total += c.memory_full_info().uss
             except Exception:  # noqa: BLE001 - a worker that just exited
                 pass
         return total
@@ -220,11 +226,14 @@ def run_mode(r: Run, mode: str, base_step_s: float) -> dict:
     from megatron.core import dist_checkpointing
     a = r.a
     ours = mode.startswith("gdsckpt")
-    is_async = mode.endswith("async")
+    is_async = "async" in mode
     save_kwargs = {}
     if ours:
         from gdsckpt.integrations.megatron import AsyncCallsQueue, save_strategy
         strategy, queue = save_strategy(), AsyncCallsQueue()
+        if mode.endswith("megatron-queue"):
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as MegatronQueue
+            queue = MegatronQueue()
     else:
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as MegatronQueue
@@ -294,16 +303,21 @@ def main(argv=None):
     a = args_of(argv)
     import torch
     r = Run(a)
-    model, opt, _ = r.build()
+    model, opt, module = r.build()
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + Adam's two moments
     times = [r.step(model, opt, s) for s in range(1, 6)]
     base = sorted(times[1:])[len(times[1:]) // 2]
-    del model, opt
+    del model, opt, module
+    if r.cuda:
+        torch.cuda.empty_cache()
     modes = [m for m in a.modes.split(",") if m]
     results, skipped = [], {}
     for mode in modes:
         if mode.startswith("torch_dist") and not r.cuda:
             skipped[mode] = "megatron-core's torch_dist save calls torch.cuda.synchronize (GPU only)"
+            continue
+        if mode.endswith("megatron-queue") and not r.cuda:
+            skipped[mode] = "megatron-core's AsyncCallsQueue all-reduces a CUDA tensor (GPU only)"
             continue
         results.append(run_mode(r, mode, base))
         print(json.dumps(results[-1]), flush=True)

@@ -8,7 +8,7 @@ optim_state_to_sharding_state: what its FP32Optimizer does; that optimizer, its 
 attention need CUDA, so the GPT run is tests/integrations/test_integrations_megatron_gpu.py).
 Checkpoints go through dist_checkpointing.save / load with the gdsckpt strategies: async saves
 (scheduled on gdsckpt's AsyncCallsQueue, finalized while training goes on) at steps 2, 4 and 5,
-a sync save at step 3. A new pair of processes resumes from step 3 and from step 5 and trains to
+a sync save at step 3. A new pair of processes resumes from steps 3, 4 and 5 and trains to
 step 8: weights and AdamW moments equal the uninterrupted run's bit for bit. Also: no process is
 started by an async save, the host pool does not grow after the first async save, and a damaged
 rank file is a gdsckpt error naming it. (Megatron's own torch_dist save needs CUDA, so the switch
@@ -150,7 +150,7 @@ def rank_resume(root: Path) -> dict:
     from megatron.core import dist_checkpointing
     setup(root, "resume")
     out = {}
-    for directory in (f"step-{SYNC_AT}", f"step-{STOP_AT}"):
+    for directory in (f"step-{SYNC_AT}", "step-4", f"step-{STOP_AT}"):
         (model, opt), step = resume(root, directory)
         for s in range(step + 1, STEPS + 1):
             train_step(model, opt, s)
@@ -205,7 +205,8 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path):
 
     resumed = run_world("resume", tmp_path)
     for rank, (ref, got) in enumerate(zip(first, resumed)):
-        for directory, step in ((f"step-{SYNC_AT}", SYNC_AT), (f"step-{STOP_AT}", STOP_AT)):
+        # step 4: an async save whose write ran while step 5 trained
+        for directory, step in ((f"step-{SYNC_AT}", SYNC_AT), ("step-4", 4), (f"step-{STOP_AT}", STOP_AT)):
             assert got[directory]["step"] == step
             assert got[directory]["model"] == ref["reference"]["model"], f"rank {rank} {directory}: weights differ"
             assert got[directory]["optimizer"] == ref["reference"]["optimizer"], f"rank {rank} {directory}: AdamW differs"
@@ -217,3 +218,32 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path):
 
 if __name__ == "__main__":
     report((rank_first if sys.argv[1] == "first" else rank_resume)(Path(sys.argv[2])))
+
+
+def test_a_bad_codec_is_refused_when_the_strategy_is_made():
+    """Not at the first checkpoint, hours into the run."""
+    from gdsckpt.integrations.megatron import save_strategy
+    with pytest.raises(ValueError, match="unknown codec 'lz4'"):
+        save_strategy(codec="lz4")
+
+
+def test_the_queue_runs_another_strategys_request_on_a_thread_of_this_process():
+    """A request with an async_fn (torch_dist's, say): preload_fn on the caller's thread, async_fn on
+    a thread of this process (no fork), finalize functions after it, in order."""
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from gdsckpt.integrations.megatron import AsyncCallsQueue
+    seen, gate = [], threading.Event()
+
+    def write(a, staged, c):
+        gate.wait(10)
+        seen.append(("write", os.getpid(), threading.current_thread() is threading.main_thread(), staged))
+
+    queue = AsyncCallsQueue()
+    request = AsyncRequest(write, (1, "live", 3), [lambda: seen.append("finalized")], preload_fn=lambda: "staged")
+    assert queue.schedule_async_request(request) == 0
+    assert queue.maybe_finalize_async_calls(blocking=False) == [] and queue.get_num_unfinalized_calls() == 1
+    gate.set()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert seen == [("write", os.getpid(), False, "staged"), "finalized"]
