@@ -11,8 +11,10 @@ Checkpoints go through dist_checkpointing.save / load with the gdsckpt strategie
 a sync save at step 3. A new pair of processes resumes from steps 3, 4 and 5 and trains to
 step 8: weights and AdamW moments equal the uninterrupted run's bit for bit. Also: no process is
 started by an async save, the host pool does not grow after the first async save, and a damaged
-rank file is a gdsckpt error naming it. (Megatron's own torch_dist save needs CUDA, so the switch
-from torch_dist checkpoints is tested in the GPU test.) Run as a script (by the test, once per rank), this file is a rank."""
+rank file is a gdsckpt error naming it; and a GPTModel's sharded state (built on the CPU), whose
+stacked layers megatron-core hands DCP as torch's legacy ShardedTensor, round-trips sync and async.
+(Megatron's own torch_dist save needs CUDA, so the switch from torch_dist checkpoints is tested in
+the GPU test.) Run as a script (by the test, once per rank), this file is a rank."""
 
 from __future__ import annotations
 
@@ -178,19 +180,65 @@ def rank_resume(root: Path) -> dict:
     return out
 
 
+def gpt_round_trip(root: Path) -> dict:
+    """A GPTModel's sharded state (built on the CPU; its forward needs CUDA): its layers' tensors
+    are stacked on a prepended axis, which megatron-core hands DCP as torch's (legacy)
+    ShardedTensor. Saved sync and async (the model changed while the async write runs), loaded
+    into zeroed weights: every tensor equal to the saved one."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from gdsckpt.integrations.megatron import AsyncCallsQueue, load_strategy, save_strategy
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg-gpt", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=16)
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    saved = digests({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")})
+    out = {"prepended": sorted({v.prepend_axis_num for v in nested_values(model.sharded_state_dict(metadata=metadata))
+                               if isinstance(v, ShardedTensor)})}
+    for name, is_async in (("gpt-sync", False), ("gpt-async", True)):
+        (root / name).mkdir()
+        request = dist_checkpointing.save({"model": model.sharded_state_dict(metadata=metadata)}, str(root / name),
+                                          sharded_strategy=save_strategy(), async_sharded_save=is_async)
+        if is_async:
+            queue = AsyncCallsQueue()
+            queue.schedule_async_request(request)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1)
+            queue.maybe_finalize_async_calls(blocking=True)
+    for name in ("gpt-sync", "gpt-async"):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, str(root / name),
+                                sharded_strategy=load_strategy())
+        got = digests({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")})
+        out[name] = got == saved
+    return out
+
+
 # ---------------------------------------------------------------- the tests
 
 
-def run_world(phase: str, root: Path, timeout: float = 240) -> dict:
-    """Both ranks of `phase` as processes of their own; rank 0's RESULT."""
+def run_world(phase: str, root: Path, timeout: float = 240, world: int = WORLD) -> list[dict]:
+    """The ranks of `phase`, each a process of its own; their RESULTs, by rank."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, __file__, phase, str(root)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for r in range(WORLD)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for r in range(world)]
     outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (stdout, stderr) in zip(procs, outs):
         assert p.returncode == 0, f"rank exited {p.returncode}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-6000:]}"
     results = [json.loads(l[len(PREFIX):]) for stdout, _ in outs for l in stdout.splitlines() if l.startswith(PREFIX)]
-    assert len(results) == WORLD
+    assert len(results) == world
     return results
 
 
@@ -216,8 +264,15 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path):
     assert any("CheckpointFormatError" in e["mro"] and "__1_0.gdsckpt" in e["message"] for e in errors), errors
 
 
+def test_a_gpt_models_stacked_layers_round_trip_sync_and_async(tmp_path):
+    got = run_world("gpt", tmp_path, world=1)[0]
+    assert got["prepended"] == [0, 1]  # both kinds of ShardedTensor were there
+    assert got["gpt-sync"] and got["gpt-async"], got
+
+
 if __name__ == "__main__":
-    report((rank_first if sys.argv[1] == "first" else rank_resume)(Path(sys.argv[2])))
+    phases = {"first": rank_first, "resume": rank_resume, "gpt": gpt_round_trip}
+    report(phases[sys.argv[1]](Path(sys.argv[2])))
 
 
 def test_a_bad_codec_is_refused_when_the_strategy_is_made():
