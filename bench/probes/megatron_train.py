@@ -15,7 +15,7 @@ model's and the optimizer's sharded_state_dict and the iteration, through dist_c
 
 Modes, one after the other, each with --saves checkpoints and --train-steps steps between them:
 * gdsckpt-sync, gdsckpt-async: gdsckpt.integrations.megatron's save strategy; async scheduled on
-  its AsyncCallsQueue (no worker process).
+  its AsyncCallsQueue (no worker process), its host pool reserved before the loop (reserve_s).
 * gdsckpt-async-megatron-queue: the same saves scheduled on megatron-core's own AsyncCallsQueue,
   which runs them without forking but finalizes each at its next call, waiting there (GPU only:
   that queue all-reduces a CUDA tensor).
@@ -245,6 +245,11 @@ def run_mode(r: Run, mode: str, base_step_s: float) -> dict:
     for _ in range(2):  # the moments exist; kernels warm
         step += 1
         r.step(model, opt, step)
+    reserved_s = None
+    if ours and is_async:  # the pool made before the loop, as a run would (GdsckptSaveShardedStrategy.reserve)
+        t0 = time.perf_counter()
+        strategy.reserve(r.sharded_state(model, opt, module, step), wait=True)
+        reserved_s = time.perf_counter() - t0
     saves = []
     with RssPeak() as rss:
         for i in range(a.saves):
@@ -292,7 +297,7 @@ def run_mode(r: Run, mode: str, base_step_s: float) -> dict:
         opt.load_state_dict(loaded["optimizer"])
         torch.cuda.synchronize()
     restore_s = time.perf_counter() - t0
-    return {"mode": mode, "saves": saves, "drain_s": drain, "idle_s_median": sorted(s["idle_s"] for s in saves)[len(saves) // 2],
+    return {"mode": mode, "reserve_s": reserved_s, "saves": saves, "drain_s": drain, "idle_s_median": sorted(s["idle_s"] for s in saves)[len(saves) // 2],
             "peak_rss_over_start_gb": (rss.peak - rss.start) / 1e9, "rss_start_gb": rss.start / 1e9,
             "restore_s": restore_s, "restore_cache": cache, "restored_iteration": loaded["iteration"],
             "checkpoint_bytes": sum(f.stat().st_size for f in files), "files": len(files),

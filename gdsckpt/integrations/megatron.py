@@ -151,6 +151,19 @@ class GdsckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
                                                            process_group=group), checkpoint_dir)
         return AsyncRequest(None, (), [WriteDone(future)])
 
+    def reserve(self, sharded_state_dict, *, wait: bool = False) -> Future:
+        """gdsckpt.dcp.reserve for this strategy's async saves: the host pool their staging
+        compresses into, made and page-locked on a background thread before the first async save
+        (which would otherwise grow it in its call, the training waiting). sharded_state_dict: what
+        the saves will pass (taken once the optimizer holds its state); it is not saved. A Future
+        of the reservation (wait=True: done on return)."""
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from gdsckpt.dcp import reserve
+        sharded, _ = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+        sharded, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(sharded, self.keep_only_main_replica)
+        state = mcore_torch.mcore_to_pyt_state_dict(sharded, False)
+        return reserve({key: t for key, (t, _) in _local_tensors(state).items()}, wait=wait, codec=self.codec)
+
     def _translated(self, sharded_state_dict, checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         """Megatron's own translation for DCP (its main replicas as DCP's sharded tensors, its
         ShardedObjects pickled into BytesIO), and the local tensors of it by staging key. The

@@ -10,7 +10,7 @@ Checkpoints go through dist_checkpointing.save / load with the gdsckpt strategie
 (scheduled on gdsckpt's AsyncCallsQueue, finalized while training goes on) at steps 2, 4 and 5,
 a sync save at step 3. A new pair of processes resumes from steps 3, 4 and 5 and trains to
 step 8: weights and AdamW moments equal the uninterrupted run's bit for bit. Also: no process is
-started by an async save, the host pool does not grow after the first async save, and a damaged
+started by an async save, the host pool reserved ahead (strategy.reserve) is not grown by the saves, and a damaged
 rank file is a gdsckpt error naming it; and a GPTModel's sharded state (built on the CPU), whose
 stacked layers megatron-core hands DCP as torch's legacy ShardedTensor, round-trips sync and async.
 (Megatron's own torch_dist save needs CUDA, so the switch from torch_dist checkpoints is tested in
@@ -115,6 +115,9 @@ def rank_first(root: Path) -> dict:
     queue, strategy = AsyncCallsQueue(), save_strategy()
     for step in range(1, STOP_AT + 1):
         train_step(model, opt, step)
+        if step == 1:  # the moments exist: the async saves' pool, made ahead of them
+            held = strategy.reserve(sharded_state(model, opt, step), wait=True).result().held_bytes
+            out["reserved"] = [held, pinned_pool.pools().get("cpu", {}).get("capacity_bytes")]
         queue.maybe_finalize_async_calls(blocking=False)  # as Megatron-LM's loop, every step
         path = root / f"step-{step}"
         if dist.get_rank() == 0:
@@ -248,8 +251,9 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path):
     first = run_world("first", tmp_path)
     for rank in first:
         assert rank["children"] == [0] * len(ASYNC_AT)  # no process forked or spawned by an async save
-        # the host pool holds one save's compressed bytes: made by the first async save, not grown after
-        assert rank["pool"][0] > 0 and len(set(rank["pool"])) == 1, rank["pool"]
+        # the host pool holds one save's compressed bytes: reserved ahead, not grown by the saves
+        held, pool = rank["reserved"]
+        assert 0 < held == pool and rank["pool"] == [pool] * len(ASYNC_AT), (rank["reserved"], rank["pool"])
     files = first[0]["files"]  # each rank's tensors, each rank's pickled ShardedObjects, Megatron's files
     assert {".metadata", "__0_0.gdsckpt", "__1_0.gdsckpt", "common.pt", "metadata.json"} <= set(files), files
 
