@@ -33,8 +33,10 @@ from .reader import GdsckptReader
 from .recipe import async_save, load, save
 from .staging import reserve
 from .writer import GdsckptWriter
+# the process group gdsckpt runs DCP's collectives in off the training's thread (async_save's default)
+from gdsckpt.core.process_groups import shared_group
 # the state as DCP takes it, and its plain values written back after a load
 from gdsckpt.format.stateful import dcp_view, dcp_write_back
 
 __all__ = ["GdsckptWriter", "GdsckptReader", "CachedSavePlanner", "RankStateLoadPlanner", "reserve", "save",
-           "async_save", "DCP_VERSION", "METADATA_FILE", "SUFFIX", "item_key"]
+           "async_save", "shared_group", "DCP_VERSION", "METADATA_FILE", "SUFFIX", "item_key"]

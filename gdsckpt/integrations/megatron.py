@@ -68,8 +68,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy,
 )
 
-from gdsckpt.core.process_groups import shared_group
-from gdsckpt.dcp import SUFFIX, CachedSavePlanner, GdsckptReader, GdsckptWriter
+from gdsckpt.dcp import SUFFIX, CachedSavePlanner, GdsckptReader, GdsckptWriter, shared_group
 from gdsckpt.errors import GdsckptError, UnsupportedStateError
 from gdsckpt.options import check_save_options
 
