@@ -163,6 +163,12 @@ def rank_resume(root: Path) -> dict:
     # the metadata.json backend picks the load strategy where megatron-core keeps a registry
     config = json.loads((root / f"step-{SYNC_AT}" / "metadata.json").read_text())
     out["backend"] = config.get("sharded_backend")
+    from gdsckpt.integrations.megatron import register
+    if register():  # megatron-core 0.16-0.18: dist_checkpointing.load with no strategy given
+        (model, opt), _ = resume(root, f"step-{SYNC_AT}")
+        other, _ = build()
+        dist_checkpointing.load({"model": sharded_state(other, opt, 0)["model"]}, str(root / f"step-{SYNC_AT}"))
+        out["by_backend_name"] = digests(other.state_dict()) == digests(model.state_dict())
 
     # a damaged rank file: a gdsckpt error naming the file, on the rank that read it
     dist.barrier()
@@ -265,6 +271,7 @@ def test_train_save_resume_in_new_processes_is_bit_identical(tmp_path):
             assert got[directory]["model"] == ref["reference"]["model"], f"rank {rank} {directory}: weights differ"
             assert got[directory]["optimizer"] == ref["reference"]["optimizer"], f"rank {rank} {directory}: AdamW differs"
         assert got["backend"] == "gdsckpt"
+        assert got.get("by_backend_name", True), "dist_checkpointing.load without a strategy read it wrong"
     errors = [r["damaged"] for r in resumed]
     assert all(e is not None for e in errors), errors
     assert any("CheckpointFormatError" in e["mro"] and "__1_0.gdsckpt" in e["message"] for e in errors), errors
