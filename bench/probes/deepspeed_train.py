@@ -287,7 +287,8 @@ def run(a) -> dict:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29400 + os.getpid() % 1000),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "CROSS_RANK": "0", "CROSS_SIZE": "1",  # set by the deepspeed launcher; FastPersist reads them
-           "DS_ACCELERATOR": a.device, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "DS_ACCELERATOR": a.device, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                      os.environ.get("PYTHONPATH")]))}
     results = {}
     for name in engines:
         for phase in ("save", "restore"):

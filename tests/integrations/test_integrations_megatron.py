@@ -242,7 +242,7 @@ def gpt_round_trip(root: Path) -> dict:
 
 def run_world(phase: str, root: Path, timeout: float = 240, world: int = WORLD) -> list[dict]:
     """The ranks of `phase`, each a process of its own; their RESULTs, by rank."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, __file__, phase, str(root)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for r in range(world)]
     outs = [p.communicate(timeout=timeout) for p in procs]
