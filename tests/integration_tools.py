@@ -19,10 +19,15 @@ PREFIX = "RESULT "
 GDSCKPT_MAGIC = b"GDSCKPT\x00"
 
 
+def child_pythonpath() -> str:
+    """This tree first, then the caller's PYTHONPATH (a GPU host's packages may live on it)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def run_child(script: Path, *args: str, timeout: float = 300, env: dict | None = None) -> dict:
     """Run `python script args...` with this tree's gdsckpt first on the path and one compute
     thread (the same floating-point order in every child); the child's RESULT line, parsed."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    full_env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", **(env or {})}
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration_tools import REPO, PREFIX, digests, gdsckpt_files_only, report  # noqa: E402
+from integration_tools import PREFIX, REPO, child_pythonpath, digests, gdsckpt_files_only, report  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 CASES = {  # name: (ZeRO stage, use_gdsckpt options, extra ds_config)
@@ -149,7 +149,7 @@ def run_ranks(mode: str, root: Path, run: str, timeout: float = 180) -> list[dic
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                "DS_ACCELERATOR": device, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
         procs.append(subprocess.Popen([sys.executable, __file__, mode, str(root), run], env=env, cwd=REPO,

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration_tools import PREFIX, REPO, digests, report  # noqa: E402
+from integration_tools import PREFIX, REPO, child_pythonpath, digests, report  # noqa: E402
 
 WORLD, STEPS, STOP_AT = 2, 8, 5
 ASYNC_AT, SYNC_AT = (2, 4, 5), 3
@@ -242,7 +242,7 @@ def gpt_round_trip(root: Path) -> dict:
 
 def run_world(phase: str, root: Path, timeout: float = 240, world: int = WORLD) -> list[dict]:
     """The ranks of `phase`, each a process of its own; their RESULTs, by rank."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, __file__, phase, str(root)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for r in range(world)]
     outs = [p.communicate(timeout=timeout) for p in procs]
