@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from gdsckpt.writing.snapshot import host as hs
+# The S3 fixtures, here so that the whole session shares one server (a test module that imports
+# a fixture gets a definition, and so a server, of its own: 12 servers, 4-9 s each to start).
+from s3_server import s3_env, s3_server, silent_endpoint  # noqa: E402,F401 - fixtures
 
 # Folders whose modules other tests import (this file's helpers, test_manager's states, the
 # corruption tools): on sys.path here (pyproject's `pythonpath`) and on the PYTHONPATH of every

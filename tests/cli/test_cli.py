@@ -16,7 +16,6 @@ from pathlib import Path
 from gdsckpt import cli
 from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from gdsckpt.core.storage import HOST_ID, TMP_MARK, temp_path_for
-from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
 
 TESTS = Path(__file__).parents[1]

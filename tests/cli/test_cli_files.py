@@ -13,7 +13,6 @@ import torch.distributed.checkpoint as dcp
 import gdsckpt
 from ckpt_tools import flip_chunk_byte
 from gdsckpt.dcp import GdsckptWriter
-from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_cli import run_cli
 
 

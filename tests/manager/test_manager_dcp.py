@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
 from ckpt_tools import end_rank  # noqa: E402
 from gdsckpt.errors import GdsckptError  # noqa: E402
 from gdsckpt.manager.steps import step_name  # noqa: E402

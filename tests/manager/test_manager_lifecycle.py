@@ -20,7 +20,6 @@ import pytest
 from gdsckpt.errors import CheckpointLockedError
 from gdsckpt.manager.checkpointer import Checkpointer
 from gdsckpt.stores.s3 import S3Store
-from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from test_manager import OPTS, state_for
 
 TESTS = Path(__file__).parents[1]

@@ -28,7 +28,7 @@ from gdsckpt.manager.remote.verify import verify_object
 from gdsckpt.stores import Store, open_store
 from gdsckpt.stores.s3 import S3Store
 from conftest import assert_same
-from s3_server import SeaweedS3, s3_env, s3_server  # noqa: F401 - fixtures
+from s3_server import SeaweedS3
 from test_manager import OPTS, corrupt_chunk, state_for
 
 TESTS = Path(__file__).parents[1]

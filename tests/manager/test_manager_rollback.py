@@ -18,7 +18,7 @@ from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from gdsckpt.stores import Store, open_store
 from gdsckpt.manager.rollback import JOURNAL_NAME
 from conftest import assert_same
-from s3_server import SeaweedS3, s3_env, s3_server  # noqa: F401 - fixtures
+from s3_server import SeaweedS3
 from test_manager import OPTS, state_for
 
 TESTS = Path(__file__).parents[1]

@@ -748,8 +748,6 @@ def test_ls_verify_finds_a_damaged_copy(tmp_path, shm, capsys):
 
 # ---------------------------------------------------------------- uploads follow the directory's steps
 
-from s3_server import s3_env, s3_server  # noqa: E402,F401 - fixtures
-
 
 def test_uploads_follow_the_steps_written_to_the_directory(tmp_path, shm, s3_env):
     url = f"s3://{s3_env.new_bucket()}/mem"

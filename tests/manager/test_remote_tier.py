@@ -20,7 +20,6 @@ from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from gdsckpt.manager.remote.marker import MARKER
 from gdsckpt.stores import open_store
 from conftest import assert_same
-from s3_server import s3_env, s3_server, silent_endpoint  # noqa: F401 - fixtures
 from test_manager import OPTS, corrupt_chunk, state_for
 
 RAW = {**OPTS, "codec": "raw"}  # equal sizes for equal shapes: a replaced object keeps its size

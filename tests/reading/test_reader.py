@@ -15,7 +15,7 @@ from gdsckpt import api
 from gdsckpt.reading import reader, sources
 from gdsckpt.stores import open_store
 from conftest import assert_same
-from s3_server import s3_env, s3_server, weed_binary  # noqa: F401 - fixtures
+from s3_server import weed_binary
 
 
 def _state(value: float = 1.0):

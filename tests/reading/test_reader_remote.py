@@ -10,7 +10,6 @@ import gdsckpt
 from gdsckpt.reading.sources import StoreObject
 from gdsckpt.stores import open_store
 from conftest import assert_same
-from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 
 
 def _state():

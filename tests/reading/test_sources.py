@@ -14,7 +14,6 @@ import gdsckpt
 from gdsckpt.reading import sources
 from gdsckpt.engine.backend import make_backend
 from gdsckpt.stores import open_store
-from s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 
 
 def _save(p, value: float, n: int = 5000):

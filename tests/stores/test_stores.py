@@ -18,7 +18,7 @@ from gdsckpt.errors import (
 )
 from gdsckpt.stores import is_remote, open_store, register, scheme_of
 from gdsckpt.stores.s3 import S3Store, parse_url
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, s3_env, s3_server, silent_endpoint  # noqa: F401 - fixtures
+from s3_server import ACCESS_KEY, REGION, SECRET_KEY
 
 
 def _blob(n: int, seed: int = 1) -> bytes:
