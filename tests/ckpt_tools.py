@@ -121,6 +121,32 @@ def file_declaring(spec: dict, tmp_path) -> tuple:
     return out, s
 
 
+# Torch and torch.distributed, imported once per session by the server that forks the ranks
+# (multiprocessing's "forkserver"): a spawned rank imports them afresh, 4-5 s of CPU per rank on
+# the 2-core host, and the suite starts about a hundred ranks (24 in test_peer_replicas alone).
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.device_mesh",
+                "torch.distributed.checkpoint"]
+
+
+def start_ranks(fn, args: tuple = (), nprocs: int = 2, join: bool = True):
+    """torch.multiprocessing.start_processes(fn, args, nprocs, join), each rank a real process of its
+    own: forked from a server that imported only RANK_PRELOAD (no pytest, no threads, nothing of
+    the test's), not spawned. A rank runs with the caller's environment and working directory as
+    they are at this call, as a spawned one would (the server's are those of its start)."""
+    import multiprocessing
+    import torch.multiprocessing as mp
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (first call)
+    return mp.start_processes(_rank_as_spawned, args=(fn, dict(os.environ), os.getcwd(), *args), nprocs=nprocs,
+                              join=join, start_method="forkserver")
+
+
+def _rank_as_spawned(rank: int, fn, env: dict, cwd: str, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn(rank, *args)
+
+
 def end_rank() -> None:
     """A spawned rank's last call, once its work passed and destroy_process_group returned: exit
     now, without the interpreter's finalization. At a normal exit torch's ProcessGroupGloo

@@ -31,7 +31,7 @@ from gdsckpt.dcp import staging as dcp_staging  # noqa: E402
 from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 from gdsckpt.dcp import CachedSavePlanner, GdsckptReader, GdsckptWriter, item_key  # noqa: E402
 from conftest import SlowSnapshot, assert_same, same  # noqa: E402
-from ckpt_tools import end_rank  # noqa: E402
+from ckpt_tools import end_rank, start_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -218,8 +218,7 @@ class RecordingPlanner(CachedSavePlanner):
 
 
 def _spawn(root: Path) -> None:
-    import torch.multiprocessing as mp
-    mp.start_processes(_rank_main, args=(str(root),), nprocs=WORLD, join=True, start_method="spawn")
+    start_ranks(_rank_main, args=(str(root),), nprocs=WORLD, join=True)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from gdsckpt.dcp import writer as dcp_writer  # noqa: E402
 from gdsckpt.dcp.metadata import PreparedMetadata, metadata_pickle, read_metadata  # noqa: E402
 from gdsckpt.dcp.standins import StandInElements, StandIns  # noqa: E402
 from conftest import assert_same  # noqa: E402
-from ckpt_tools import end_rank  # noqa: E402
+from ckpt_tools import end_rank, start_ranks  # noqa: E402
 
 
 @pytest.fixture
@@ -281,8 +281,7 @@ def _rank_main(rank: int, root: str) -> None:
 
 
 def test_two_ranks_one_layout_changes(tmp_path):
-    import torch.multiprocessing as mp
-    mp.start_processes(_rank_main, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
 
 
 def test_reserve_makes_the_stagings_pool_before_the_first_save(tmp_path, one_rank_group):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank  # noqa: E402
+from ckpt_tools import end_rank, start_ranks  # noqa: E402
 from gdsckpt.errors import GdsckptError  # noqa: E402
 from gdsckpt.manager.steps import step_name  # noqa: E402
 
@@ -71,9 +71,8 @@ def run_ranks(tmp_path: Path, scenario, env: dict | None = None, timeout: float 
     """`scenario(rank, root, mesh)` on every rank (spawned); a rank's error is raised here, and a
     hang (a collective one rank never joins) fails within `timeout` seconds, the ranks killed.
     backend "cpu:gloo,cuda:nccl": each rank on its GPU, the mesh a CUDA one (2 GPUs needed)."""
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(_scenario_rank, args=(str(tmp_path), scenario, env or {}, pg_timeout, backend),
-                             nprocs=WORLD, join=False, start_method="spawn")
+    ctx = start_ranks(_scenario_rank, args=(str(tmp_path), scenario, env or {}, pg_timeout, backend),
+                      nprocs=WORLD, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -154,10 +153,8 @@ def _scenarios(rank: int, root: Path, url: str) -> None:
 
 
 def test_two_ranks_manager(tmp_path, s3_env):
-    import torch.multiprocessing as mp
     url = f"s3://{s3_env.new_bucket()}/dcp"
-    mp.start_processes(_rank_main, args=(str(tmp_path), url, s3_env.env()), nprocs=WORLD, join=True,
-                       start_method="spawn")
+    start_ranks(_rank_main, args=(str(tmp_path), url, s3_env.env()), nprocs=WORLD, join=True)
     from gdsckpt.stores import open_store
     names = sorted(open_store(url).list())
     assert "step_00000003/.metadata" in names and "step_00000003.uploaded.json" in names, names
@@ -207,8 +204,7 @@ def _snapshot_rank_main(rank: int, root: str) -> None:
 
 
 def test_two_ranks_snapshot_options(tmp_path):
-    import torch.multiprocessing as mp
-    mp.start_processes(_snapshot_rank_main, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="spawn")
+    start_ranks(_snapshot_rank_main, args=(str(tmp_path),), nprocs=WORLD, join=True)
 
 
 def _missing_rank_file(rank: int, root: Path, mesh) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank  # noqa: E402
+from ckpt_tools import end_rank, start_ranks  # noqa: E402
 from test_manager_dcp import WORLD, full_state, run_ranks, same_local, sharded  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
@@ -158,13 +158,11 @@ def test_two_ranks_a_step_one_ranks_memory_kept_alone_is_saved_again(tmp_path):
     """Before, rank 1's leftover copy of step 2 counted there: the resumed run restored step 1 on
     every rank, then save(2) raised "step 2 is not newer than step 2, already committed" on rank
     1 alone while rank 0 waited in the save's collectives."""
-    import torch.multiprocessing as mp
     roots = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
     try:
         for r in range(WORLD):
             (roots / f"r{r}").mkdir()
-        ctx = mp.start_processes(_killed_saving_step_2, args=(str(tmp_path), str(roots)), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+        ctx = start_ranks(_killed_saving_step_2, args=(str(tmp_path), str(roots)), nprocs=WORLD, join=False)
         deadline = time.monotonic() + 300
         for p in ctx.processes:
             p.join(max(0.1, deadline - time.monotonic()))

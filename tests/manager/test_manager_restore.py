@@ -12,7 +12,7 @@ import torch
 import gdsckpt
 from gdsckpt.manager.checkpointer import Checkpointer, step_name
 from conftest import assert_same
-from ckpt_tools import end_rank, flip_chunk_byte
+from ckpt_tools import end_rank, flip_chunk_byte, start_ranks
 from test_manager import OPTS, state_for
 
 
@@ -123,8 +123,7 @@ def _dcp_rank(rank: int, root: str) -> None:
 
 def test_dcp_step_with_a_damaged_metadata_falls_back(tmp_path):
     import torch.distributed as dist
-    import torch.multiprocessing as mp
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
 
-    mp.start_processes(_dcp_rank, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="spawn")
+    start_ranks(_dcp_rank, args=(str(tmp_path),), nprocs=WORLD, join=True)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank  # noqa: E402
+from ckpt_tools import end_rank, start_ranks  # noqa: E402
 from test_manager_dcp import WORLD, full_state, run_ranks, same_local, sharded  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
@@ -90,20 +90,17 @@ def _restart(rank: int, d: Path, mesh) -> None:
 
 
 def test_two_ranks_memory_tier(tmp_path):
-    import torch.multiprocessing as mp
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
     try:
         env = {"GDSCKPT_MEMORY_ROOT": str(root)}
-        mp.start_processes(_rank_main, args=(str(tmp_path), env, "save"), nprocs=WORLD, join=True,
-                           start_method="spawn")
+        start_ranks(_rank_main, args=(str(tmp_path), env, "save"), nprocs=WORLD, join=True)
         # the copies outlived the processes: a folder per rank, each with its two steps
         folders = sorted(os.listdir(root))
         assert [f[-3:] for f in folders] == ["-r0", "-r1"], folders
         for f in folders:
             assert sorted(n for n in os.listdir(root / f) if n.endswith(".commit")) == \
                 ["step_00000002.commit", "step_00000004.commit"]
-        mp.start_processes(_rank_main, args=(str(tmp_path), env, "restart"), nprocs=WORLD, join=True,
-                           start_method="spawn")
+        start_ranks(_rank_main, args=(str(tmp_path), env, "restart"), nprocs=WORLD, join=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank  # noqa: E402
+from ckpt_tools import end_rank, start_ranks  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
 STEPS = 8  # a run's length; saves at every step, the directory gets steps 1 and 1 + EVERY_LOCAL
@@ -74,13 +74,12 @@ def _rank_main(rank: int, world: int, root: str, scenario, nodes: list, phase: s
 
 
 def spawn(root: Path, scenario, nodes: list, phase: str, pg_timeout: float = 60):
-    import torch.multiprocessing as mp
     for n in set(nodes):
         (root / f"mem-node{n}").mkdir(exist_ok=True)
     (root / f"store-{phase}").unlink(missing_ok=True)
     (root / "nodes.json").write_text(json.dumps(nodes))
-    return mp.start_processes(_rank_main, args=(len(nodes), str(root), scenario, nodes, phase, pg_timeout),
-                              nprocs=len(nodes), join=False, start_method="spawn")
+    return start_ranks(_rank_main, args=(len(nodes), str(root), scenario, nodes, phase, pg_timeout),
+                       nprocs=len(nodes), join=False)
 
 
 def join(ctx, what: str, timeout: float = 150) -> None:
