@@ -144,13 +144,21 @@ def test_a_save_racing_a_reservation_stays_within_the_bound_and_is_bit_exact(tmp
     assert arenas.holding.wait(30)
     pool = pp.pool_for(None)
     assert pool.growing > 0 and pool.capacity == 2 << 20 and not fut.done()
-    opener = threading.Timer(0.5, arenas.gate.set)  # the save may need the arena in progress
-    opener.start()
+    real_wait = pool._cond.wait
+
+    def wait(timeout=None):
+        """The save waits in the pool (for the arena in progress, or for room): the arena may land
+        now (else it lands once the save is done). Not a timer: under load the save had not always
+        reached the pool when one fired, and the reservation took the whole bound."""
+        if threading.current_thread().name != "gdsckpt-reserve":
+            arenas.gate.set()
+        return real_wait(timeout)
+
+    monkeypatch.setattr(pool._cond, "wait", wait)
     try:
         stats = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", pool_bytes=bound, **SMALL).result(60)
     finally:
         arenas.gate.set()
-        opener.cancel()
     r = fut.result(60)
     assert stats.pool_limit_bytes == r.limit_bytes
     assert max(arenas.outstanding) <= r.limit_bytes
