@@ -13,15 +13,26 @@ step() { echo "[package $((SECONDS - t0))s] $*" >&2; }
 step "building the sdist and the wheel"
 setup_pip
 "${_setup_pip[@]}" install --progress-bar off -q "build>=1"
-.venv/bin/python -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+# --no-isolation: with .venv's setuptools (setup.sh installs the floor pyproject's build-system
+# names), not two throwaway venvs that each download and install setuptools; build still checks
+# that .venv meets build-system.requires, and fails if not.
+.venv/bin/python -m build --no-isolation --outdir "$work/dist" . >"$work/build.log" 2>&1 \
+  || { cat "$work/build.log"; exit 1; }
 if grep -i "deprecat" "$work/build.log"; then
   step "the build warned of deprecated settings (above)"; exit 1
 fi
 ls "$work/dist"
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
 step "installing the wheel into a fresh venv (torch $torch_version)"
-python3 -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install --progress-bar off -q "torch==$torch_version" "$work"/dist/*.whl
+# No pip of its own where this Python's pip can install into it (setup.sh says why); --no-compile:
+# no bytecode for torch's thousands of modules, most never imported here.
+python3 -m venv --without-pip "$work/venv"
+venv_pip=(python3 -m pip --python "$work/venv/bin/python")
+if ! "${venv_pip[@]}" --version >/dev/null 2>&1; then
+  "$work/venv/bin/python" -m ensurepip -q
+  venv_pip=("$work/venv/bin/python" -m pip)
+fi
+"${venv_pip[@]}" install --progress-bar off --no-compile -q "torch==$torch_version" "$work"/dist/*.whl
 step "smoke test"
 cd "$work"
 "$work/venv/bin/gdsckpt" --version
