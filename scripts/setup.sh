@@ -19,7 +19,7 @@ _setup_bench="gdsckpt torch numpy zstandard awscrt tqdm safetensors"
 case "$_setup_mode" in
   bench) _setup_extras="bench"; _setup_needs="$_setup_bench" ;;
   test) _setup_extras="test,bench"
-        _setup_needs="$_setup_bench matplotlib pytest hypothesis obstore boto3 lightning transformers torchtitan deepspeed megatron.core" ;;
+        _setup_needs="$_setup_bench matplotlib pytest xdist hypothesis obstore boto3 lightning transformers torchtitan deepspeed megatron.core" ;;
   *) echo "setup.sh: unknown mode $_setup_mode (bench or test)" >&2; return 2 2>/dev/null || exit 2 ;;
 esac
 # Whether every module the mode needs is installed: found, not imported (importing torch alone

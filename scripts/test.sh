@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets everything up from nothing (scripts/setup.sh test: the test and
 # framework extras too), then runs the tests. Timings: tests/README.md.
-#   scripts/test.sh              the whole suite
+#   scripts/test.sh              the whole suite, on two workers (pytest-xdist)
 #   scripts/test.sh --quick      the quick subset: pytest -m "not slow and not integration", the
 #                                markers tests/conftest.py gives (tests/README.md lists them)
 # Any other argument goes to pytest (a file, -k EXPR, -x ...).
@@ -17,4 +17,6 @@ for arg in "$@"; do
     args+=("$arg")
   fi
 done
-exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
+# Two workers (pytest-xdist), each test file whole on one of them (its module fixtures made once):
+# much of the suite waits on child processes, gloo ranks and servers. `-n 0` after turns it off.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile ${args[@]+"${args[@]}"}
