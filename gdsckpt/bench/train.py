@@ -329,9 +329,8 @@ def _add_train(ap) -> None:
                    help="comma list: " + ", ".join(ALIASES) + f", or all (default: {DEFAULT_METHODS}; under "
                         f"torchrun {DEFAULT_METHODS_RANKS})")
     g.add_argument("--steps", type=int, default=None,
-                   help=f"training steps per loop; a checkpoint every --interval steps but in the last interval "
-                        f"(default {STEPS}; on the CPU, with --interval not given either: three intervals, as many "
-                        f"steps as make the whole run about 2 minutes)")
+                   help=f"training steps per loop (default {STEPS}; on the CPU without --interval: three "
+                        f"intervals, about 2 minutes in all)")
     g.add_argument("--interval", type=int, default=None, help=f"a checkpoint every N steps (default {INTERVAL})")
     g.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every method's loop (default 2)")
     g.add_argument("--jsonl", metavar="PATH", default=None,
@@ -342,8 +341,7 @@ def _add_train(ap) -> None:
                    help="the loop reads its loss (loss.item(), the host waiting for the GPU) every N steps; between, "
                         "the host runs ahead (default 1: every step). N must divide --interval // 4")
     g.add_argument("--dcp-planner", choices=["cached", "default"], default="cached",
-                   help="the save planner of every DCP method: gdsckpt.dcp.CachedSavePlanner, "
-                        "DCP's plan caching, as torchtitan-scale runs use it; or DCP's DefaultSavePlanner")
+                   help="the DCP methods' save planner: gdsckpt.dcp.CachedSavePlanner or DCP's default")
     train_memory.add_arguments(g)
 
 

@@ -53,16 +53,14 @@ REPLICAS_WAIT_S = 600  # at the end: the last step's replication, waited for bef
 
 def add_arguments(g) -> None:
     g.add_argument("--memory", action="store_true",
-                   help="--train: add the memory tier (Checkpointer(memory=True)) and time its restores in a new "
-                        "process (memory, cold local file, --memory-remote store)")
+                   help="add the memory tier (Checkpointer(memory=True)); its restores timed in a new process")
     g.add_argument("--every-local", type=int, default=4,
                    help="--memory: write every N-th memory checkpoint to the directory (default 4)")
     g.add_argument("--memory-remote", default=None,
                    help="--memory: also upload the restore test's step to this s3://bucket/prefix and time its restore")
     g.add_argument("--replicas", type=int, default=0, metavar="N",
-                   help="--memory under torchrun: also run the memory tier with replicas=N (each step's copy held "
-                        "by N ranks on other nodes) beside it, in the same run; where every rank is on one host, "
-                        "each rank is a node of its own (node=rank, a memory root of its own)")
+                   help="--memory under torchrun: the memory tier with replicas=N too, in the same run (on one "
+                        "host each rank is a node)")
 
 
 def methods(every_local: int, replicas: int) -> list:
