@@ -11,6 +11,11 @@
 # Each step says what it does on stderr, and pip shows what it fetches and installs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Packages are installed without bytecode (--no-compile, below): each module is compiled on its
+# first import and its .pyc written then. With PYTHONDONTWRITEBYTECODE set (as on our CI
+# machines) nothing is ever written, and every process that imports torch compiles its modules
+# again: the suite took 998 s from a fresh clone with it set, 546 s with the bytecode kept.
+unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
 _setup_mode=${1:?"usage: source scripts/setup.sh bench|test"}
 _setup_t0=$SECONDS
