@@ -71,6 +71,7 @@ class GdsckptCheckpointIO(CheckpointIO):
         self.save_options = save_options
         self._in_flight: list[Any] = []  # its SaveFutures not known finished, oldest first
         self._lock = threading.Lock()  # AsyncCheckpointIO saves from its own thread
+        self._removals: list[threading.Event] = []  # remove_checkpoint's, each set once its file is handled
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
@@ -121,10 +122,20 @@ class GdsckptCheckpointIO(CheckpointIO):
         if newest is None:
             path.unlink(missing_ok=True)
         else:  # run on the writer's thread as the save commits: before any later save's commit
-            newest.add_done_callback(lambda fut: _remove_after(fut, path))
+            removed = threading.Event()  # teardown() waits for it: a future's waiters wake before its callbacks run
+
+            def remove(fut) -> None:
+                try:
+                    _remove_after(fut, path)
+                finally:
+                    removed.set()
+            with self._lock:
+                self._removals.append(removed)
+            newest.add_done_callback(remove)
 
     def teardown(self) -> None:
-        """Wait for every save in flight; raise the first that failed."""
+        """Wait for every save in flight, and the removals waiting for them; raise the first
+        save that failed."""
         self._wait(None)
 
     def _wait(self, resolved: Path | None) -> None:
@@ -135,9 +146,13 @@ class GdsckptCheckpointIO(CheckpointIO):
             gdsckpt.wait_for_saves_to(resolved)
         else:
             with self._lock:
-                waiting = list(self._in_flight)
+                waiting, removals = list(self._in_flight), list(self._removals)
             for fut in waiting:
                 fut.exception()
+            for removed in removals:  # the removals those saves' callbacks make
+                removed.wait()
+            with self._lock:
+                self._removals = [r for r in self._removals if not r.is_set()]
         self._reap()
 
     def _reap(self) -> None:

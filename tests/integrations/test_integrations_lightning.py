@@ -334,6 +334,30 @@ def test_the_previous_checkpoint_goes_only_once_the_next_is_durable(tmp_path, mo
     assert new.exists() and not worse.exists()  # the failed save's predecessor stays
 
 
+def test_teardown_returns_after_the_removal_waiting_for_a_save(tmp_path, monkeypatch):
+    """teardown() waits for the removal that waits for a save, not only for the save: a future's
+    waiters wake before its callbacks run, and the previous checkpoint was once still there after
+    teardown() returned (seen under load)."""
+    pytest.importorskip("lightning")
+    import time
+    import torch
+    from gdsckpt.integrations import lightning as gl
+    remove_after = gl._remove_after
+
+    def slow(fut, path):  # the window the waiters' wake-up falls into, widened
+        time.sleep(0.5)
+        remove_after(fut, path)
+    monkeypatch.setattr(gl, "_remove_after", slow)
+    io = gl.GdsckptCheckpointIO(async_save=True)
+    old, new = tmp_path / "step=2.ckpt", tmp_path / "step=4.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "global_step": 2}, old)
+    io.teardown()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 4}, new)
+    io.remove_checkpoint(old)
+    io.teardown()
+    assert not old.exists() and new.exists()
+
+
 def test_fabric_save_and_load(tmp_path):
     """Fabric's save / load go through the same CheckpointIO: a module, an optimizer and a plain value."""
     _needs("lightning")
