@@ -151,6 +151,9 @@ def _train(rank, root, mesh, node, phase):
     assert rep["steps"][5]["replicated_on"] == rep["holders"] and rep["steps"][4]["replicated_on"] == rep["holders"]
     assert rep["held"] == {o: [4, 5] for o in rep["held_for"]}, rep  # keep_memory=2 replicas too
     assert rep["held_bytes"] > 0 and st["held_bytes"] <= st["cap_bytes"]
+    # the wire's timings of the last step, on both ends (status()'s trace of a replication)
+    assert rep["last"]["step"] == 5 and rep["last"]["wire"][rep["holders"][0]]["bytes"] == rep["last"]["bytes"]
+    assert all(rep["received"][o]["step"] == 5 and rep["received"][o]["seconds"] > 0 for o in rep["held_for"]), rep
     losses_path(root, "crash", rank).write_text(json.dumps(losses))
     (root / f"ready-r{rank}").touch()
     time.sleep(600)  # training goes on, as far as this rank knows; kill -9 ends it

@@ -175,12 +175,13 @@ class Wire:
         are on the wire; from the slot's page-locked arenas (see prepare), or, `segment` given
         (the GPU backend's ChunkFile on the slot's file), read into the device by its threads."""
         import torch.distributed as dist
+        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         if self.device is None:
             for lo, hi in pieces(nbytes):
                 self.send(_host_bytes(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
+            self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": 0.0}
             return
         what = f"sending an image to rank {dst}"
-        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         inflight: deque = deque()
         with torch.cuda.stream(self._stream):
             for n, (lo, hi) in enumerate(pieces(nbytes)):
@@ -206,13 +207,14 @@ class Wire:
         On NCCL, PIPELINE_DEPTH pieces in flight: a piece is copied to the segment (page-locked
         arenas) while the next ones arrive."""
         import torch.distributed as dist
+        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         if self.device is None:
             for lo, hi in pieces(nbytes):
                 slot.host(lo, hi, pin=False)  # its arenas taken first: a full /dev/shm is an error, not a SIGBUS
                 self.recv(slot.tensor[lo:hi], src, tag, bound(hi - lo), self.data)
+            self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": 0.0}
             return
         what = f"receiving an image from rank {src}"
-        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         ranges = list(pieces(nbytes))
         inflight: deque = deque()
 
