@@ -161,19 +161,33 @@ def reserve_pool(planned: Planned, bound: int, stop: Callable[[], bool]) -> Rese
                        warm_s, alloc_s)
 
 
-def reserve_memory(tier, planned: Planned, stop: Callable[[], bool]) -> Reservation:
+def reserve_memory(tier, planned: Planned, stop: Callable[[], bool], replicas: tuple = ()) -> Reservation:
     """Make and page-lock the memory tier's slots for the next steps (MemoryTier.make_spares),
-    one at a time, then warm the backend (on the reservation's thread: a step that needs a slot
-    meanwhile waits for one, not for the warm-up). Every slot made is handed back, ready or not,
-    whatever happens: a step would wait for it."""
+    one at a time, then those of the tiers in `replicas` (the peer replicas this rank holds,
+    each at the state's size: a peer's image is about its own), then warm the backend (on the
+    reservation's thread: a step that needs a slot meanwhile waits for one, not for the
+    warm-up). Every slot made is handed back, ready or not, whatever happens: a step would wait
+    for it."""
     t0 = time.perf_counter()
-    spares = tier.make_spares(slot_bytes(planned.plan))
+    allocated = made = 0
+    for each in (tier, *replicas):
+        got, n = _make_spares(each, slot_bytes(planned.plan), planned.kind == "gpu", stop)
+        allocated, made = allocated + got, made + n
+    alloc_s = time.perf_counter() - t0
+    warm_s = warm(planned)
+    return Reservation(f"memory {tier.folder}", tier.cap_bytes, tier.held_bytes(), allocated,
+                       planned.kind == "gpu", time.perf_counter() - t0, warm_s, alloc_s, made)
+
+
+def _make_spares(tier, need: int, pin: bool, stop: Callable[[], bool]) -> tuple[int, int]:
+    """`tier`'s spare slots of `need` bytes made and (pin) page-locked; (bytes, slots) made ready."""
+    spares = tier.make_spares(need)
     allocated = made = 0
     try:
         while spares:
             slot, ready = spares[0], False
             try:
-                ready = slot.prepare(planned.kind == "gpu", lambda: stop() or tier.stopping())
+                ready = slot.prepare(pin, lambda: stop() or tier.stopping())
             finally:
                 spares.pop(0)
                 tier.spare_done(slot, ready)
@@ -182,10 +196,7 @@ def reserve_memory(tier, planned: Planned, stop: Callable[[], bool]) -> Reservat
     finally:
         for slot in spares:  # after a failure: the rest go, never prepared
             tier.spare_done(slot, False)
-    alloc_s = time.perf_counter() - t0
-    warm_s = warm(planned)
-    return Reservation(f"memory {tier.folder}", tier.cap_bytes, tier.held_bytes(), allocated,
-                       planned.kind == "gpu", time.perf_counter() - t0, warm_s, alloc_s, made)
+    return allocated, made
 
 
 class _Discard:

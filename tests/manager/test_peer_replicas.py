@@ -284,6 +284,34 @@ def test_two_nodes_of_two_ranks_node_lost():
         _after_loss(root, lost=[1], step=5, sources=["memory", "memory", "peer", "peer"], nodes=nodes)
 
 
+# ------------------------------------------------------------------ replicas' segments made ahead
+def _reserved(rank, root, mesh, node, phase):
+    """Checkpointer.reserve makes the segments of the replicas a rank holds, with its own, before
+    any save: the replicas then go into those (none is made beside training)."""
+    from gdsckpt import Checkpointer
+    model, opt = make_training(mesh)
+    train_step(model, opt, mesh, 1)
+    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    ck.reserve({"model": model, "optim": opt}, wait=True)
+    folder, = (root / f"mem-node{node}").glob(f"*.replica-r{rank}")
+    made = {p.name for p in folder.glob("slot-*")}
+    assert len(made) == 2, made  # keep_memory's two
+    dist.barrier()
+    for step in range(1, 5):
+        train_step(model, opt, mesh, step + 1)
+        ck.save_async(step, {"model": model, "optim": opt})
+        ck.wait()
+        assert ck.memory.wait_replicas(60)
+    dist.barrier()
+    used = {json.loads(p.read_text())["slot"] for p in folder.glob("step_*.commit")}
+    assert len(used) == 2 and used <= made and {p.name for p in folder.glob("slot-*")} == made, (used, made)
+    ck.close()
+
+
+def test_reserve_makes_the_replicas_segments_ahead(shm_tmp):
+    run(shm_tmp, _reserved, [0, 1], "reserve")
+
+
 # ------------------------------------------------------------------ a holder that hangs, then dies
 def _hung_holder(rank, root, mesh, node, phase):
     """Rank 1 (rank 0's holder) is stopped (SIGSTOP) by the test, then killed: rank 0's saves

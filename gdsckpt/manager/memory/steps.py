@@ -128,8 +128,9 @@ class MemorySteps:
         return _then(self.layout.save_async(step, state, optimizer), lambda: self._written(step))
 
     def reserve(self, state, wait: bool) -> Future:
-        """The next steps' room made ahead of need (Checkpointer.reserve): the tier's slots, made
-        and page-locked on a background thread (reserve.reserve_memory); where the tier has no
+        """The next steps' room made ahead of need (Checkpointer.reserve): the tier's slots and
+        those of the replicas it holds for its peers, made and page-locked on a background thread
+        (reserve.reserve_memory), so that neither is made beside training; where the tier has no
         room for the state (its steps go to the directory as without the tier), save_async's pool."""
         from .snapshot import slot_bytes
         from gdsckpt.writing.reserve import in_background, plan_for, reserve_memory, reserve_planned
@@ -137,7 +138,8 @@ class MemorySteps:
         planned = plan_for(what, self.save_options)
         if not self.distributed and self.tier.room_for(slot_bytes(planned.plan)) is not None:
             return reserve_planned(planned, None, wait)  # planned once: `what` is `state` here
-        return in_background(lambda stop: reserve_memory(self.tier, planned, stop), planned.device, wait)
+        replicas = tuple(self.peers.store.tiers.values()) if self.peers is not None else ()
+        return in_background(lambda stop: reserve_memory(self.tier, planned, stop, replicas), planned.device, wait)
 
     def next_is_local(self) -> bool:
         """Whether the next save is also written to the directory: the 1st, (1 + every_local)th, ..."""
