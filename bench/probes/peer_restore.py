@@ -282,14 +282,10 @@ def link_bandwidth(device, nbytes: int = 1 << 30) -> dict:
 def drop_cache(folder: Path, everything: bool) -> str:
     """posix_fadvise(DONTNEED) on every file of `folder` (after fsync); everything: also drop the
     whole page cache where this process may (root)."""
+    from gdsckpt.bench.disk import drop_page_cache
     for f in folder.rglob("*"):
         if f.is_file():
-            fd = os.open(f, os.O_RDWR)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(f)
     if everything:
         try:
             os.sync()
