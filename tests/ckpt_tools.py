@@ -140,6 +140,19 @@ def start_ranks(fn, args: tuple = (), nprocs: int = 2, join: bool = True):
                               join=join, start_method="forkserver")
 
 
+def join_ranks(ctx, what: str, timeout: float) -> None:
+    """Join the ranks of start_ranks(join=False); a rank's error is raised here, and ranks still
+    running after `timeout` seconds (a collective one rank never joins) are killed and fail the test."""
+    import time
+    import pytest
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what}: the ranks hung for {timeout}s")
+
+
 def _rank_as_spawned(rank: int, fn, env: dict, cwd: str, *args) -> None:
     os.environ.clear()
     os.environ.update(env)

@@ -210,3 +210,13 @@ def shm(monkeypatch):
     monkeypatch.setenv("GDSCKPT_MEMORY_ROOT", str(root))
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_tmp():
+    """A temporary folder in /dev/shm (a memory tier's own file system), removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="gdsckpt-test-", dir="/dev/shm"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

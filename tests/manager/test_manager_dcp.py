@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank, start_ranks  # noqa: E402
+from ckpt_tools import end_rank, join_ranks, start_ranks  # noqa: E402
 from gdsckpt.errors import GdsckptError  # noqa: E402
 from gdsckpt.manager.steps import step_name  # noqa: E402
 
@@ -73,12 +73,7 @@ def run_ranks(tmp_path: Path, scenario, env: dict | None = None, timeout: float 
     backend "cpu:gloo,cuda:nccl": each rank on its GPU, the mesh a CUDA one (2 GPUs needed)."""
     ctx = start_ranks(_scenario_rank, args=(str(tmp_path), scenario, env or {}, pg_timeout, backend),
                       nprocs=WORLD, join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{scenario.__name__}: the ranks hung for {timeout}s")
+    join_ranks(ctx, scenario.__name__, timeout)
 
 
 def _rank_main(rank: int, root: str, url: str, env: dict) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank, start_ranks  # noqa: E402
+from ckpt_tools import end_rank, join_ranks, start_ranks  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
 STEPS = 8  # a run's length; saves at every step, the directory gets steps 1 and 1 + EVERY_LOCAL
@@ -82,17 +82,8 @@ def spawn(root: Path, scenario, nodes: list, phase: str, pg_timeout: float = 60)
                        nprocs=len(nodes), join=False)
 
 
-def join(ctx, what: str, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{what}: the ranks hung for {timeout}s")
-
-
 def run(root: Path, scenario, nodes: list, phase: str, timeout: float = 150, pg_timeout: float = 60) -> None:
-    join(spawn(root, scenario, nodes, phase, pg_timeout), f"{scenario.__name__} {phase}", timeout)
+    join_ranks(spawn(root, scenario, nodes, phase, pg_timeout), f"{scenario.__name__} {phase}", timeout)
 
 
 def wait_for(path: Path, ctx, timeout: float = 120) -> None:
@@ -230,15 +221,6 @@ def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), da
             assert {**before, **after} == ref, (r, before, after, ref)  # bit-equal floats, every step
     finally:
         (root / "want.json").unlink(missing_ok=True)
-
-
-@pytest.fixture
-def shm_tmp():
-    root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_node_lost_restores_from_its_peer(crashed):

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt_tools import end_rank
-from test_peer_replicas import join, kill_job, wait_for
+from ckpt_tools import end_rank, join_ranks
+from test_peer_replicas import kill_job, wait_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -128,7 +128,7 @@ def _after_loss(root: Path, step: int, sources: list, damage=None) -> None:
     if damage is not None:
         damage(root)
     (root / "want.json").write_text(json.dumps({"step": step, "sources": sources}))
-    join(_spawn(root, "resume"), "restore after the loss", 300)
+    join_ranks(_spawn(root, "resume"), "restore after the loss", 300)
 
 
 def test_lost_gpu_node_restores_from_its_peer_over_nccl(crashed):

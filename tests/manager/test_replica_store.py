@@ -4,11 +4,10 @@ rank's own copies; the newest replica of a step on no disk never dropped)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import stat
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,12 +84,8 @@ def test_plan_takes_steps_every_rank_can_get():
 
 # ------------------------------------------------------------------ the holder's store
 @pytest.fixture
-def root():
-    r = Path(tempfile.mkdtemp(prefix="gdsckpt-replicas-", dir="/dev/shm"))
-    try:
-        yield r
-    finally:
-        shutil.rmtree(r, ignore_errors=True)
+def root(shm_tmp):
+    return shm_tmp
 
 
 def _image(tmp_path: Path, seed: int) -> bytes:
@@ -112,12 +107,22 @@ def _offer(store: ReplicaStore, origin: int, step: int, image: bytes, footer: by
     return store.commit(origin, slot, step, len(image), footer if footer is not None else image[-fmt.FOOTER_SIZE:])
 
 
-def test_replica_checked_before_it_counts(tmp_path, root):
-    d = tmp_path / "ck"
+@contextlib.contextmanager
+def holder(d: Path, root: Path, world: int = 2):
+    """Rank 0's own tier and its ReplicaStore of rank 1's replicas, in a world of `world`."""
     own = MemoryTier(d, rank=0, cap_bytes=1 << 30, root=root)
-    store = ReplicaStore(d, rank=0, origins=[1], world=2, cap_bytes=1 << 30, keep=2, on_disk=tuple,
+    store = ReplicaStore(d, rank=0, origins=[1], world=world, cap_bytes=1 << 30, keep=2, on_disk=tuple,
                          own_folder=own.folder, root=root)
     try:
+        yield own, store
+    finally:
+        store.close()
+        own.close()
+
+
+def test_replica_checked_before_it_counts(tmp_path, root):
+    d = tmp_path / "ck"
+    with holder(d, root) as (own, store):
         img = _image(tmp_path, 1)
         assert _offer(store, 1, 1, img)
         assert not _offer(store, 1, 2, img, damage_at=fmt.HEADER_SIZE + 7)  # a chunk's byte
@@ -133,27 +138,12 @@ def test_replica_checked_before_it_counts(tmp_path, root):
         assert json.loads((folder / "replica.json").read_text()) == {"origin": 1, "holder": 0, "world": 2}
         # the CLI's listing of a directory's own copies does not take replicas for a rank's own
         assert gdsckpt.manager.memory.folders.tier_folders(d, root) == {0: own.folder}
-    finally:
-        store.close()
-        own.close()
     # the committed replica outlives the process's store: the next one finds it
-    own = MemoryTier(d, rank=0, cap_bytes=1 << 30, root=root)
-    store = ReplicaStore(d, rank=0, origins=[1], world=2, cap_bytes=1 << 30, keep=2, on_disk=tuple,
-                         own_folder=own.folder, root=root)
-    try:
+    with holder(d, root) as (_, store):
         assert store.inventory() == {1: {1: len(img)}}
-    finally:
-        store.close()
-        own.close()
     # a world of another size: its replicas are another sharding's, released
-    own = MemoryTier(d, rank=0, cap_bytes=1 << 30, root=root)
-    store = ReplicaStore(d, rank=0, origins=[1], world=3, cap_bytes=1 << 30, keep=2, on_disk=tuple,
-                         own_folder=own.folder, root=root)
-    try:
+    with holder(d, root, world=3) as (_, store):
         assert store.inventory() == {1: {}}
-    finally:
-        store.close()
-        own.close()
 
 
 def test_replicas_count_against_the_cap(tmp_path, root):
