@@ -154,6 +154,7 @@ class PeerReplicas:
         else:
             slot, _ = self.tier.reserve(step, nbytes)
             try:
+                wire.prepare(slot, nbytes)  # before the holder's sends can be waiting for this rank
                 wire.recv_image(slot, nbytes, holder, TAG_RESTORE)
                 why = check_image(slot, nbytes, None, label)
                 if why is not None:
