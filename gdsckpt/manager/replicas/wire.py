@@ -113,8 +113,7 @@ class Wire:
         self.control, self.data, self.device = control, data, device
         self._staging: list[torch.Tensor] = []
         self._stream = None
-        # the last image's: seconds in all, and in taking/page-locking host arenas first reached
-        # (prepare's, before it, included)
+        # the last image's: bytes, seconds, and prepare's seconds page-locking before it
         self.last: dict = {}
         self._prepared = 0.0
 
@@ -179,7 +178,7 @@ class Wire:
         if self.device is None:
             for lo, hi in pieces(nbytes):
                 self.send(_host_bytes(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
-            self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": 0.0}
+            self._record(nbytes, t, pin)
             return
         what = f"sending an image to rank {dst}"
         inflight: deque = deque()
@@ -191,16 +190,14 @@ class Wire:
                 if segment is not None:
                     segment.pread(buf, hi - lo, lo).get()
                 else:
-                    host, spent = _pinned(slot, lo, hi)
-                    pin += spent
                     at = 0
-                    for piece in host:  # host -> device on the wire's stream; NCCL's send waits for it
+                    for piece in _pinned(slot, lo, hi):  # host -> device on the wire's stream; NCCL's send waits for it
                         buf[at:at + piece.numel()].copy_(piece, non_blocking=True)
                         at += piece.numel()
                 inflight.append((self._start(dist.isend, buf, dst, tag, self.data), bound(hi - lo)))
             while inflight:
                 self._wait(*inflight.popleft(), what)
-        self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": pin}
+        self._record(nbytes, t, pin)
 
     def recv_image(self, slot, nbytes: int, src: int, tag: int) -> None:
         """`nbytes` from `src` into `slot` from offset 0 (its mapping holds them: made for them).
@@ -212,7 +209,7 @@ class Wire:
             for lo, hi in pieces(nbytes):
                 slot.host(lo, hi, pin=False)  # its arenas taken first: a full /dev/shm is an error, not a SIGBUS
                 self.recv(slot.tensor[lo:hi], src, tag, bound(hi - lo), self.data)
-            self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": 0.0}
+            self._record(nbytes, t, pin)
             return
         what = f"receiving an image from rank {src}"
         ranges = list(pieces(nbytes))
@@ -230,23 +227,21 @@ class Wire:
                 work, n, buf = inflight.popleft()
                 lo, hi = ranges[n]
                 self._wait(work, bound(hi - lo), what)
-                host, spent = slot.host(lo, hi, pin=True)
-                pin += spent
                 at = 0
-                for piece in host:
+                for piece in slot.host(lo, hi, pin=True)[0]:  # locked by prepare: a view, no CUDA call
                     piece.copy_(buf[at:at + piece.numel()], non_blocking=True)
                     at += piece.numel()
                 if n + PIPELINE_DEPTH < len(ranges):
                     post(n + PIPELINE_DEPTH)
             self._stream.synchronize()
-        self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t, "pin_seconds": pin}
+        self._record(nbytes, t, pin)
 
     def recv_to_device(self, image: torch.Tensor, src: int, tag: int) -> None:
         """An image sent by send_image received straight into the device tensor `image` (its
         length), PIPELINE_DEPTH pieces posted at a time: no staging, no host memory."""
         import torch.distributed as dist
         what = f"receiving an image from rank {src}"
-        t = time.perf_counter()
+        t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         inflight: deque = deque()
         with torch.cuda.stream(self._stream):
             for lo, hi in pieces(image.numel()):
@@ -256,7 +251,11 @@ class Wire:
             while inflight:
                 self._wait(*inflight.popleft(), what)
             self._stream.synchronize()
-        self.last = {"bytes": image.numel(), "seconds": time.perf_counter() - t, "pin_seconds": 0.0}
+        self._record(image.numel(), t, pin)
+
+    def _record(self, nbytes: int, t0: float, pin: float) -> None:
+        """The image just sent or received: its bytes, seconds since t0, and prepare's seconds."""
+        self.last = {"bytes": nbytes, "seconds": time.perf_counter() - t0, "pin_seconds": pin}
 
     def _buffer(self, n: int, size: int) -> torch.Tensor:
         """Piece n's staging buffer (PIPELINE_DEPTH of them, made on first use)."""
@@ -291,13 +290,12 @@ def _host_bytes(slot, lo: int, hi: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(slot.read(hi - lo, lo)), dtype=torch.uint8)
 
 
-def _pinned(slot, lo: int, hi: int) -> tuple[list[torch.Tensor], float]:
-    """Bytes [lo, hi) of `slot` to copy to a device: its page-locked arenas (locked now where a
-    new process has not yet), or a copy where an index outgrew the mapping; and the seconds
-    spent locking."""
+def _pinned(slot, lo: int, hi: int) -> list[torch.Tensor]:
+    """Bytes [lo, hi) of `slot` to copy to a device: its arenas page-locked by prepare, or a
+    copy where an index outgrew the mapping."""
     if hi <= slot.mapped:
-        return slot.host(lo, hi, pin=True)
-    return [_host_bytes(slot, lo, hi)], 0.0
+        return slot.host(lo, hi, pin=True)[0]
+    return [_host_bytes(slot, lo, hi)]
 
 
 def header(kind: int, step: int = 0, nbytes: int = 0, footer: bytes = b"") -> torch.Tensor:
