@@ -53,31 +53,27 @@ def tier_folder(directory: Path, rank: int, root: Path | None = None) -> Path:
 
 def tier_folders(directory: Path, root: Path | None = None) -> dict[int, Path]:
     """{rank: folder} of every rank of `directory` that has a tier on this host."""
-    prefix = _prefix(directory)
-    out = {}
-    try:
-        entries = os.listdir(root or memory_root())
-    except FileNotFoundError:
-        return {}
-    for name in entries:
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            out[int(name[len(prefix):])] = (root or memory_root()) / name
-    return dict(sorted(out.items()))
+    return dict(sorted((int(rest), folder) for rest, folder in _named_for(directory, root) if rest.isdigit()))
 
 
 def replica_folders(directory: Path, root: Path | None = None) -> dict[tuple[int, int], Path]:
     """{(origin, holder): folder} of every peer replica tier of `directory` on this host."""
-    prefix, root = _prefix(directory), root or memory_root()
     out = {}
+    for rest, folder in _named_for(directory, root):
+        origin, tag, holder = rest.partition(REPLICA_TAG)
+        if tag and origin.isdigit() and holder.isdigit():
+            out[(int(origin), int(holder))] = folder
+    return dict(sorted(out.items()))
+
+
+def _named_for(directory: Path, root: Path | None) -> list[tuple[str, Path]]:
+    """(what follows the prefix, folder) of every entry under the root named for `directory`."""
+    prefix, root = _prefix(directory), root or memory_root()
     try:
         entries = os.listdir(root)
     except FileNotFoundError:
-        return {}
-    for name in entries:
-        origin, tag, holder = name[len(prefix):].partition(REPLICA_TAG)
-        if name.startswith(prefix) and tag and origin.isdigit() and holder.isdigit():
-            out[(int(origin), int(holder))] = root / name
-    return dict(sorted(out.items()))
+        return []
+    return [(name[len(prefix):], root / name) for name in entries if name.startswith(prefix)]
 
 
 def directory_id(directory: Path, create: bool) -> str | None:
