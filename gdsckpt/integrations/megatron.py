@@ -141,13 +141,18 @@ class GdsckptSaveShardedStrategy(TorchDistSaveShardedStrategy):
         # that host memory holds one save's compressed bytes, never two.
         wait([_WRITER.submit(lambda: None)])
         # GdsckptWriter's own staging (dcp.async_save's stager): the tensors compressed into the
-        # pool, stand-ins back, put where DCP's planner will find them (_swap). A staging that
-        # failed hands the tensors back and keeps its error for write_data, which DCP raises on
-        # every rank alike.
-        _swap(state, writer.stage(tensors))
+        # pool, stand-ins back, put where DCP's planner will find them (_swap). On a GPU the
+        # staging may go on in the background (a Future of the stand-ins: the tensors copied on
+        # the device first), so the swap waits for it on the writer thread, not here. A staging
+        # that failed hands the tensors back and keeps its error for write_data, which DCP raises
+        # on every rank alike.
+        staged = writer.stage(tensors)
         group = shared_group()  # made on the caller's thread, in step with the other ranks
-        future = _WRITER.submit(_relayed, lambda: dcp.save(state, storage_writer=writer, planner=MegatronSavePlanner(),
-                                                           process_group=group), checkpoint_dir)
+
+        def write():
+            _swap(state, staged.result() if isinstance(staged, Future) else staged)
+            return dcp.save(state, storage_writer=writer, planner=MegatronSavePlanner(), process_group=group)
+        future = _WRITER.submit(_relayed, write, checkpoint_dir)
         return AsyncRequest(None, (), [WriteDone(future)])
 
     def reserve(self, sharded_state_dict, *, wait: bool = False) -> Future:
