@@ -110,10 +110,13 @@ def child_first(root: Path) -> dict:
         path = root / f"step-{step}"
         path.mkdir()
         if step in ASYNC_OURS or step == ASYNC_MEGATRON:
+            # counted against the children before the save: Megatron's own torch_dist save (step 3)
+            # leaves its multiprocessing Manager's server process running
+            before = {p.pid for p in multiprocessing.active_children()}
             request = dist_checkpointing.save(sharded_state(ddp, opt, step), str(path), sharded_strategy=strategy,
                                               async_sharded_save=True)
             (queue if step in ASYNC_OURS else megatron_queue).schedule_async_request(request)
-            out["children"].append(len(multiprocessing.active_children()))
+            out["children"].append(len({p.pid for p in multiprocessing.active_children()} - before))
         elif step == SYNC_AT:
             dist_checkpointing.save(sharded_state(ddp, opt, step), str(path), sharded_strategy=strategy)
             (root / "torch_dist-3").mkdir()
