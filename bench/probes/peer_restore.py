@@ -185,11 +185,17 @@ def phase_main(a) -> None:
         # replication adds is the difference, measured in one run
         ck0 = Checkpointer(a.dir.with_name(a.dir.name + "-noreplicas"), memory=True, node=rank, every_local=1000,
                            distributed=True)
+        t = time.perf_counter()
+        ck0.reserve(state, wait=True)  # the tier's slots made and page-locked before any save, as a user would
+        out["reserve_without_replicas_s"] = time.perf_counter() - t
         ck0.save_async(1, state)  # its first step goes to the directory, as the run's below does
         ck0.wait()
         out["saves_without_replicas"], _ = timed_saves(a, ck0, model, opt, base, rank, replicas=False)
         ck0.close()
         ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
+        t = time.perf_counter()
+        ck.reserve(state, wait=True)  # its own slots and the segments of the replicas it holds
+        out["reserve_s"] = time.perf_counter() - t
         t = time.perf_counter()
         ck.save_async(1, state)
         ck.wait()
@@ -300,7 +306,7 @@ def write(a, out: dict) -> None:
     (a.out / f"{a.phase}-r{out['rank']}.json").write_text(json.dumps(out, indent=1, default=str))
     if out["rank"] == 0:
         print(f"peer_restore {a.phase}: " + json.dumps({k: v for k, v in out.items() if k in (
-            "state_bytes", "step1_to_directory_s", "restore_s", "step", "source", "bit_exact", "nccl", "io_path")},
+            "state_bytes", "reserve_s", "step1_to_directory_s", "restore_s", "step", "source", "bit_exact", "nccl", "io_path")},
             default=str), flush=True)
 
 
