@@ -223,11 +223,13 @@ def run_loop(ctx: Ctx, method: Method, batches, steps: int, interval: int, tag: 
             pass
     rss0 = _rss()
     _rss_reset()
-    # A step pre-hook that save_async(..., optimizer=opt) installs makes opt.step() wait: ours,
-    # registered first, stamps the time (hook_t[0]); a second one, registered after each save
-    # (so after the library's), adds the time since then to the step's wait (hook_t[1]).
+    # A step pre-hook that save_async(..., optimizer=opt) installs makes opt.step() wait (as does
+    # the one a default save_async or gdsckpt.dcp.async_save installs where it finds the optimizer
+    # that fences the state): ours, registered first, stamps the time (hook_t[0]); a second one,
+    # registered after each save (so after the library's), adds the time since then to the
+    # step's wait (hook_t[1]).
     hook_t = [0.0, 0.0]
-    hooks = getattr(method, "with_opt", False)  # only then can the library's hook make a step wait
+    hooks = getattr(method, "with_opt", False) or method.asynchronous
     waits = hooks or type(method).before_step is not Method.before_step
     first = ctx.opt.register_step_pre_hook(lambda *a: hook_t.__setitem__(0, time.perf_counter())) if hooks else None
     last = None
