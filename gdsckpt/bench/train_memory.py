@@ -167,6 +167,7 @@ class CkptMemory(Method):
             elif durable is None:
                 # a Stats (the memory copy's file bytes); a DCP step's Metadata has none
                 ctx.stored_bytes = getattr(f.result(), "file_bytes", None) or ctx.stored_bytes
+                ctx.io_path = getattr(f.result(), "io_path", None) or ctx.io_path  # "memory"
                 handle.set_result(None)
             else:
                 durable.add_done_callback(written)
