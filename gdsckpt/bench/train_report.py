@@ -231,6 +231,8 @@ def headline(result: dict) -> str | None:
             continue
         if idle <= 0.01 * base:
             parts.append(f"{name} nothing measurable ({idle:+.3f} s)")
+        elif _within_noise(ok[base_name], row):
+            parts.append(f"{name} {idle:.3f} s (level with it: within the loops' noise)")
         else:
             x = base / idle
             parts.append(f"{name} {idle:.3f} s ({x:.1f}x less)" if x >= 1 else f"{name} {idle:.3f} s ({1 / x:.1f}x more)")
@@ -240,6 +242,16 @@ def headline(result: dict) -> str | None:
     if result.get("interrupted"):
         text += " (Interrupted: from the loops that finished.)"
     return text
+
+
+def _within_noise(a: dict, b: dict) -> bool:
+    """Whether two method rows' local idle estimates differ by less than twice the standard
+    error of their difference (a short run on a busy CPU: a ratio would be noise)."""
+    sa, sb = ((r.get("overhead_local_per_ckpt_s") or {}).get("se") for r in (a, b))
+    ia, ib = targets.idle_estimate(a), targets.idle_estimate(b)
+    if sa is None or sb is None or ia[1] != "local" or ib[1] != "local":
+        return False
+    return abs(ia[0] - ib[0]) < 2 * (sa * sa + sb * sb) ** 0.5
 
 
 def _f(x, fmt="{:.3f}"):

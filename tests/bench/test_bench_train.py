@@ -292,3 +292,24 @@ def test_dcp_save_process_logs_stay_out_of_the_output(tmp_path):
     rows = {m["name"]: m for m in json.loads((tmp_path / "r.json").read_text())["methods"]}
     assert rows["dcp.async_save pinned process"]["status"] == "ok"
     assert " - INFO - " not in p.stderr + p.stdout, p.stderr
+
+
+def test_headline_says_level_where_the_difference_is_within_the_noise():
+    from gdsckpt.bench.train_report import headline
+
+    def row(name, idle, se):
+        return {"name": name, "status": "ok", "overhead_per_ckpt_s": {"mean": idle},
+                "overhead_local_per_ckpt_s": {"mean": idle, "se": se, "n": 4}}
+    result = {"state": {"logical_bytes": 22_800_000},
+              "methods": [row("torch.save", 0.134, 0.070), row("gdsckpt.save_async", 0.227, 0.029),
+                          row("dcp.async_save GdsckptWriter", 0.010, 0.002)]}
+    text = headline(result)
+    assert text.startswith("Each checkpoint of the 22.8 MB state cost the training loop 0.134 s with torch.save + fsync")
+    # 0.093 s apart, twice the standard error of the difference 0.15 s: no ratio is claimed
+    assert "gdsckpt.save_async 0.227 s (level with it: within the loops' noise)" in text
+    # where the standard errors are small, the ratio stands
+    result["methods"][0]["overhead_local_per_ckpt_s"]["se"] = 0.005
+    result["methods"][1]["overhead_local_per_ckpt_s"]["se"] = 0.005
+    text = headline(result)
+    assert "gdsckpt.save_async 0.227 s (1.7x more)" in text
+    assert "dcp.async_save GdsckptWriter 0.010 s (13.4x less)" in text
