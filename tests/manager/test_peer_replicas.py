@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -203,7 +204,8 @@ def crashed():
     yield from _crash(NODES)
 
 
-def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), damage=None, nodes=NODES) -> None:
+def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), damage=None, nodes=NODES,
+                left=None) -> None:
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
     for n in lost:  # the node is gone, its memory with it
@@ -219,6 +221,10 @@ def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), da
                       if int(k) <= step}
             after = json.loads(losses_path(root, "resume", r).read_text())
             assert {**before, **after} == ref, (r, before, after, ref)  # bit-equal floats, every step
+        if left is not None:  # {node: the memory folders' names it holds after the resumed run}
+            names = {n: sorted(re.search(r"-(r\d+(?:\.replica-r\d+)?)$", p.name).group(1)
+                               for p in (root / f"mem-node{n}").iterdir()) for n in set(nodes)}
+            assert names == left, names
     finally:
         (root / "want.json").unlink(missing_ok=True)
 
@@ -257,13 +263,28 @@ def test_damaged_replica_is_refused_and_all_fall_back(crashed):
                 skipped=["rank(s) [1] could not restore step 5 from a peer's replica"], damage=_flip_replica_byte)
 
 
+def test_node_lost_and_the_job_numbered_anew(crashed):
+    """Node 1 lost, and the new job numbers the nodes otherwise (torchrun's rendezvous orders them
+    by host name: a replacement's may sort first): rank 0 now runs on node 2, rank 1 on node 0,
+    rank 2 on the replacement. No rank finds its copy under its own number, yet each is on some
+    node: rank 0's own copy on node 0, rank 1's replica on node 2, rank 2's own copy on node 2.
+    Every rank receives its step 5 from the node that has it, bit-exact, the losses as the
+    uninterrupted run's; the copies left under the old numbers are removed after the restore."""
+    left = {2: ["r0", "r2.replica-r0"], 0: ["r0.replica-r1", "r1"], 1: ["r1.replica-r2", "r2"]}
+    _after_loss(crashed, lost=[1], step=5, sources=["peer", "peer", "peer"], nodes=[2, 0, 1], left=left)
+
+
 def test_two_nodes_of_two_ranks_node_lost():
     """Two nodes of two processes each (ranks 0, 1 on node 0; 2, 3 on node 1): each rank's replica
     is held by the rank of the same local index on the other node. Node 1 lost: ranks 2 and 3
-    receive step 5 from ranks 0 and 1."""
+    receive step 5 from ranks 0 and 1. Then, from the same moment, no node lost but the job
+    numbered the other way round (ranks 0, 1 on node 1): each rank finds its step 5 on its own
+    node, in the replica the other numbering kept there, and takes it without the wire."""
     nodes = [0, 0, 1, 1]
     for root in _crash(nodes):
         _after_loss(root, lost=[1], step=5, sources=["memory", "memory", "peer", "peer"], nodes=nodes)
+        left = {1: ["r0", "r1", "r2.replica-r0", "r3.replica-r1"], 0: ["r0.replica-r2", "r1.replica-r3", "r2", "r3"]}
+        _after_loss(root, lost=[], step=5, sources=["memory"] * 4, nodes=[1, 1, 0, 0], left=left)
 
 
 # ------------------------------------------------------------------ replicas' segments made ahead

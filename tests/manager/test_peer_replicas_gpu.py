@@ -55,7 +55,9 @@ def _flat(model, opt) -> dict:
 def _rank_main(rank: int, world: int, root: str, phase: str) -> None:
     root = Path(root)
     faulthandler.dump_traceback_later(100, exit=True)  # a hang shows every thread's stack
-    os.environ["GDSCKPT_MEMORY_ROOT"] = str(root / f"mem-node{rank}")
+    # the node each rank runs on: its own in training; at the restore, as the test numbers them
+    node = rank if phase == "train" else json.loads((root / "want.json").read_text())["nodes"][rank]
+    os.environ["GDSCKPT_MEMORY_ROOT"] = str(root / f"mem-node{node}")
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", store=dist.FileStore(str(root / f"store-{phase}"), world), rank=rank,
@@ -63,7 +65,7 @@ def _rank_main(rank: int, world: int, root: str, phase: str) -> None:
                             device_id=torch.device("cuda", rank))
     try:
         from gdsckpt import Checkpointer
-        ck = Checkpointer(root / "ck", memory=True, every_local=100, replicas=1, node=rank)
+        ck = Checkpointer(root / "ck", memory=True, every_local=100, replicas=1, node=node)
         if phase == "train":
             model, opt = _model(rank)
             for step in range(1, SAVES + 1):
@@ -120,19 +122,26 @@ def crashed():
         shutil.rmtree(root.with_name(root.name + "-pristine"), ignore_errors=True)
 
 
-def _after_loss(root: Path, step: int, sources: list, damage=None) -> None:
+def _after_loss(root: Path, step: int, sources: list, damage=None, nodes=(0, 1)) -> None:
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
     shutil.rmtree(root / "mem-node1")  # node 1 is gone, its memory with it
     (root / "mem-node1").mkdir()
     if damage is not None:
         damage(root)
-    (root / "want.json").write_text(json.dumps({"step": step, "sources": sources}))
+    (root / "want.json").write_text(json.dumps({"step": step, "sources": sources, "nodes": list(nodes)}))
     join_ranks(_spawn(root, "resume"), "restore after the loss", 300)
 
 
 def test_lost_gpu_node_restores_from_its_peer_over_nccl(crashed):
     _after_loss(crashed, SAVES, ["memory", "peer"])
+
+
+def test_lost_gpu_node_and_the_job_numbered_anew(crashed):
+    """Node 1 lost and the ranks numbered the other way round (rank 0 on the replacement, rank 1
+    on node 0): rank 0's copy, left on node 0 under its number, is sent to it over NCCL by rank
+    1, which takes its own from the replica of it that node 0 kept (no wire)."""
+    _after_loss(crashed, SAVES, ["peer", "memory"], nodes=(1, 0))
 
 
 def test_damaged_replica_received_into_device_memory_is_refused(crashed):

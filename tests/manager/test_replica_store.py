@@ -73,13 +73,28 @@ def test_replicas_need_the_memory_tier_and_torch_distributed(tmp_path):
 
 
 def test_plan_takes_steps_every_rank_can_get():
-    every = [([4, 5], {2: {4: 10, 5: 11}}),  # rank 0: its own 4 and 5; rank 2's replicas
-             ([], {0: {4: 12, 5: 13}}),       # rank 1: a replacement; holds rank 0's replicas
-             ([4, 5], {})]                    # rank 2
+    every = [([4, 5], {2: {4: 10, 5: 11}}, {}),  # rank 0: its own 4 and 5; rank 2's replicas
+             ([], {0: {4: 12, 5: 13}}, {}),       # rank 1: a replacement; holds rank 0's replicas
+             ([4, 5], {}, {})]                    # rank 2
+    apart = [0, 1, 2]  # each rank on a host of its own
     # rank 1's own copies are nowhere: no memory step
-    assert plan(every) == {}
-    every[2] = ([4, 5], {1: {4: 20}})  # rank 2 holds rank 1's step 4 only
-    assert plan(every) == {4: {1: (2, 20)}}
+    assert plan(every, apart) == {}
+    every[2] = ([4, 5], {1: {4: 20}}, {})  # rank 2 holds rank 1's step 4 only
+    assert plan(every, apart) == {4: {1: (2, 20, None)}}
+
+
+def test_plan_finds_copies_left_under_another_numbering():
+    """Strays (copies in folders no rank of this numbering opens), reported by the first rank of
+    their host: one on the origin's own host is adopted (the origin serves itself), before a
+    replica held elsewhere; one on another host is sent by that host's first rank."""
+    every = [([], {}, {1: {5: (30, "/m/a-r1")}}),       # rank 0 (host A, with rank 1): rank 1's copy left here
+             ([], {}, {}),                              # rank 1 (host A)
+             ([5], {1: {5: 40}}, {0: {5: (50, "/m/b-r0")}}),  # rank 2 (host B): rank 1's replica; rank 0's stray
+             ([5], {}, {})]                             # rank 3 (host B)
+    hosts = [0, 0, 2, 2]
+    assert plan(every, hosts) == {5: {0: (2, 50, "/m/b-r0"), 1: (1, 30, "/m/a-r1")}}
+    every[0] = ([], {}, {})  # no stray of rank 1 on its host: its replica's holder sends it
+    assert plan(every, hosts) == {5: {0: (2, 50, "/m/b-r0"), 1: (2, 40, None)}}
 
 
 # ------------------------------------------------------------------ the holder's store

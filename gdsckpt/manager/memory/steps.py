@@ -275,6 +275,8 @@ class MemorySteps:
             for s in tier.steps():
                 if s > step:
                     tier.drop(s, f"newer than step {step}, which every rank restored (not every rank could get it)")
+        if self.peers is not None:  # copies left under another numbering of the ranks: a past too
+            self.peers.drop_strays()
 
     def source_of(self, step: int) -> str:
         """Where this rank's copy of a step restored from memory came from: "peer" (received from

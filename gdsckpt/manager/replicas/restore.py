@@ -15,13 +15,17 @@ a rank's memory tier (gdsckpt/manager/memory/steps.py calls it):
 * fetch(step) then: each rank that lacks its copy receives it from a holder on the replication
   group: on a GPU host straight into device memory (image(step)), from where the memory tier's
   restore checks and decodes it; else checked chunk by chunk and committed into its own tier,
-  from where the restore reads it (Restored.source "peer" on that rank, either way).
+  from where the restore reads it (Restored.source "peer" on that rank, either way);
+* copies left under another numbering of the ranks (a restarted job numbered otherwise:
+  replicas/strays.py) count by their origin too: a rank adopts one on its own host into its
+  tier, or a rank of the host that has it sends it; restored() then removes them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -29,11 +33,13 @@ import torch
 from gdsckpt.core.defaults import READ_ONCE_GPU_FRACTION
 from gdsckpt.engine.backend import make_backend
 from gdsckpt.manager.memory.source import MemorySource
+from gdsckpt.manager.memory.tier import MemoryTier
 from gdsckpt.reading.sources import DeviceImage
 
 from .placement import gather_nodes, held_for, place, same_host
+from . import strays
 from .store import ReplicaStore, check_image
-from .wire import TAG_RESTORE, ChannelClosed, Groups, Receiver, Sender
+from .wire import TAG_RESTORE, ChannelClosed, Groups, Receiver, Sender, host_bytes, pieces
 
 log = logging.getLogger("gdsckpt.manager.replicas.wire")
 
@@ -62,6 +68,7 @@ class PeerReplicas:
         self._plans: dict[int, dict[int, tuple[int, int]]] = {}  # step -> {origin: (holder, bytes)}
         self.from_peer: dict[int, int] = {}  # step -> the holder this rank's copy came from
         self._images: dict[int, DeviceImage] = {}  # step -> its image received into device memory
+        self.ranks_here: list[int] = []  # the ranks sharing this host's memory (restorable() finds them)
         self.fetched: dict = {}  # the last image received at a restore: its wire's timings
         self.receivers = [Receiver(self.groups.wire(o, self.rank), self.store, o) for o in self.origins]
         self.sender = Sender({h: self.groups.wire(self.rank, h) for h in self.holders}, tier, self.rank)
@@ -79,13 +86,20 @@ class PeerReplicas:
 
     # ------------------------------------------------------------ restoring
     def restorable(self, mine: list[int]) -> list[int]:
-        """Steps every rank can get from memory: its own copy (`mine`) or a holder's replica (a
-        collective on the default group)."""
+        """Steps every rank can get from memory: its own copy (`mine`), a holder's replica, or a
+        copy of its own left on some host under another numbering of the ranks (strays.py);
+        collectives on the default group."""
         import torch.distributed as dist
         own = {s: self.tier.copy(s).nbytes for s in mine if _has(self.tier, s)}
+        keys = [None] * self.world
+        dist.all_gather_object(keys, strays.host_key())
+        self.ranks_here = [r for r in range(self.world) if keys[r] == keys[self.rank]]
+        # one rank of each host reports the host's strays (every rank there sees the same folders)
+        found = (strays.stray_copies(self.tier.directory, self.ranks_here, self.placement, self.world)
+                 if self.rank == self.ranks_here[0] else {})
         every = [None] * self.world
-        dist.all_gather_object(every, (sorted(own), self.store.inventory()))
-        self._plans = plan(every)
+        dist.all_gather_object(every, (sorted(own), self.store.inventory(), found))
+        self._plans = plan(every, [keys.index(k) for k in keys])
         return sorted(self._plans)
 
     def needs_fetch(self, step: int) -> bool:
@@ -99,24 +113,62 @@ class PeerReplicas:
         transfers = self._plans.get(step, {})
         sends = []
         errors: list[BaseException] = []
-        for origin, (holder, _) in sorted(transfers.items()):
-            if holder == self.rank:
-                t = threading.Thread(target=self._serve, args=(origin, step, errors), daemon=True,
+        for origin, (server, _, folder) in sorted(transfers.items()):
+            if server == self.rank and origin != self.rank:
+                t = threading.Thread(target=self._serve, args=(origin, step, errors, folder), daemon=True,
                                      name=f"gdsckpt-replicas-serve-{origin}")
                 t.start()
                 sends.append(t)
         try:
             if self.rank in transfers:
-                holder, nbytes = transfers[self.rank]
-                self._receive(step, holder, nbytes)
+                server, nbytes, folder = transfers[self.rank]
+                if server == self.rank:
+                    self._adopt(step, nbytes, folder)
+                else:
+                    self._receive(step, server, nbytes)
         finally:
             for t in sends:
                 t.join()
         if errors:
             raise errors[0]
 
-    def _serve(self, origin: int, step: int, errors: list) -> None:
-        tier = self.store.tiers[origin]
+    def _stray(self, origin: int, folder: str) -> MemoryTier:
+        """The tier in `folder`, a stray copy of rank `origin`'s (strays.py), held for reading."""
+        return MemoryTier(self.tier.directory, rank=origin, cap_bytes=self.tier.cap_bytes, folder=Path(folder))
+
+    def _adopt(self, step: int, nbytes: int, folder: str) -> None:
+        """This rank's image of `step` from a stray copy on its own host: copied into its tier,
+        checked chunk by chunk, committed (on the CPU: no CUDA call, so nothing waits for the
+        device while other ranks' exchanges run)."""
+        stray = self._stray(self.rank, folder)
+        try:
+            copy = stray.hold(step)
+            try:
+                def fill(slot):  # write() takes the arenas first: a full /dev/shm is an error
+                    for lo, hi in pieces(nbytes):
+                        slot.write(host_bytes(copy.slot, lo, hi).numpy(), lo)
+                self._into_tier(step, nbytes, f"rank {self.rank}'s copy of step {step} left in {folder}", fill)
+            finally:
+                stray.release(step)
+        finally:
+            stray.close()
+        log.info("gdsckpt: rank %d took its step %d from %s (%d bytes)", self.rank, step, folder, nbytes)
+
+    def _serve(self, origin: int, step: int, errors: list, folder: str | None = None) -> None:
+        """Send rank `origin` its image of `step`: from the replica held for it, or from a stray
+        copy in `folder` (strays.py)."""
+        try:
+            tier = self.store.tiers[origin] if folder is None else self._stray(origin, folder)
+        except BaseException as e:  # noqa: BLE001 - told to the caller's thread
+            errors.append(e)
+            return
+        try:
+            self._send(tier, origin, step, errors)
+        finally:
+            if folder is not None:
+                tier.close()
+
+    def _send(self, tier, origin: int, step: int, errors: list) -> None:
         try:
             copy = tier.hold(step)
         except KeyError:
@@ -143,7 +195,6 @@ class PeerReplicas:
         """This rank's image of `step` from `holder`: on a GPU host with room, straight into
         device memory (image(step); the restore checks and decodes it there); else into the
         rank's own tier, checked chunk by chunk and committed."""
-        from gdsckpt.errors import CheckpointFormatError
         wire = self.groups.wire(self.rank, holder)
         wire.bind()
         label = f"rank {holder}'s replica of rank {self.rank}'s step {step}"
@@ -152,21 +203,35 @@ class PeerReplicas:
             wire.recv_to_device(image, holder, TAG_RESTORE)
             self._images[step] = DeviceImage(image, label)
         else:
-            slot, _ = self.tier.reserve(step, nbytes)
-            try:
+            def fill(slot):
                 wire.prepare(slot, nbytes)  # before the holder's sends can be waiting for this rank
                 wire.recv_image(slot, nbytes, holder, TAG_RESTORE)
-                why = check_image(slot, nbytes, None, label)
-                if why is not None:
-                    raise CheckpointFormatError(f"{label} is damaged: {why}", path=label)
-            except BaseException:
-                self.tier.abandon(slot)
-                raise
-            self.tier.commit(slot, step, nbytes)
+            self._into_tier(step, nbytes, label, fill)
         self.from_peer[step] = holder
         self.fetched = dict(wire.last, step=step, holder=holder, device=step in self._images)
         log.info("gdsckpt: rank %d received its step %d from rank %d's replica (%d bytes)", self.rank, step, holder,
                  nbytes)
+
+    def _into_tier(self, step: int, nbytes: int, label: str, fill) -> None:
+        """`step`'s image of `nbytes` into a slot of the rank's own tier (fill(slot) writes it),
+        every chunk checked, then committed; the slot given back on any failure."""
+        from gdsckpt.errors import CheckpointFormatError
+        slot, _ = self.tier.reserve(step, nbytes)
+        try:
+            fill(slot)
+            why = check_image(slot, nbytes, None, label)
+            if why is not None:
+                raise CheckpointFormatError(f"{label} is damaged: {why}", path=label)
+        except BaseException:
+            self.tier.abandon(slot)
+            raise
+        self.tier.commit(slot, step, nbytes)
+
+    def drop_strays(self) -> None:
+        """After a restore (whatever it took): the strays on this host (strays.py) removed, by
+        the first rank of the host; every rank's transfers of the restore are over by then."""
+        if self.ranks_here and self.ranks_here[0] == self.rank:
+            strays.drop(strays.stray_folders(self.tier.directory, self.ranks_here, self.placement))
 
     def image(self, step: int) -> DeviceImage | None:
         """This rank's image of `step` received into device memory at this restore (checked by
@@ -204,26 +269,37 @@ class PeerReplicas:
             self.store.close()
 
 
-def plan(every: list) -> dict[int, dict[int, tuple[int, int]]]:
-    """{step: {origin: (holder, bytes)}} of the steps every rank can get: from its own copy (no
-    transfer), else from the lowest-ranked holder of its replica. `every`: each rank's (own steps,
-    {origin: {step: bytes}} of the replicas it holds)."""
+def plan(every: list, firsts: list[int]) -> dict[int, dict[int, tuple[int, int, str | None]]]:
+    """{step: {origin: (server, bytes, folder)}} of the steps every rank can get, and how the
+    ranks whose own copy is gone get theirs: a stray copy on the rank's own host (server: the
+    rank itself, adopting `folder`), else the lowest-ranked holder of its replica (folder None),
+    else a stray on another host (server: the first rank of that host). `every`: each rank's (own
+    steps, {origin: {step: bytes}} of the replicas it holds, {origin: {step: (bytes, folder)}} of
+    the strays on its host, from the first rank of each host only); firsts[r]: the first rank
+    on rank r's host."""
     world = len(every)
     steps = set()
-    for own, held in every:
+    for own, held, found in every:
         steps.update(own)
-        for replicas in held.values():
-            steps.update(replicas)
+        for copies in (*held.values(), *found.values()):
+            steps.update(copies)
     out = {}
     for step in steps:
         transfers = {}
         for origin in range(world):
             if step in every[origin][0]:
                 continue
+            here = every[firsts[origin]][2].get(origin, {}).get(step)
             holders = [h for h in range(world) if step in every[h][1].get(origin, {})]
-            if not holders:
+            elsewhere = [h for h in range(world) if step in every[h][2].get(origin, {})]
+            if here is not None:
+                transfers[origin] = (origin, *here)
+            elif holders:
+                transfers[origin] = (holders[0], every[holders[0]][1][origin][step], None)
+            elif elsewhere:
+                transfers[origin] = (elsewhere[0], *every[elsewhere[0]][2][origin][step])
+            else:
                 break
-            transfers[origin] = (holders[0], every[holders[0]][1][origin][step])
         else:
             out[step] = transfers
     return out

@@ -177,7 +177,7 @@ class Wire:
         t, pin, self._prepared = time.perf_counter(), self._prepared, 0.0
         if self.device is None:
             for lo, hi in pieces(nbytes):
-                self.send(_host_bytes(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
+                self.send(host_bytes(slot, lo, hi), dst, tag, bound(hi - lo), self.data)
             self._record(nbytes, t, pin)
             return
         what = f"sending an image to rank {dst}"
@@ -283,7 +283,7 @@ def pieces(nbytes: int):
         yield lo, min(nbytes, lo + REPLICA_PIECE_BYTES)
 
 
-def _host_bytes(slot, lo: int, hi: int) -> torch.Tensor:
+def host_bytes(slot, lo: int, hi: int) -> torch.Tensor:
     """Bytes [lo, hi) of `slot`: the mapping itself, or a copy where an index outgrew it."""
     if hi <= slot.mapped:
         return slot.tensor[lo:hi]
@@ -295,7 +295,7 @@ def _pinned(slot, lo: int, hi: int) -> list[torch.Tensor]:
     copy where an index outgrew the mapping."""
     if hi <= slot.mapped:
         return slot.host(lo, hi, pin=True)[0]
-    return [_host_bytes(slot, lo, hi)]
+    return [host_bytes(slot, lo, hi)]
 
 
 def header(kind: int, step: int = 0, nbytes: int = 0, footer: bytes = b"") -> torch.Tensor:
