@@ -65,7 +65,7 @@ class PeerReplicas:
         self.groups = Groups()
         self.store = ReplicaStore(tier.directory, rank=self.rank, origins=self.origins, world=self.world,
                                   cap_bytes=tier.cap_bytes, keep=keep, on_disk=on_disk, own_folder=tier.folder)
-        self._plans: dict[int, dict[int, tuple[int, int]]] = {}  # step -> {origin: (holder, bytes)}
+        self._plans: dict[int, dict[int, tuple]] = {}  # step -> {origin: (server, bytes, folder)}: plan()
         self.from_peer: dict[int, int] = {}  # step -> the holder this rank's copy came from
         self._images: dict[int, DeviceImage] = {}  # step -> its image received into device memory
         self.ranks_here: list[int] = []  # the ranks sharing this host's memory (restorable() finds them)
