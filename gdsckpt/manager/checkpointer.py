@@ -42,7 +42,8 @@ A directory this process cannot write is opened read-only: steps(), latest_step(
 restore() work; save, save_async and prune raise ReadOnlyCheckpointerError.
 Under torch.distributed the directory is shared by the ranks: rank 0 holds the lock, deletes,
 uploads and finishes a rollback recorded there (opening is a collective: every rank constructs
-its Checkpointer); every rank saves and restores, the step rank 0 chooses. save_async's
+its Checkpointer, and learns which ranks see the same directory: docs/replicas.md, node-local
+directories); every rank saves and restores, the step rank 0 chooses. save_async's
 collectives, which run on DCP's thread, use a process group the Checkpointer makes when
 constructed (gdsckpt/core/process_groups.py): the training loop's own collectives on the default group
 may run meanwhile.
@@ -74,6 +75,7 @@ from .kept_checks import KeptChecks
 from gdsckpt.writing.snapshot.overlap import watch_optimizers
 from .restored import Restored
 from .retention import RetentionThread
+from .directory_sharing import DirectorySharing, ranks_sharing
 from .rollback import PendingRollback, RollbackJournal, Rollbacks
 from .steps import DAMAGE, DcpSteps, FileSteps, StepLayout, step_name
 
@@ -140,6 +142,9 @@ class Checkpointer(Rollbacks):
             store = open_store(remote.url, **(remote.store_options or {}))
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
+        # which ranks see this directory: a DCP step restores from it only where every rank does
+        self.sharing = DirectorySharing(self.rank, ranks_sharing(self.directory) if self.distributed and not read_only
+                                        else None)
         self._owner = self.rank == 0
         self._lock = try_lock(self.directory) if self._owner and not read_only else None
         # A directory this process cannot write, or asked not to: restore only (no lock to take,
@@ -157,21 +162,22 @@ class Checkpointer(Rollbacks):
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
         self._deleting = threading.Lock()  # one deleter at a time: the retention thread, prune() and rollback()
         self._retention = RetentionThread(self._retain)  # after commits and uploads, off their threads
-        self._kept_checks = KeptChecks(self.layout, self.policy.keep, lambda steps: self._damaged(steps, deep=()))
+        self._kept_checks = KeptChecks(self.layout, self.policy.keep)
         self._closed = False
         self._pending: tuple[int, Future, threading.Event | None] | None = None  # step, future, its commit handled
         self._saves = 0
-        self._reported: set[int] = set()  # damaged local steps already logged
         self._unrestorable: dict[int, str] = {}  # local steps restore() found damaged: {step: why}
         self._journal = RollbackJournal(self.directory)
         self._rolling = threading.RLock()  # the record's updates: here, and the uploader's once the store's part is done
         self._rollback: PendingRollback | None = None
         self.remote: RemoteTier | None = None
         self.memory: MemorySteps | None = None
+        self.sharing.warn(self.directory, remote=store is not None)
         try:
             if store is not None:
                 self.remote = RemoteTier(store, self.layout, self.policy,
-                                         upload=self._owner and remote.upload and not self.read_only,
+                                         upload=self._owner and remote.upload and not self.read_only
+                                         and not self.sharing.node_local,
                                          after_upload=self._retention.request)
             if memory and self.read_only:
                 log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
@@ -268,7 +274,8 @@ class Checkpointer(Rollbacks):
         step = whole_number("step", step, 0)
         # A damaged step does not count: a run that restored an older step because the newest was
         # damaged saves that step's number again (else every restart stopped there), in its place.
-        found = self.layout.local_steps()
+        found = self.sharing.owners_steps(self.layout, step, self._deleting) if self.sharing.node_local \
+            else self.layout.local_steps()
         damaged = {s: why for s, why in self._unrestorable.items() if s in found}  # every rank's alike
         if not self.distributed:  # retention's findings too (the owner's alone under torch.distributed)
             damaged = self.layout.known_damage() | damaged
@@ -413,6 +420,8 @@ class Checkpointer(Rollbacks):
         pending = self._pending
         if pending is not None:
             protected.add(pending[0])
+        if self.sharing.node_local:  # every step here lacks the other nodes' files: none is the intact one
+            return self.policy.doomed_local(local, set(), protected, uploaded, remote=self.remote is not None)
         while True:
             damaged = self._kept_checks.damaged(local)  # the steps that decide, not every one kept
             if not damaged and isinstance(self.policy.keep, int) and len(local) <= self.policy.keep:
@@ -421,22 +430,8 @@ class Checkpointer(Rollbacks):
             left = set(local).difference(damaged, doomed)
             if not doomed or len(left) != 1 or (uploaded and min(left) in uploaded):
                 return doomed
-            if not self._damaged([min(left)], deep=(min(left),)):
+            if not self._kept_checks.check([min(left)], deep=(min(left),)):
                 return doomed
-
-    def _damaged(self, steps: list[int], deep) -> dict[int, str]:
-        """{step: why} of `steps` that are not intact (those in `deep`: every chunk checked);
-        a newly found one is logged."""
-        out = {}
-        for s in steps:
-            why = self.layout.damage(s, deep=s in deep)
-            if why is not None:
-                out[s] = why
-                if s not in self._reported:
-                    self._reported.add(s)
-                    log.warning("gdsckpt: local step %d is damaged; it does not count toward keep=%r: %s", s,
-                                self.policy.keep, why)
-        return out
 
     def prune(self, *, dry_run: bool = False) -> dict:
         """Apply the retention policy now (as after every save and upload); dry_run: only say
@@ -459,6 +454,7 @@ class Checkpointer(Rollbacks):
         the local steps, and those found damaged ({step: why}: retention's checks)."""
         st = self.remote.status() if self.remote is not None else no_remote_status()
         st["local_steps"] = self.layout.local_steps()
+        st["node_local_directory"] = self.sharing.describe()
         st["local_damage"] = self.layout.known_damage()
         if self.memory is not None:  # its cap, what it holds, and the local writes coalesced and why
             st["memory"] = self.memory.status()
@@ -526,10 +522,13 @@ class Checkpointer(Rollbacks):
                 source = self.memory.source_of(s) if where == "memory" else where  # "peer": from a replica
                 log.info("restored step %d from %s (%s)", s, source, path)
                 return Restored(out, s, source, path, skipped, stats)
+        if self.memory is not None and step is None:  # the run starts afresh: whatever some rank holds is a past
+            self.memory.restored(-1)
         what = f"step {step}" if step is not None else "committed, intact step"
         raise NoCheckpointError(f"no {what} in {str(self.directory)!r}"
                                 + (f" or {self.remote.url()}" if self.remote is not None else "")
-                                + (": " + "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped) if skipped else ""))
+                                + (": " + "; ".join(f"step {a} ({b}): {c}" for a, b, c in skipped) if skipped else "")
+                                + self.sharing.why_not_restored())
 
     def _restore_one(self, step, where, state, device, strict):
         if where == "memory":

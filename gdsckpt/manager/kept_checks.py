@@ -16,19 +16,36 @@ and the damaged ones known."""
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+import logging
 
 from .policy import RetentionPolicy, kept
 
 RECHECKED = 16
 
+log = logging.getLogger("gdsckpt.manager.checkpointer")
+
 
 class KeptChecks:
     """check(steps): checks `steps` (StepLayout.damage each), logging what it finds damaged."""
 
-    def __init__(self, layout, keep: int | RetentionPolicy, check: Callable[[list[int]], object]):
-        self.layout, self.keep, self.check = layout, keep, check
+    def __init__(self, layout, keep: int | RetentionPolicy):
+        self.layout, self.keep = layout, keep
         self._next = -1  # the turn's next step: the first one above it
+        self._reported: set[int] = set()  # damaged steps already logged
+
+    def check(self, steps: list[int], deep=()) -> dict[int, str]:
+        """{step: why} of `steps` that are not intact (those in `deep`: every chunk checked);
+        a newly found one is logged."""
+        out = {}
+        for s in steps:
+            why = self.layout.damage(s, deep=s in deep)
+            if why is not None:
+                out[s] = why
+                if s not in self._reported:
+                    self._reported.add(s)
+                    log.warning("gdsckpt: local step %d is damaged; it does not count toward keep=%r: %s", s,
+                                self.keep, why)
+        return out
 
     def damaged(self, local: list[int]) -> dict[int, str]:
         """{step: why} of the damaged steps of `local` (oldest first), as far as known, once the

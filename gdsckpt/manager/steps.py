@@ -453,6 +453,11 @@ class DcpSteps(_Steps):
                                             "is missing", path=p / part)
         return [(p / part, f"{name}/{part}") for part in parts + [DCP_METADATA]]
 
+    def folders(self) -> list[int]:
+        """The steps that have a folder here, committed or not (a directory of this node's alone
+        holds its ranks' files and no .metadata)."""
+        return sorted(s for e in os.scandir(self.directory) if (s := self._parse(e.name)) is not None)
+
     def leftovers(self) -> list[Path]:
         # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's
         return sorted(Path(e.path) for e in os.scandir(self.directory)

@@ -3,6 +3,10 @@ simulated node is one or more ranks with a memory root of its own (GDSCKPT_MEMOR
 checkpoint directory is shared, as under DCP it is, and holds only an older step (every_local):
 the newer steps live in memory only, so a node lost takes them with it unless a peer holds them.
 
+Where each node has a directory of its own (`node_local`: one path, another disk per node), that
+directory restores nothing across ranks (rank 0's .metadata names files on other nodes): memory
+and the peers' replicas are all there is.
+
 A node is lost by kill -9 of every process of the job (torchrun ends a job's workers when one
 node fails) and its memory root wiped; the replacement (new processes, an empty memory root)
 restores from the peer that holds its replica."""
@@ -116,6 +120,11 @@ def local_bytes(module) -> dict:
     return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
 
 
+def ck_dir(root: Path, node: int) -> Path:
+    """The checkpoint directory: shared, or the node's own where the run has node-local directories."""
+    return root / f"dir-node{node}" / "ck" if (root / "node-local").exists() else root / "ck"
+
+
 # ------------------------------------------------------------------ scenarios
 def _train(rank, root, mesh, node, phase):
     """The uninterrupted run (its losses), then the same run saving every step (replicas=1),
@@ -125,7 +134,8 @@ def _train(rank, root, mesh, node, phase):
     reference = {step: train_step(model, opt, mesh, step) for step in range(1, STEPS + 1)}
     losses_path(root, "reference", rank).write_text(json.dumps(reference))
     model, opt = make_training(mesh)
-    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node)
     losses = {}
     for step in range(1, 6):
         losses[step] = train_step(model, opt, mesh, step)
@@ -157,18 +167,27 @@ def _resume(rank, root, mesh, node, phase):
     from gdsckpt import Checkpointer
     want = json.loads((root / "want.json").read_text())
     model, opt = make_training(mesh, seed=99)  # other values: the restore must fill them all
-    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r = ck.restore({"model": model, "optim": opt})
-    assert (r.step, r.source) == (want["step"], want["sources"][rank]), (rank, r.step, r.source, r.skipped)
-    for text in want["skipped"]:
-        assert any(text in why for _, _, why in r.skipped), (text, r.skipped)
-    expected = torch.load(root / f"model-at-{r.step}-r{rank}.pt")
-    for k, v in local_bytes(model).items():
-        assert torch.equal(v, expected[k]), k
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node)
+    if want["step"] is None:  # nothing every rank can restore: every rank says so, and all start afresh
+        from gdsckpt.errors import NoCheckpointError
+        with pytest.raises(NoCheckpointError, match=want["skipped"][0]):
+            ck.restore({"model": model, "optim": opt})
+        model, opt = make_training(mesh)
+        start = 0
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = ck.restore({"model": model, "optim": opt})
+        assert (r.step, r.source) == (want["step"], want["sources"][rank]), (rank, r.step, r.source, r.skipped)
+        for text in want["skipped"]:
+            assert any(text in why for _, _, why in r.skipped), (text, r.skipped)
+        expected = torch.load(root / f"model-at-{r.step}-r{rank}.pt")
+        for k, v in local_bytes(model).items():
+            assert torch.equal(v, expected[k]), k
+        start = r.step
     losses = {}
-    for step in range(r.step + 1, STEPS + 1):
+    for step in range(start + 1, STEPS + 1):
         losses[step] = train_step(model, opt, mesh, step)
         ck.save_async(step, {"model": model, "optim": opt})
         ck.wait()
@@ -180,15 +199,18 @@ def _resume(rank, root, mesh, node, phase):
 NODES = [0, 1, 2]  # one rank each: rank r's replica is held by rank r + 1 (mod 3)
 
 
-def _crash(nodes: list):
+def _crash(nodes: list, node_local: bool = False):
     """A job killed (kill -9, every process) after step 5, steps 2-5 in memory only."""
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
     try:
+        if node_local:
+            (root / "node-local").touch()
         ctx = spawn(root, _train, nodes, "crash")
         for r in range(len(nodes)):
             wait_for(root / f"ready-r{r}", ctx, timeout=300)
         kill_job(ctx, [])
-        assert sorted(p.name for p in (root / "ck").iterdir() if p.name.startswith("step_")) == ["step_00000001"]
+        for n in set(nodes):
+            assert sorted(p.name for p in ck_dir(root, n).iterdir() if p.name.startswith("step_")) == ["step_00000001"]
         # each test starts from this moment, at the same paths (the memory folders' names hash the
         # checkpoint directory's path)
         shutil.copytree(root, root.with_name(root.name + "-pristine"), symlinks=True)
@@ -208,8 +230,9 @@ def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), da
                 left=None) -> None:
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
-    for n in lost:  # the node is gone, its memory with it
+    for n in lost:  # the node is gone, its memory with it (and its own directory, if it had one)
         shutil.rmtree(root / f"mem-node{n}")
+        shutil.rmtree(root / f"dir-node{n}", ignore_errors=True)
     if damage is not None:
         damage(root)
     (root / "want.json").write_text(json.dumps({"step": step, "sources": sources, "skipped": list(skipped)}))
@@ -218,7 +241,7 @@ def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), da
         for r in range(len(nodes)):
             ref = json.loads(losses_path(root, "reference", r).read_text())
             before = {k: v for k, v in json.loads(losses_path(root, "crash", r).read_text()).items()
-                      if int(k) <= step}
+                      if int(k) <= (step or 0)}
             after = json.loads(losses_path(root, "resume", r).read_text())
             assert {**before, **after} == ref, (r, before, after, ref)  # bit-equal floats, every step
         if left is not None:  # {node: the memory folders' names it holds after the resumed run}
@@ -287,6 +310,51 @@ def test_two_nodes_of_two_ranks_node_lost():
         _after_loss(root, lost=[], step=5, sources=["memory"] * 4, nodes=[1, 1, 0, 0], left=left)
 
 
+@pytest.fixture(scope="module")
+def crashed_node_local():
+    """Three nodes of one rank each, each with a directory of its own, killed after step 5."""
+    yield from _crash(NODES, node_local=True)
+
+
+def test_node_local_directories_node_lost_restores_from_its_peer(crashed_node_local):
+    """Each node with its own directory (its memory and directory lost together): rank 1's
+    replacement receives step 5 from its peer, as with a shared directory."""
+    _after_loss(crashed_node_local, lost=[1], step=5, sources=["memory", "peer", "memory"])
+
+
+def test_node_local_directories_node_and_its_holder_lost(crashed_node_local):
+    """Nodes 1 and 2 lost with their directories: step 1, in node 0's directory, names files that
+    were on the others, and no step is in memory on every rank. Every rank raises
+    NoCheckpointError saying the directory is not shared; all start afresh, and step 1 saved again
+    (rank 0 still has a folder of it) runs on every rank alike: the run's losses are the
+    uninterrupted run's."""
+    _after_loss(crashed_node_local, lost=[1, 2], step=None, sources=[],
+                skipped=[r"the ranks do not share the directory: ranks \[0\] \| \[1\] \| \[2\]"])
+
+
+def _node_local_retention(rank, root, mesh, node, phase):
+    """Two nodes of two ranks, each node a directory of its own, no memory tier, keep=2: rank 0's
+    retention removes steps from its directory, and the other node's first rank removes its
+    folders of them at the next save; both say the directory is node-local."""
+    from gdsckpt import Checkpointer
+    ck = Checkpointer(ck_dir(root, node), keep=2, save_options=OPTS)
+    assert ck.sharing.node_local and ck.status()["node_local_directory"] == "ranks [0, 1] | [2, 3]"
+    state = {f"w{rank}": torch.full((64, 16), float(rank))}
+    for step in range(1, 6):
+        ck.save(step, state)
+    dist.barrier()
+    if node == 0:
+        assert ck.layout.local_steps() == [4, 5], (rank, ck.layout.local_steps(), ck.layout.folders())
+    else:  # no .metadata here: folders of its ranks' files only, those of step 3 left for the next save
+        assert ck.layout.local_steps() == [] and ck.layout.folders() == [3, 4, 5], ck.layout.folders()
+    ck.close()
+
+
+def test_node_local_directories_found_and_kept_in_step(shm_tmp):
+    (shm_tmp / "node-local").touch()
+    run(shm_tmp, _node_local_retention, [0, 0, 1, 1], "retention")
+
+
 # ------------------------------------------------------------------ replicas' segments made ahead
 def _reserved(rank, root, mesh, node, phase):
     """Checkpointer.reserve makes the segments of the replicas a rank holds, with its own, before
@@ -294,7 +362,8 @@ def _reserved(rank, root, mesh, node, phase):
     from gdsckpt import Checkpointer
     model, opt = make_training(mesh)
     train_step(model, opt, mesh, 1)
-    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node)
     ck.reserve({"model": model, "optim": opt}, wait=True)
     folder, = (root / f"mem-node{node}").glob(f"*.replica-r{rank}")
     made = {p.name for p in folder.glob("slot-*")}
@@ -322,7 +391,8 @@ def _hung_holder(rank, root, mesh, node, phase):
     import gdsckpt.manager.replicas.wire
     from gdsckpt import Checkpointer
     gdsckpt.manager.replicas.wire.REPLICA_TIMEOUT_S = 2.0  # the bound, short for the test
-    ck = Checkpointer(root / "ck", memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1, node=node)
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node)
     # each rank's values under keys of its own (DCP keeps one copy of a key every rank names)
     state = {f"w{rank}": torch.full((256, 64), float(rank)), f"b{rank}": torch.arange(100.0) + rank}
     for step in (1, 2):  # 1: a DCP checkpoint in the directory; 2: in memory, replicated

@@ -264,10 +264,11 @@ class MemorySteps:
             self.tier.release(step)
 
     def restored(self, step: int) -> None:
-        """Under torch.distributed, after every rank restored `step` as the newest it could get:
-        copies of later steps (some rank could not get them: its node was lost, say), and the
-        replicas held of them, belong to a past the run leaves; dropped, so that the steps saved
-        next under their numbers never meet them (nor a restore mix the two)."""
+        """Under torch.distributed, after every rank restored `step` as the newest it could get (-1:
+        none, the run starts afresh): copies of later steps (some rank could not get them: its
+        node was lost, say), and the replicas held of them, belong to a past the run leaves;
+        dropped, so that the steps saved next under their numbers never meet them (nor a restore
+        mix the two)."""
         if not self.distributed:
             return
         tiers = [self.tier] + (list(self.peers.store.tiers.values()) if self.peers is not None else [])

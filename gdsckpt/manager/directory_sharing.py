@@ -1,0 +1,113 @@
+"""Which ranks see the same checkpoint directory, found by looking (a collective at open).
+
+Under torch.distributed the Checkpointer's directory is DCP's: every rank writes its files into
+the step's folder and rank 0 alone writes the .metadata that names them all, so a step there can
+be restored only by ranks that see every rank's files. A directory on each node's own disk (one
+path, another disk per node) does not: each node's folder holds its ranks' files only. Nothing in
+a path says which it is, so each rank leaves a file of its own in the directory and looks for the
+others'. Where the directory is node-local, its steps restore on no rank and are not uploaded;
+rank 0's retention decides, and each other directory follows it (docs/replicas.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("gdsckpt.manager.directory_sharing")
+
+_PROBE = ".gdsckpt-probe-{token}-r{rank}"
+
+
+def ranks_sharing(directory: Path) -> list[list[int]] | None:
+    """For every rank, the ranks whose files it sees in its `directory` (itself among them); None
+    where some rank could not leave its file there (a directory it cannot write: nothing is
+    known). A collective on the default group: every rank calls it, on the caller's thread."""
+    import torch.distributed as dist
+    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = _PROBE.format(token=token[0], rank="")
+    mine = directory / _PROBE.format(token=token[0], rank=rank)
+    try:
+        mine.touch(exist_ok=False)
+        made = True
+    except OSError:
+        made = False
+    dist.barrier()
+    # The common case asks one stat of each rank: does it see rank 0's file? Only where some rank
+    # does not, each lists the directory for the others'.
+    every = [None] * world
+    dist.all_gather_object(every, made and (directory / _PROBE.format(token=token[0], rank=0)).exists())
+    if all(every):
+        every = [list(range(world))] * world
+    else:
+        seen = None
+        if made:
+            try:
+                seen = sorted(int(e.name[len(prefix):]) for e in os.scandir(directory) if e.name.startswith(prefix))
+            except (OSError, ValueError):
+                seen = None
+        dist.all_gather_object(every, seen)
+    dist.barrier()  # every rank has looked: its file may go
+    if made:
+        mine.unlink(missing_ok=True)
+    return None if any(s is None for s in every) else every
+
+
+@dataclass(frozen=True)
+class DirectorySharing:
+    """`groups[r]`: the ranks that see rank r's directory (None: not known, taken as shared)."""
+
+    rank: int
+    groups: list[list[int]] | None = None
+
+    @property
+    def node_local(self) -> bool:
+        """Whether some rank does not see every rank's files."""
+        return self.groups is not None and any(len(g) != len(self.groups) for g in self.groups)
+
+    def describe(self) -> str | None:
+        """'ranks [0, 1] | [2, 3]': the groups of ranks that share a directory; None where it is shared."""
+        if not self.node_local:
+            return None
+        return "ranks " + " | ".join(str(list(g)) for g in sorted({tuple(g) for g in self.groups}))
+
+    def why_not_restored(self) -> str:
+        """What a NoCheckpointError adds where the directory is node-local."""
+        return (f" (the ranks do not share the directory: {self.describe()} see the same one, so no rank "
+                "restores a step from it)") if self.node_local else ""
+
+    def warn(self, directory: Path, remote: bool) -> None:
+        """Rank 0's warning, once at open, of what a node-local directory does not do."""
+        if self.node_local and self.rank == 0:
+            log.warning("gdsckpt: the ranks do not share %s (%s see the same one): a DCP step written there can "
+                        "be restored by no rank, as rank 0's .metadata names files on other nodes; its steps "
+                        "restore from memory (memory=True; replicas=1 survives a node) and %s. Give a directory "
+                        "every rank sees (a shared file system) for steps that outlive the nodes", directory,
+                        self.describe(), "are not uploaded (an upload needs every rank's files)" if remote
+                        else "nowhere else")
+
+    def owners_steps(self, layout, saving: int, deleting: threading.Lock) -> list[int]:
+        """A collective, at the save of step `saving`: rank 0's committed steps, which every rank
+        then weighs alike. In each directory rank 0 does not see, its first rank removes the
+        folders of the steps rank 0 does not hold (retention or a rollback removed them there),
+        but for those between rank 0's newest and `saving`, which may still be being written
+        (the memory tier's writes to the directory)."""
+        import torch.distributed as dist
+        seen = [layout.local_steps() if self.rank == 0 else None]
+        dist.broadcast_object_list(seen, src=0)
+        found = seen[0]
+        newest = found[-1] if found else -1
+        group = self.groups[self.rank]
+        if 0 not in group and self.rank == min(group):
+            with deleting:
+                for step in layout.folders():
+                    if step not in found and not newest < step < saving:
+                        log.info("gdsckpt: removing %s: rank 0 does not hold step %d", layout.path(step), step)
+                        layout.delete(step)
+        return found
