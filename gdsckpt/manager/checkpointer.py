@@ -70,6 +70,7 @@ from gdsckpt.errors import (
 from .memory.steps import MemorySteps
 from .memory.folders import renew_directory_id
 from .policy import whole_number
+from .remote.parts import NodeLocalParts
 from .remote.tier import RemoteTier, no_remote_status
 from .kept_checks import KeptChecks
 from gdsckpt.writing.snapshot.overlap import watch_optimizers
@@ -146,7 +147,7 @@ class Checkpointer(Rollbacks):
         self.sharing = DirectorySharing(self.rank, ranks_sharing(self.directory) if self.distributed and not read_only
                                         else None)
         self._owner = self.rank == 0
-        self._lock = try_lock(self.directory) if self._owner and not read_only else None
+        self._lock = try_lock(self.directory) if self.sharing.leads and not read_only else None
         # A directory this process cannot write, or asked not to: restore only (no lock to take,
         # nothing removed, a pending rollback's steps only stop counting).
         self.read_only = self._owner and self._lock is None
@@ -156,7 +157,8 @@ class Checkpointer(Rollbacks):
             # dcp.async_save's collectives run on its thread: on a group of their own, never
             # interleaved with the training loop's on the default group (process_groups)
             from gdsckpt.core.process_groups import own_group
-            self.layout: StepLayout = DcpSteps(self.directory, self.save_options, self.rank, group=own_group())
+            self.layout: StepLayout = DcpSteps(self.directory, self.save_options, self.rank, group=own_group(),
+                                               downloads=self.sharing.leads)
         else:  # read-only: a step from the store is downloaded elsewhere
             self.layout = FileSteps(self.directory, self.save_options,
                                     scratch=Path(tempfile.gettempdir()) if self.read_only else None)
@@ -176,9 +178,10 @@ class Checkpointer(Rollbacks):
         try:
             if store is not None:
                 self.remote = RemoteTier(store, self.layout, self.policy,
-                                         upload=self._owner and remote.upload and not self.read_only
-                                         and not self.sharing.node_local,
-                                         after_upload=self._retention.request)
+                                         upload=self.sharing.leads and remote.upload and not self.read_only,
+                                         after_upload=self._retention.request if self._owner else lambda: None,
+                                         parts=NodeLocalParts(self.rank, self.sharing.leaders)
+                                         if self.sharing.node_local else None)
             if memory and self.read_only:
                 log.info("gdsckpt: %s is read-only: no memory tier", self.directory)
             elif memory:
@@ -221,10 +224,12 @@ class Checkpointer(Rollbacks):
             raise failed
         if self.distributed and self.memory is not None:  # a step one rank's tier kept alone counts on none
             self.memory.agree()
-        if self.remote is not None and self.remote.uploading:
+        if self.remote is not None and self.sharing.node_local:  # rank 0's steps, on every rank (a collective)
+            newest = self.sharing.owners_steps(self.layout, -1, self._deleting)
+        elif self.remote is not None:
             newest = self.layout.local_steps()
-            if newest:  # a restarted run: its newest step may never have reached the store
-                self.remote.enqueue(newest[-1])
+        if self.remote is not None and self.remote.uploading and newest:
+            self.remote.enqueue(newest[-1])  # a restarted run: its newest step may never have reached the store
 
     def _remove_leftovers(self) -> None:
         for p in self.layout.leftovers():
@@ -489,6 +494,8 @@ class Checkpointer(Rollbacks):
             seen = [(set(self._local_steps()), dict.fromkeys(self._remote_or_nothing())) if self._owner else None]
             dist.broadcast_object_list(seen, src=0)
             local, remote = seen[0]
+            local, elsewhere = self.sharing.restorable(self.layout, local)  # node-local: those on every node
+            self._unrestorable.update(elsewhere)
         else:
             local, remote = set(self._local_steps()), self._remote_or_nothing()
         if step is not None:

@@ -5,8 +5,9 @@ the step's folder and rank 0 alone writes the .metadata that names them all, so 
 be restored only by ranks that see every rank's files. A directory on each node's own disk (one
 path, another disk per node) does not: each node's folder holds its ranks' files only. Nothing in
 a path says which it is, so each rank leaves a file of its own in the directory and looks for the
-others'. Where the directory is node-local, its steps restore on no rank and are not uploaded;
-rank 0's retention decides, and each other directory follows it (docs/replicas.md).
+others'. Where the directory is node-local, its steps restore on no rank unless downloaded onto
+every node; each directory's first rank uploads its part (remote/parts.py); rank 0's retention
+decides, and each other directory follows it (docs/replicas.md).
 """
 
 from __future__ import annotations
@@ -71,6 +72,29 @@ class DirectorySharing:
         """Whether some rank does not see every rank's files."""
         return self.groups is not None and any(len(g) != len(self.groups) for g in self.groups)
 
+    @property
+    def leads(self) -> bool:
+        """Whether this rank is the first of those that see its directory (shared: rank 0): the
+        one that locks, uploads and downloads it."""
+        return self.rank == (min(self.groups[self.rank]) if self.node_local else 0)
+
+    @property
+    def leaders(self) -> list[int]:
+        """The first rank of each directory."""
+        return sorted({min(g) for g in self.groups}) if self.node_local else [0]
+
+    def restorable(self, layout, local: set[int]) -> tuple[set[int], dict[int, str]]:
+        """A collective where the directory is node-local: of rank 0's steps `local`, those
+        committed in every rank's directory (downloaded onto every node), and {step: why} of the
+        others, which no rank restores (a save of that number replaces them)."""
+        import torch.distributed as dist
+        if not self.node_local:
+            return local, {}
+        every = [None] * len(self.groups)
+        dist.all_gather_object(every, set(layout.local_steps()))
+        everywhere = set.intersection(*every)
+        return local & everywhere, {s: "not in every node's directory" for s in local - everywhere}
+
     def describe(self) -> str | None:
         """'ranks [0, 1] | [2, 3]': the groups of ranks that share a directory; None where it is shared."""
         if not self.node_local:
@@ -83,14 +107,19 @@ class DirectorySharing:
                 "restores a step from it)") if self.node_local else ""
 
     def warn(self, directory: Path, remote: bool) -> None:
-        """Rank 0's warning, once at open, of what a node-local directory does not do."""
-        if self.node_local and self.rank == 0:
+        """Rank 0's word, once at open, on what a node-local directory does."""
+        if not (self.node_local and self.rank == 0):
+            return
+        if remote:
+            log.info("gdsckpt: the ranks do not share %s (%s see the same one): each node uploads its part of a "
+                     "step, rank 0 commits it on the store; a restore takes memory, peers, then the store",
+                     directory, self.describe())
+        else:
             log.warning("gdsckpt: the ranks do not share %s (%s see the same one): a DCP step written there can "
-                        "be restored by no rank, as rank 0's .metadata names files on other nodes; its steps "
-                        "restore from memory (memory=True; replicas=1 survives a node) and %s. Give a directory "
-                        "every rank sees (a shared file system) for steps that outlive the nodes", directory,
-                        self.describe(), "are not uploaded (an upload needs every rank's files)" if remote
-                        else "nowhere else")
+                        "be restored by no rank, as rank 0's .metadata names files on other nodes, and there is "
+                        "no remote tier: steps restore from memory alone (replicas=1 survives a node). Give a "
+                        "directory every rank sees, or remote=, for steps that outlive the nodes", directory,
+                        self.describe())
 
     def owners_steps(self, layout, saving: int, deleting: threading.Lock) -> list[int]:
         """A collective, at the save of step `saving`: rank 0's committed steps, which every rank
@@ -103,8 +132,7 @@ class DirectorySharing:
         dist.broadcast_object_list(seen, src=0)
         found = seen[0]
         newest = found[-1] if found else -1
-        group = self.groups[self.rank]
-        if 0 not in group and self.rank == min(group):
+        if 0 not in self.groups[self.rank] and self.leads:
             with deleting:
                 for step in layout.folders():
                     if step not in found and not newest < step < saving:

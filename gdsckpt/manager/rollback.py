@@ -128,7 +128,7 @@ class Rollbacks:
         """Do what `pending` still has to: the directory's part at once, the store's through the
         remote tier (a read-only manager or a rank that does not own the directory: nothing is
         removed, the steps only stop counting). The caller holds `_deleting`: no retention meanwhile."""
-        acts = self._lock is not None
+        acts = self._lock is not None and self._owner  # (node-local directories: the others follow at a save)
         gone: set[int] = set()
         with self._rolling:
             if acts:
@@ -161,7 +161,7 @@ class Rollbacks:
                 p = replace(p, local_to=None)
             if store_to is not None and p.store_to == store_to:
                 p = replace(p, store_to=None)
-            if self._lock is not None:
+            if self._lock is not None and self._owner:
                 self._journal.write(p)
             self._rollback = None if p == PendingRollback(None, None) else p
 

@@ -340,9 +340,10 @@ class DcpSteps(_Steps):
     distributed = True
     loads_in_place = True
 
-    def __init__(self, directory: Path, save_options: dict, rank: int, group=None):
+    def __init__(self, directory: Path, save_options: dict, rank: int, group=None, downloads: bool | None = None):
         self.rank = rank
         self.group = group
+        self.downloads = rank == 0 if downloads is None else downloads  # node-local directories: each one's first rank
         super().__init__(directory, save_options)
 
     def records_own_changes(self) -> bool:
@@ -459,19 +460,20 @@ class DcpSteps(_Steps):
         return sorted(s for e in os.scandir(self.directory) if (s := self._parse(e.name)) is not None)
 
     def leftovers(self) -> list[Path]:
-        # only rank 0 downloads, holding the lock: a download directory not its own is a dead one's
+        # only the rank that downloads holds the lock: a download directory not its own is a dead one's
         return sorted(Path(e.path) for e in os.scandir(self.directory)
                       if _DCP_DOWNLOAD.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
     @contextlib.contextmanager
     def fetched(self, step: int, store) -> Iterator[tuple[Path, str]]:
         """Rank 0 downloads the step's DCP directory from the store into the local directory (a
-        temporary, renamed once complete); every rank waits for it. The copy stays."""
+        temporary, renamed once complete), or the first rank of each node-local directory into its
+        own; every rank waits for it. The copy stays."""
         import torch.distributed as dist
         name = self.name(step)
         final = self.path(step)
-        ok = [None]
-        if self.rank == 0:
+        failed = None
+        if self.downloads:
             try:
                 tmp = self.directory / f".{name}.download"
                 if os.path.lexists(tmp):  # a killed download's, or a link: never followed
@@ -484,8 +486,10 @@ class DcpSteps(_Steps):
                 os.replace(tmp, final)
                 fsync_dir(self.directory)
             except Exception as e:
-                ok[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(ok, src=0)
-        if ok[0] is not None:
-            raise OSError(f"downloading step {step} from {store.url(name)} failed: {ok[0]}")
+                failed = f"{type(e).__name__}: {e}"
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, failed)
+        failed = next((f"rank {r}: {why}" for r, why in enumerate(every) if why is not None), None)
+        if failed is not None:
+            raise OSError(f"downloading step {step} from {store.url(name)} failed: {failed}")
         yield final, str(final)

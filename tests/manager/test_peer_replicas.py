@@ -125,6 +125,11 @@ def ck_dir(root: Path, node: int) -> Path:
     return root / f"dir-node{node}" / "ck" if (root / "node-local").exists() else root / "ck"
 
 
+def ck_remote(root: Path) -> str | None:
+    """The run's object store (remote=), if it has one."""
+    return (root / "remote").read_text() if (root / "remote").exists() else None
+
+
 # ------------------------------------------------------------------ scenarios
 def _train(rank, root, mesh, node, phase):
     """The uninterrupted run (its losses), then the same run saving every step (replicas=1),
@@ -135,7 +140,7 @@ def _train(rank, root, mesh, node, phase):
     losses_path(root, "reference", rank).write_text(json.dumps(reference))
     model, opt = make_training(mesh)
     ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
-                      node=node)
+                      node=node, remote=ck_remote(root))
     losses = {}
     for step in range(1, 6):
         losses[step] = train_step(model, opt, mesh, step)
@@ -144,6 +149,15 @@ def _train(rank, root, mesh, node, phase):
         assert ck.memory.wait_replicas(60)
         torch.save(local_bytes(model), root / f"model-at-{step}-r{rank}.pt")
     dist.barrier()  # every origin acknowledged: every holder committed
+    if ck_remote(root) is not None:  # step 1, the directory's, on the store: every directory's part of it
+        ck.wait(uploads=True, timeout=60)
+        dist.barrier()
+        if rank == 0:
+            assert list(ck.remote_steps()) == [1], ck.status()["errors"]
+            names = ck.remote.store.list()
+            assert not [n for n in names if ".part-" in n], names  # the parts' records go once committed
+            assert {n.rsplit("/", 1)[-1] for n in names if n.startswith("step_00000001/")} >= \
+                {f"__{r}_0.gdsckpt" for r in range(dist.get_world_size())}, names
     st = ck.status()["memory"]
     rep = st["replicas"]
     from gdsckpt.manager.replicas.placement import held_for, ring
@@ -168,7 +182,7 @@ def _resume(rank, root, mesh, node, phase):
     want = json.loads((root / "want.json").read_text())
     model, opt = make_training(mesh, seed=99)  # other values: the restore must fill them all
     ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
-                      node=node)
+                      node=node, remote=ck_remote(root))
     if want["step"] is None:  # nothing every rank can restore: every rank says so, and all start afresh
         from gdsckpt.errors import NoCheckpointError
         with pytest.raises(NoCheckpointError, match=want["skipped"][0]):
@@ -199,12 +213,14 @@ def _resume(rank, root, mesh, node, phase):
 NODES = [0, 1, 2]  # one rank each: rank r's replica is held by rank r + 1 (mod 3)
 
 
-def _crash(nodes: list, node_local: bool = False):
+def _crash(nodes: list, node_local: bool = False, remote: str | None = None):
     """A job killed (kill -9, every process) after step 5, steps 2-5 in memory only."""
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
     try:
         if node_local:
             (root / "node-local").touch()
+        if remote is not None:
+            (root / "remote").write_text(remote)
         ctx = spawn(root, _train, nodes, "crash")
         for r in range(len(nodes)):
             wait_for(root / f"ready-r{r}", ctx, timeout=300)
@@ -322,6 +338,25 @@ def test_node_local_directories_node_lost_restores_from_its_peer(crashed_node_lo
     _after_loss(crashed_node_local, lost=[1], step=5, sources=["memory", "peer", "memory"])
 
 
+@pytest.fixture(scope="module")
+def crashed_node_local_with_store(s3_server):
+    """As crashed_node_local, with an object store: step 1 uploaded, each node sending its part."""
+    saved = dict(os.environ)
+    os.environ.update(s3_server.env())
+    try:
+        yield from _crash(NODES, node_local=True, remote=f"s3://{s3_server.new_bucket()}/run")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_node_local_directories_node_and_its_holder_lost_back_to_the_store(crashed_node_local_with_store):
+    """Nodes 1 and 2 lost with their directories, and an object store: every rank restores step 1
+    from it (downloaded onto each node's directory, the three nodes' parts of it), bit-exact, and
+    the resumed losses are the uninterrupted run's."""
+    _after_loss(crashed_node_local_with_store, lost=[1, 2], step=1, sources=["remote"] * 3)
+
+
 def test_node_local_directories_node_and_its_holder_lost(crashed_node_local):
     """Nodes 1 and 2 lost with their directories: step 1, in node 0's directory, names files that
     were on the others, and no step is in memory on every rank. Every rank raises
@@ -363,7 +398,7 @@ def _reserved(rank, root, mesh, node, phase):
     model, opt = make_training(mesh)
     train_step(model, opt, mesh, 1)
     ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
-                      node=node)
+                      node=node, remote=ck_remote(root))
     ck.reserve({"model": model, "optim": opt}, wait=True)
     folder, = (root / f"mem-node{node}").glob(f"*.replica-r{rank}")
     made = {p.name for p in folder.glob("slot-*")}
@@ -392,7 +427,7 @@ def _hung_holder(rank, root, mesh, node, phase):
     from gdsckpt import Checkpointer
     gdsckpt.manager.replicas.wire.REPLICA_TIMEOUT_S = 2.0  # the bound, short for the test
     ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
-                      node=node)
+                      node=node, remote=ck_remote(root))
     # each rank's values under keys of its own (DCP keeps one copy of a key every rank names)
     state = {f"w{rank}": torch.full((256, 64), float(rank)), f"b{rank}": torch.arange(100.0) + rank}
     for step in (1, 2):  # 1: a DCP checkpoint in the directory; 2: in memory, replicated

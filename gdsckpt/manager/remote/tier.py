@@ -39,6 +39,7 @@ from gdsckpt.errors import (
 )
 from gdsckpt.manager.policy import Policy
 from gdsckpt.manager.steps import SUFFIX, StepLayout, parse_step_name
+from .parts import NodeLocalParts
 from .verify import REPLACED, check_identity, check_uploaded, verify_object
 from gdsckpt.stores import Store
 from .marker import (
@@ -75,10 +76,11 @@ class RemoteTier:
     `after_upload` (the manager's local retention), then applies remote retention."""
 
     def __init__(self, store: Store, layout: StepLayout, policy: Policy, *, upload: bool,
-                 after_upload: Callable[[], None]):
+                 after_upload: Callable[[], None], parts: NodeLocalParts | None = None):
         self.store = store
         self.layout = layout
         self.policy = policy
+        self.parts = parts  # node-local directories: this directory's part of each step (remote/parts.py)
         self._after_upload = after_upload
         self._mutex = threading.RLock()
         self._wake = threading.Condition(self._mutex)
@@ -231,6 +233,8 @@ class RemoteTier:
         # after the listing: an upload that started meanwhile is in flight, one that ended is uploaded
         busy, uploaded = self.protected()
         spared = marked | busy | (uploaded or set())
+        if self.parts is not None:  # another directory may be sending its part of a step rank 0 still has
+            spared |= set(self.layout.local_steps())
         return {s: sorted(names) for s, names in sorted(found.items()) if s not in spared}
 
     def remove_orphans(self) -> list[int]:
@@ -362,7 +366,8 @@ class RemoteTier:
                 continue
             try:  # before the step leaves flight: wait() returns with retention done
                 self._after_upload()
-                self.retain()
+                if self.parts is None or self.parts.commits:
+                    self.retain()
             except Exception as e:
                 log.warning("gdsckpt: retention after uploading step %d: %s: %s", step, type(e).__name__, e)
             with self._wake:
@@ -376,15 +381,16 @@ class RemoteTier:
         object replaced since its upload) goes: its marker first (the store's step stops counting,
         and a kill leaves objects that do not count), then its objects the new upload will not
         overwrite; the caller uploads the local step in its place."""
-        if not self.layout.committed(self.layout.path(step)):
+        if not self._here(step):
             return True  # nothing here to upload instead (_upload would say so)
         name = self.layout.name(step)
         try:
             marker = load_marker(self.store, name + MARKER)
-            local = {rel: file_identity(path, rel) for path, rel in self.layout.files(step)}
+            local = {rel: file_identity(path, rel) for path, rel in self._files(step)}
         except (InvalidMarker, RemoteNotFoundError, CheckpointFormatError):
             return False  # no valid marker now; or the local step is damaged, which _upload reports
-        if local.keys() == marker.files.keys() and not any(marker.files[r].differences(i) for r, i in local.items()):
+        same = local.keys() <= marker.files.keys() if self.parts is not None else local.keys() == marker.files.keys()
+        if same and not any(marker.files[r].differences(i) for r, i in local.items()):
             try:
                 if not any(marker.files[r].differences(object_identity(self.store, r)) for r in marker.files):
                     return True
@@ -399,9 +405,18 @@ class RemoteTier:
         with self._mutex:
             self._uploaded.discard(step)
         for rel in marker.files:
-            if rel not in local:
+            if rel not in local and self.parts is None:  # (other directories' parts are theirs)
                 self.store.delete(rel)
         return False
+
+    def _here(self, step: int) -> bool:
+        """Whether the step is here to upload (node-local directories: its folder, committed or not)."""
+        path = self.layout.path(step)
+        return path.is_dir() if self.parts is not None else self.layout.committed(path)
+
+    def _files(self, step: int) -> list[tuple[Path, str]]:
+        """The step's files this directory uploads."""
+        return self.parts.files(self.layout, step) if self.parts is not None else self.layout.files(step)
 
     def _on_local_damage(self, step: int, error: BaseException) -> None:
         """Step `step` is damaged here: it is not uploaded, now or on any retry, and the newest
@@ -425,14 +440,14 @@ class RemoteTier:
 
     def _upload(self, step: int) -> None:
         name = self.layout.name(step)
-        if not self.layout.committed(self.layout.path(step)):
+        if not self._here(step):
             raise GdsckptError(f"step {step} is no longer in {str(self.layout.directory)!r}")
         files = {}
         t0 = time.perf_counter()
         total = 0
         verify_s = 0.0
         try:
-            parts = self.layout.files(step)
+            parts = self._files(step)
         except CheckpointFormatError as e:  # a DCP step lacking a file its .metadata names: never uploaded
             raise _LocalDamage(e) from None
         for local, rel in parts:
@@ -458,7 +473,10 @@ class RemoteTier:
             files[rel] = identity
             total += size
         marker = Marker(step, files, time.time(), socket.gethostname())
-        self.store.put_bytes(name + MARKER, marker.encode())
+        if self.parts is not None:  # this directory's part; rank 0: the step's marker over them all
+            self.parts.commit(self.store, self.layout, step, marker)
+        else:
+            self.store.put_bytes(name + MARKER, marker.encode())
         secs = time.perf_counter() - t0
         with self._mutex:
             self._uploaded.add(step)
