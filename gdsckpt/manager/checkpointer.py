@@ -224,12 +224,12 @@ class Checkpointer(Rollbacks):
             raise failed
         if self.distributed and self.memory is not None:  # a step one rank's tier kept alone counts on none
             self.memory.agree()
-        if self.remote is not None and self.sharing.node_local:  # rank 0's steps, on every rank (a collective)
-            newest = self.sharing.owners_steps(self.layout, -1, self._deleting)
+        if self.remote is not None and self.sharing.node_local:  # a collective
+            newest = self.sharing.newest_everywhere(self.layout, self._deleting)
         elif self.remote is not None:
-            newest = self.layout.local_steps()
-        if self.remote is not None and self.remote.uploading and newest:
-            self.remote.enqueue(newest[-1])  # a restarted run: its newest step may never have reached the store
+            newest = max(self.layout.local_steps(), default=None)
+        if self.remote is not None and self.remote.uploading and newest is not None:
+            self.remote.enqueue(newest)  # a restarted run: its newest step may never have reached the store
 
     def _remove_leftovers(self) -> None:
         for p in self.layout.leftovers():

@@ -121,6 +121,17 @@ class DirectorySharing:
                         "directory every rank sees, or remote=, for steps that outlive the nodes", directory,
                         self.describe())
 
+    def newest_everywhere(self, layout, deleting: threading.Lock) -> int | None:
+        """A collective at open: rank 0's newest step, if every directory has a folder of it (the
+        step a restarted run uploads again: a node replaced since has no part of it to send)."""
+        import torch.distributed as dist
+        found = self.owners_steps(layout, -1, deleting)
+        if not found:
+            return None
+        every = [None] * len(self.groups)
+        dist.all_gather_object(every, layout.path(found[-1]).is_dir())
+        return found[-1] if all(every) else None
+
     def owners_steps(self, layout, saving: int, deleting: threading.Lock) -> list[int]:
         """A collective, at the save of step `saving`: rank 0's committed steps, which every rank
         then weighs alike. In each directory rank 0 does not see, its first rank removes the

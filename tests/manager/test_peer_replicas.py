@@ -338,9 +338,10 @@ def test_node_local_directories_node_lost_restores_from_its_peer(crashed_node_lo
     _after_loss(crashed_node_local, lost=[1], step=5, sources=["memory", "peer", "memory"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def crashed_node_local_with_store(s3_server):
-    """As crashed_node_local, with an object store: step 1 uploaded, each node sending its part."""
+    """As crashed_node_local, with an object store of its own (a resumed run uploads to it): step
+    1 uploaded, each node sending its part."""
     saved = dict(os.environ)
     os.environ.update(s3_server.env())
     try:
@@ -348,6 +349,12 @@ def crashed_node_local_with_store(s3_server):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_node_local_directories_with_a_store_node_lost_restores_from_its_peer(crashed_node_local_with_store):
+    """Node 1 lost with its directory: its rank restores from its peer; the replacement has no
+    part of the step the store already has, and the new run does not wait for one."""
+    _after_loss(crashed_node_local_with_store, lost=[1], step=5, sources=["memory", "peer", "memory"])
 
 
 def test_node_local_directories_node_and_its_holder_lost_back_to_the_store(crashed_node_local_with_store):

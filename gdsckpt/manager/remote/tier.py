@@ -296,7 +296,8 @@ class RemoteTier:
         if pending is None:
             return []
         to, then = pending
-        markers, objects, gone = self._objects_newer_than(to)
+        acts = self.parts is None or self.parts.commits  # (node-local directories: rank 0 removes them)
+        markers, objects, gone = self._objects_newer_than(to) if acts else ([], [], set())
         for name in markers + objects:  # uncommit first: a kill mid-way leaves objects that do not count
             self.store.delete(name)
         if gone:
