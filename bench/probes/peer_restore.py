@@ -12,11 +12,11 @@ bandwidth.
     python bench/probes/peer_restore.py run --nproc 2 --size 5GB --out DIR          # 2 GPUs
     python bench/probes/peer_restore.py run --nproc 2 --device cpu --size 64MB --out DIR
 
-`run` launches three torchrun jobs (python -m torch.distributed.run), wiping rank --lost's
+`run` launches three torchrun jobs (python -m torch.distributed.run), wiping node --lost's
 memory root between the first two (the node loss), and writes DIR/summary.json:
 * save: each rank trains an AdamW model of about --size bytes (fp32 weights and moments; each
   rank seeded differently), saves step 1 (to the directory: every_local's first step) and then
-  --saves steps with Checkpointer(memory=True, replicas=1, node=rank), a few optimizer steps
+  --saves steps with Checkpointer(memory=True, replicas=1, node=<its node>), a few optimizer steps
   between. Per checkpoint: the call's blocked seconds, idle_s (blocked + how much slower the
   --train-steps after it ran than the same steps with no save in flight: an overlapped snapshot
   is paid in them), when the step was replicated, the replication's own seconds and bytes
@@ -25,7 +25,8 @@ memory root between the first two (the node loss), and writes DIR/summary.json:
   file), the link's NCCL bandwidth (GPU), and os._exit(0), no close(), as a crash.
 * restore: fresh weights, then Checkpointer(...) + restore() timed to the state filled.
 * restore-cold: the same from the rank's cold file, after dropping the page cache.
-Each phase writes DIR/<phase>-r<rank>.json. Rank r's memory root is --memory-roots/r<r>.
+Each phase writes DIR/<phase>-r<rank>.json. Node n's memory root is --memory-roots/n<n>; a node is
+one rank, or --ranks-per-node k of them (4 GPUs as 2 nodes of 2: --nproc 4 --ranks-per-node 2).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def args_of(argv=None):
     p.add_argument("--size", default=None, help="state bytes per rank (default 5GB on cuda, 64MB on cpu)")
     p.add_argument("--saves", type=int, default=3, help="memory checkpoints timed (after step 1)")
     p.add_argument("--train-steps", type=int, default=3, help="optimizer steps between checkpoints")
-    p.add_argument("--lost", type=int, default=1, help="the rank whose node is lost")
+    p.add_argument("--lost", type=int, default=1, help="the node lost (with --ranks-per-node 1: the rank)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=1, help="ranks r*k .. r*k+k-1 make node r")
     p.add_argument("--dir", type=Path, default=None, help="the checkpoint directory (default OUT/ck)")
     p.add_argument("--memory-roots", type=Path, default=Path("/dev/shm/gdsckpt-peer-restore"))
     p.add_argument("--keep", action="store_true", help="run: leave the memory roots and directories")
@@ -158,8 +160,9 @@ def timed_saves(a, ck, model, opt, base: float, rank: int, replicas: bool) -> tu
 
 def phase_main(a) -> None:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-    os.environ["GDSCKPT_MEMORY_ROOT"] = str(a.memory_roots / f"r{rank}")  # before gdsckpt is imported
-    (a.memory_roots / f"r{rank}").mkdir(parents=True, exist_ok=True)
+    node = rank // a.ranks_per_node
+    os.environ["GDSCKPT_MEMORY_ROOT"] = str(a.memory_roots / f"n{node}")  # before gdsckpt is imported
+    (a.memory_roots / f"n{node}").mkdir(parents=True, exist_ok=True)
     import torch
     import torch.distributed as dist
     if a.device == "cuda":
@@ -183,7 +186,7 @@ def phase_main(a) -> None:
         out["train_baseline_s"] = base = time.perf_counter() - t  # the steps with no save in flight
         # the same loop without replicas first (another directory, so another memory tier): what
         # replication adds is the difference, measured in one run
-        ck0 = Checkpointer(a.dir.with_name(a.dir.name + "-noreplicas"), memory=True, node=rank, every_local=1000,
+        ck0 = Checkpointer(a.dir.with_name(a.dir.name + "-noreplicas"), memory=True, node=node, every_local=1000,
                            distributed=True)
         t = time.perf_counter()
         ck0.reserve(state, wait=True)  # the tier's slots made and page-locked before any save, as a user would
@@ -192,7 +195,7 @@ def phase_main(a) -> None:
         ck0.wait()
         out["saves_without_replicas"], _ = timed_saves(a, ck0, model, opt, base, rank, replicas=False)
         ck0.close()
-        ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
+        ck = Checkpointer(a.dir, memory=True, replicas=1, node=node, every_local=1000, distributed=True)
         t = time.perf_counter()
         ck.reserve(state, wait=True)  # its own slots and the segments of the replicas it holds
         out["reserve_s"] = time.perf_counter() - t
@@ -224,7 +227,7 @@ def phase_main(a) -> None:
     dist.barrier()
     t = time.perf_counter()
     if a.phase == "restore":
-        ck = Checkpointer(a.dir, memory=True, replicas=1, node=rank, every_local=1000, distributed=True)
+        ck = Checkpointer(a.dir, memory=True, replicas=1, node=node, every_local=1000, distributed=True)
     else:
         ck = Checkpointer(a.out / "cold" / f"r{rank}", distributed=False)
     out["open_s"] = time.perf_counter() - t  # the Checkpointer made (with replicas: its groups)
@@ -318,11 +321,11 @@ def run_all(a) -> None:
         shutil.rmtree(p, ignore_errors=True)
     common = ["--out", str(a.out), "--device", a.device, "--size", str(a.size), "--saves", str(a.saves),
               "--train-steps", str(a.train_steps), "--lost", str(a.lost), "--dir", str(a.dir),
-              "--memory-roots", str(a.memory_roots)]
+              "--memory-roots", str(a.memory_roots), "--ranks-per-node", str(a.ranks_per_node)]
     try:
         for phase in PHASES:
             if phase == "restore":  # the node is lost: its memory (its copies and the replicas it held)
-                shutil.rmtree(a.memory_roots / f"r{a.lost}")
+                shutil.rmtree(a.memory_roots / f"n{a.lost}")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
                    __file__, phase, *common]
             print("+", " ".join(cmd), flush=True)
@@ -341,7 +344,8 @@ def summarize(a) -> dict:
         link = (s.get("nccl") or {}).get("sendrecv_GBps")
         rep = [(x["replication_bytes"] / x["replication_s"] / 1e9) for x in s["saves"] if x["replication_s"]]
         ranks.append({
-            "rank": r, "lost": r == a.lost, "state_bytes": s["state_bytes"],
+            "rank": r, "node": r // a.ranks_per_node, "lost": r // a.ranks_per_node == a.lost,
+            "state_bytes": s["state_bytes"],
             "blocked_s_per_checkpoint": [x["blocked_s"] for x in s["saves"]],
             "idle_s_per_checkpoint": [x["idle_s"] for x in s["saves"]],
             "idle_s_per_checkpoint_without_replicas": [x["idle_s"] for x in s.get("saves_without_replicas", [])],
@@ -359,8 +363,8 @@ def summarize(a) -> dict:
     s0 = json.loads((a.out / "save-r0.json").read_text())
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": s0["device_name"],
            "torch": s0["torch"], "gdsckpt": s0["gdsckpt"], "size": a.size, "saves": a.saves, "lost": a.lost,
-           "nccl": s0.get("nccl"), "ranks": ranks,
-           "lost_from_peer": ranks[a.lost]["restore_source"] == "peer",
+           "ranks_per_node": a.ranks_per_node, "nccl": s0.get("nccl"), "ranks": ranks,
+           "lost_from_peer": all(x["restore_source"] == "peer" for x in ranks if x["lost"]),
            "all_bit_exact": all(x["bit_exact"] and x["cold_bit_exact"] for x in ranks)}
     (a.out / "summary.json").write_text(json.dumps(out, indent=1))
     return out

@@ -65,7 +65,9 @@ def _rank_main(rank: int, world: int, root: str, phase: str) -> None:
                             device_id=torch.device("cuda", rank))
     try:
         from gdsckpt import Checkpointer
-        ck = Checkpointer(root / "ck", memory=True, every_local=100, replicas=1, node=node)
+        # the directory shared, or (node-local) each node's own
+        directory = root / f"dir-node{node}" / "ck" if (root / "node-local").exists() else root / "ck"
+        ck = Checkpointer(directory, memory=True, every_local=100, replicas=1, node=node)
         if phase == "train":
             model, opt = _model(rank)
             for step in range(1, SAVES + 1):
@@ -103,14 +105,15 @@ def _spawn(root: Path, phase: str):
     return mp.start_processes(_rank_main, args=(2, str(root), phase), nprocs=2, join=False, start_method="spawn")
 
 
-@pytest.fixture(scope="module")
-def crashed():
+def _crash(node_local: bool = False):
     """Two nodes of one GPU each, killed after step 3 (steps 2 and 3 in memory only, each
     replicated on the other node)."""
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-gpu-", dir="/dev/shm"))
     try:
         for n in (0, 1):
             (root / f"mem-node{n}").mkdir()
+        if node_local:
+            (root / "node-local").touch()
         ctx = _spawn(root, "train")
         for r in (0, 1):
             wait_for(root / f"ready-r{r}", ctx, timeout=300)
@@ -122,10 +125,16 @@ def crashed():
         shutil.rmtree(root.with_name(root.name + "-pristine"), ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def crashed():
+    yield from _crash()
+
+
 def _after_loss(root: Path, step: int, sources: list, damage=None, nodes=(0, 1)) -> None:
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
-    shutil.rmtree(root / "mem-node1")  # node 1 is gone, its memory with it
+    shutil.rmtree(root / "mem-node1")  # node 1 is gone, its memory with it (and its own directory)
+    shutil.rmtree(root / "dir-node1", ignore_errors=True)
     (root / "mem-node1").mkdir()
     if damage is not None:
         damage(root)
@@ -158,3 +167,10 @@ def test_damaged_replica_received_into_device_memory_is_refused(crashed):
             f.seek(fmt.HEADER_SIZE + 100)
             f.write(bytes([b[0] ^ 0x40]))
     _after_loss(crashed, SAVES - 1, ["memory", "peer"], damage=flip)
+
+
+def test_lost_gpu_node_with_node_local_directories():
+    """Each node with a directory of its own, lost with its memory: its rank receives its copy
+    over NCCL, as with a shared directory."""
+    for root in _crash(node_local=True):
+        _after_loss(root, SAVES, ["memory", "peer"])
