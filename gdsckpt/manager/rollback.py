@@ -81,7 +81,11 @@ class Rollbacks:
         # No retention from the check to the removals: a local write ending meanwhile must not
         # count toward `keep` and let go of the step rolled back to.
         with self._deleting:
-            if step not in self.steps():
+            known = [step in self.steps()]
+            if self.distributed:  # rank 0's view, so every rank rolls back or refuses alike (node-local
+                import torch.distributed as dist  # directories: the other nodes' hold no .metadata)
+                dist.broadcast_object_list(known, src=0)
+            if not known[0]:
                 raise NoCheckpointError(f"no step {step} to roll back to in {str(self.directory)!r}"
                                         + (f" or {self.remote.url()}" if self.remote is not None else ""))
             self._fork_lineage()

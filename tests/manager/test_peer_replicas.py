@@ -389,6 +389,11 @@ def _node_local_retention(rank, root, mesh, node, phase):
         assert ck.layout.local_steps() == [4, 5], (rank, ck.layout.local_steps(), ck.layout.folders())
     else:  # no .metadata here: folders of its ranks' files only, those of step 3 left for the next save
         assert ck.layout.local_steps() == [] and ck.layout.folders() == [3, 4, 5], ck.layout.folders()
+    ck.rollback(4)  # rank 0 removes step 5; the other directory follows at the next save
+    ck.save(5, {f"w{rank}": torch.full((64, 16), -float(rank))})
+    dist.barrier()
+    if node == 1:
+        assert ck.layout.folders() == [4, 5], ck.layout.folders()
     ck.close()
 
 
