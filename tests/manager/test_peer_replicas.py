@@ -206,6 +206,10 @@ def _resume(rank, root, mesh, node, phase):
         ck.save_async(step, {"model": model, "optim": opt})
         ck.wait()
     assert ck.memory.steps() == [STEPS - 1, STEPS]
+    if ck_remote(root) is not None:  # the first step after the restore, written to the directories, is on the store
+        ck.wait(uploads=True, timeout=60)
+        dist.barrier()
+        assert max(ck.remote_steps()) == start + 1, (rank, ck.remote_steps(), ck.status()["errors"])
     losses_path(root, "resume", rank).write_text(json.dumps(losses))
     ck.close()
 
@@ -355,6 +359,13 @@ def test_node_local_directories_with_a_store_node_lost_restores_from_its_peer(cr
     """Node 1 lost with its directory: its rank restores from its peer; the replacement has no
     part of the step the store already has, and the new run does not wait for one."""
     _after_loss(crashed_node_local_with_store, lost=[1], step=5, sources=["memory", "peer", "memory"])
+
+
+def test_node_local_directories_with_a_store_rank_0s_node_lost(crashed_node_local_with_store):
+    """Node 0 lost, and with it the directory that held the .metadata of every step: rank 0
+    restores from its peer; the next step written to the directories reaches the store."""
+    root = crashed_node_local_with_store
+    _after_loss(root, lost=[0], step=5, sources=["peer", "memory", "memory"])
 
 
 def test_node_local_directories_node_and_its_holder_lost_back_to_the_store(crashed_node_local_with_store):
