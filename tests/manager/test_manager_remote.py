@@ -217,6 +217,7 @@ def test_server_killed_mid_upload_then_back(tmp_path, monkeypatch):
             time.sleep(0.5)
         st = ck.status()
         assert st["uploaded"] == [2] and st["skipped"] == [1], st  # step 1's retry was overtaken by step 2
+        ck.wait(uploads=True, timeout=60)  # and the retention the upload requested (a thread of its own)
         assert ck.status()["local_steps"] == [2]
         ck.close()
         with Checkpointer(tmp_path / "fresh", remote=url) as ck2:
