@@ -317,6 +317,43 @@ def test_node_lost_and_the_job_numbered_anew(crashed):
     _after_loss(crashed, lost=[1], step=5, sources=["peer", "peer", "peer"], nodes=[2, 0, 1], left=left)
 
 
+def _resume_in_another_world(rank, root, mesh, node, phase):
+    """Two ranks where three saved: their memory copies and replicas are another sharding's, so
+    every rank restores step 1 from the directory, which DCP reshards, and a warning says why."""
+    import logging
+    from gdsckpt import Checkpointer
+    from torch.distributed.tensor import DTensor
+    model, opt = make_training(mesh, seed=99)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("gdsckpt").addHandler(handler)
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = ck.restore({"model": model, "optim": opt})
+    assert (r.step, r.source) == (1, "local"), (rank, r.step, r.source, r.skipped)
+    saved = [torch.load(root / f"model-at-1-r{o}.pt") for o in range(3)]
+    whole = torch.cat([s["w"] for s in saved])  # the weight, sharded by rows over the three ranks
+    got = model.w.full_tensor() if isinstance(model.w, DTensor) else model.w
+    assert torch.equal(got, whole) and torch.equal(local_bytes(model)["b"], saved[0]["b"])
+    said = " ".join(rec.getMessage() for rec in records)
+    if rank == 0:
+        assert "were kept for a job of 3 ranks, and this one has 2" in said and "DCP reshards" in said, said
+    ck.close()
+
+
+def test_another_world_size_restores_from_the_directory_resharded(crashed):
+    """The job back on two nodes where it ran on three (node 1 lost, no replacement): every rank
+    restores step 1 from the directory, resharded, and the log says why not from memory."""
+    root = crashed
+    shutil.rmtree(root)
+    shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
+    shutil.rmtree(root / "mem-node1")
+    run(root, _resume_in_another_world, [0, 2], "resume", timeout=300)
+
+
 def test_two_nodes_of_two_ranks_node_lost():
     """Two nodes of two processes each (ranks 0, 1 on node 0; 2, 3 on node 1): each rank's replica
     is held by the rank of the same local index on the other node. Node 1 lost: ranks 2 and 3

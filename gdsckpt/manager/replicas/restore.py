@@ -53,6 +53,7 @@ class PeerReplicas:
                  on_disk):
         import torch.distributed as dist
         self.tier, self.rank, self.world = tier, tier.rank, dist.get_world_size()
+        self._other_worlds: list[int] = []  # said already: replicas of jobs of other sizes on the hosts
         self.nodes, hosts = gather_nodes(node)
         self.placement = place(self.nodes, replicas, placement)  # the same on every rank: refused alike
         shared = same_host(self.placement, hosts)
@@ -95,11 +96,19 @@ class PeerReplicas:
         dist.all_gather_object(keys, strays.host_key())
         self.ranks_here = [r for r in range(self.world) if keys[r] == keys[self.rank]]
         # one rank of each host reports the host's strays (every rank there sees the same folders)
-        found = (strays.stray_copies(self.tier.directory, self.ranks_here, self.placement, self.world)
-                 if self.rank == self.ranks_here[0] else {})
+        first = self.rank == self.ranks_here[0]
+        found = strays.stray_copies(self.tier.directory, self.ranks_here, self.placement, self.world) if first else {}
+        others = strays.other_worlds(self.tier.directory, self.world) if first else []
         every = [None] * self.world
-        dist.all_gather_object(every, (sorted(own), self.store.inventory(), found))
-        self._plans = plan(every, [keys.index(k) for k in keys])
+        dist.all_gather_object(every, (sorted(own), self.store.inventory(), found, others))
+        self._plans = plan([e[:3] for e in every], [keys.index(k) for k in keys])
+        others = sorted({w for e in every for w in e[3]})
+        if others and self.rank == 0 and others != self._other_worlds:  # (at open, and again at a restore)
+            self._other_worlds = others
+            log.warning("gdsckpt: memory copies of %s were kept for a job of %s ranks, and this one has %d: they are "
+                        "another sharding's, which no rank restores from memory; a step that every rank cannot get "
+                        "from memory comes from the directory or the store, where DCP reshards it",
+                        self.tier.directory, " or ".join(map(str, others)), self.world)
         return sorted(self._plans)
 
     def needs_fetch(self, step: int) -> bool:

@@ -63,6 +63,13 @@ def stray_copies(directory: Path, ranks_here: Sequence[int], placement: Mapping[
     return out
 
 
+def other_worlds(directory: Path, world: int) -> list[int]:
+    """The sizes other than `world` of the jobs whose replicas are kept on this host: another
+    sharding's, which no rank of this job restores."""
+    return sorted({w for rec in list_replicas(directory)
+                   if (w := _world_of(Path(rec["folder"]))) is not None and w != world})
+
+
 def _world_of(folder: Path) -> int | None:
     try:
         return json.loads((folder / INFO).read_text()).get("world")
