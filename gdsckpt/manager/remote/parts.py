@@ -29,8 +29,8 @@ def part_name(step_name: str, leader: int) -> str:
 
 
 class NodeLocalParts:
-    """This rank's role in the uploads of node-local directories: `leader` is the first rank of
-    its directory (the one that uploads it), `leaders` those of every directory."""
+    """The uploads of node-local directories, on the first rank of a directory (`rank`, the one
+    that uploads it); `leaders`: the first rank of every directory."""
 
     def __init__(self, rank: int, leaders: list[int]):
         self.rank, self.leaders = rank, sorted(leaders)
