@@ -224,12 +224,11 @@ class Checkpointer(Rollbacks):
             raise failed
         if self.distributed and self.memory is not None:  # a step one rank's tier kept alone counts on none
             self.memory.agree()
-        if self.remote is not None and self.sharing.node_local:  # a collective
-            newest = self.sharing.newest_everywhere(self.layout, self._deleting)
-        elif self.remote is not None:
-            newest = max(self.layout.local_steps(), default=None)
-        if self.remote is not None and self.remote.uploading and newest is not None:
-            self.remote.enqueue(newest)  # a restarted run: its newest step may never have reached the store
+        if self.remote is not None:  # (node-local directories: a collective)
+            newest = self.sharing.newest_everywhere(self.layout, self._deleting) if self.sharing.node_local \
+                else max(self.layout.local_steps(), default=None)
+            if self.remote.uploading and newest is not None:  # a restarted run's newest may never have reached it
+                self.remote.enqueue(newest)
 
     def _remove_leftovers(self) -> None:
         for p in self.layout.leftovers():
@@ -439,15 +438,16 @@ class Checkpointer(Rollbacks):
                 return doomed
 
     def prune(self, *, dry_run: bool = False) -> dict:
-        """Apply the retention policy now (as after every save and upload); dry_run: only say
-        what would go. {"local": [steps], "remote": [steps], "damaged": {local step: why}}."""
+        """Apply the retention policy now (as after every save and upload); dry_run: only say what
+        would go (under torch.distributed, what rank 0 removes: the other ranks only say it).
+        {"local": [steps], "remote": [steps], "damaged": {local step: why}}."""
         if not dry_run:
             self._writable("prune")
         if self.remote is not None:
             self.remote.refresh()
         local = self._doomed_local()
         remote = [s for s, _ in self.remote.doomed()] if self.remote is not None else []
-        if not dry_run:
+        if not dry_run and self._owner:  # (every rank removing the same steps: each failing on the others')
             self._retain()
             if self.remote is not None:
                 self.remote.retain()

@@ -224,3 +224,28 @@ def test_two_ranks_values_that_differ_across_ranks(tmp_path):
 def test_two_ranks_values_that_differ_across_ranks_on_gpus(tmp_path):
     """The same with the shards on two GPUs and NCCL beside gloo."""
     run_ranks(tmp_path, _values_that_differ_across_ranks, pg_timeout=60, timeout=300, backend="cpu:gloo,cuda:nccl")
+
+
+def _prune_on_every_rank(rank: int, root: Path, mesh) -> None:
+    """prune() called on every rank (as every other call is): rank 0 removes what the policy lets
+    go, every rank says the same, and no rank fails on another's removals."""
+    import logging
+    from gdsckpt import Checkpointer
+    ck = Checkpointer(root / "ck", keep=10, save_options=OPTS)
+    for step in range(1, 5):
+        ck.save(step, sharded(full_state(step), mesh))
+    ck.close()
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("gdsckpt").addHandler(handler)
+    ck = Checkpointer(root / "ck", keep=2, save_options=OPTS)
+    assert ck.prune(dry_run=True)["local"] == [1, 2]
+    assert ck.prune() == {"local": [1, 2], "remote": [], "damaged": {}}
+    dist.barrier()
+    assert ck.steps() == [3, 4] and not records, [r.getMessage() for r in records]
+    ck.close()
+
+
+def test_two_ranks_prune_on_every_rank(tmp_path):
+    run_ranks(tmp_path, _prune_on_every_rank)
