@@ -439,7 +439,7 @@ class Checkpointer(Rollbacks):
 
     def prune(self, *, dry_run: bool = False) -> dict:
         """Apply the retention policy now (as after every save and upload); dry_run: only say what
-        would go (under torch.distributed, what rank 0 removes: the other ranks only say it).
+        would go (under torch.distributed rank 0 removes; another rank only says what it sees go).
         {"local": [steps], "remote": [steps], "damaged": {local step: why}}."""
         if not dry_run:
             self._writable("prune")
