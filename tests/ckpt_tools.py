@@ -8,6 +8,7 @@ the checksums in front of it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import sys
@@ -174,3 +175,13 @@ def end_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def logged(name: str = "gdsckpt", level: int = logging.NOTSET) -> list[str]:
+    """The messages logged under `name` at `level` or above in this process from now on (a child
+    rank's, which pytest's caplog does not reach)."""
+    said: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger(name).addHandler(handler)
+    return said

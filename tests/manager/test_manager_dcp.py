@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank, join_ranks, start_ranks  # noqa: E402
+from ckpt_tools import end_rank, join_ranks, logged, start_ranks  # noqa: E402
 from gdsckpt.errors import GdsckptError  # noqa: E402
 from gdsckpt.manager.steps import step_name  # noqa: E402
 
@@ -444,7 +444,6 @@ def _linked_base_step(rank: int, root: Path, mesh) -> None:
     .metadata, its commit point, through the link (then its rmtree of the link failed, silently);
     now the link alone goes, with a warning naming it and its target, and the other run's step
     stays whole and restorable."""
-    import logging
     from gdsckpt import Checkpointer
     base, d = root / "base", root / "ck"
     ck = Checkpointer(base, keep=1)
@@ -456,10 +455,7 @@ def _linked_base_step(rank: int, root: Path, mesh) -> None:
         d.mkdir()
         (d / step_name(0, True)).symlink_to(shared)
     dist.barrier()
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda r: said.append(r.getMessage())
-    logging.getLogger("gdsckpt.manager.checkpointer").addHandler(handler)
+    said = logged("gdsckpt.manager.checkpointer")
     ck = Checkpointer(d, keep=2)
     assert ck.steps() == [0]
     for s in (1, 2):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank, start_ranks  # noqa: E402
+from ckpt_tools import end_rank, logged, start_ranks  # noqa: E402
 from test_manager_dcp import WORLD, full_state, run_ranks, same_local, sharded  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
@@ -235,17 +235,14 @@ def _prune_on_every_rank(rank: int, root: Path, mesh) -> None:
     for step in range(1, 5):
         ck.save(step, sharded(full_state(step), mesh))
     ck.close()
-    records = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logging.getLogger("gdsckpt").addHandler(handler)
+    warned = logged(level=logging.WARNING)
     ck = Checkpointer(root / "ck", keep=2, save_options=OPTS)
     assert ck.prune(dry_run=True)["local"] == [1, 2]
     dist.barrier()
     out = ck.prune()  # not a collective: another rank says what goes as it sees it, rank 0 done or not
     assert out["local"] == [1, 2] if rank == 0 else set(out["local"]) <= {1, 2}, out
     dist.barrier()
-    assert ck.steps() == [3, 4] and not records, [r.getMessage() for r in records]
+    assert ck.steps() == [3, 4] and not warned, warned
     ck.close()
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-from ckpt_tools import end_rank, join_ranks, start_ranks  # noqa: E402
+from ckpt_tools import end_rank, join_ranks, logged, start_ranks  # noqa: E402
 
 OPTS = {"chunk_bytes": 64 << 10}
 STEPS = 8  # a run's length; saves at every step, the directory gets steps 1 and 1 + EVERY_LOCAL
@@ -320,14 +320,10 @@ def test_node_lost_and_the_job_numbered_anew(crashed):
 def _resume_in_another_world(rank, root, mesh, node, phase):
     """Two ranks where three saved: their memory copies and replicas are another sharding's, so
     every rank restores step 1 from the directory, which DCP reshards, and a warning says why."""
-    import logging
     from gdsckpt import Checkpointer
     from torch.distributed.tensor import DTensor
     model, opt = make_training(mesh, seed=99)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("gdsckpt").addHandler(handler)
+    said = logged()
     ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
                       node=node)
     with warnings.catch_warnings():
@@ -338,7 +334,7 @@ def _resume_in_another_world(rank, root, mesh, node, phase):
     whole = torch.cat([s["w"] for s in saved])  # the weight, sharded by rows over the three ranks
     got = model.w.full_tensor() if isinstance(model.w, DTensor) else model.w
     assert torch.equal(got, whole) and torch.equal(local_bytes(model)["b"], saved[0]["b"])
-    said = " ".join(rec.getMessage() for rec in records)
+    said = " ".join(said)
     if rank == 0:
         assert "were kept for a job of 3 ranks, and this one has 2" in said and "DCP reshards" in said, said
     ck.close()

@@ -97,10 +97,10 @@ class PeerReplicas:
         self.ranks_here = [r for r in range(self.world) if keys[r] == keys[self.rank]]
         # one rank of each host reports the host's strays (every rank there sees the same folders)
         first = self.rank == self.ranks_here[0]
-        found = strays.stray_copies(self.tier.directory, self.ranks_here, self.placement, self.world) if first else {}
-        others = strays.other_worlds(self.tier.directory, self.world) if first else []
+        found, worlds = (strays.stray_copies(self.tier.directory, self.ranks_here, self.placement, self.world)
+                         if first else ({}, []))
         every = [None] * self.world
-        dist.all_gather_object(every, (sorted(own), self.store.inventory(), found, others))
+        dist.all_gather_object(every, (sorted(own), self.store.inventory(), found, worlds))
         self._plans = plan([e[:3] for e in every], [keys.index(k) for k in keys])
         others = sorted({w for e in every for w in e[3]})
         if others and self.rank == 0 and others != self._other_worlds:  # (at open, and again at a restore)

@@ -47,27 +47,23 @@ def in_use(directory: Path, ranks_here: Sequence[int], placement: Mapping[int, S
 
 
 def stray_copies(directory: Path, ranks_here: Sequence[int], placement: Mapping[int, Sequence[int]],
-                 world: int) -> dict[int, dict[int, tuple[int, str]]]:
-    """{origin: {step: (bytes, folder)}} of the intact committed copies on this host that no rank
-    of the current numbering opens, of origins this world has; a replica kept in a world of
-    another size is another sharding's, and left out (its holder's store releases those)."""
+                 world: int) -> tuple[dict[int, dict[int, tuple[int, str]]], list[int]]:
+    """({origin: {step: (bytes, folder)}} of the intact committed copies on this host that no rank
+    of the current numbering opens, of origins this world has; the sizes of other worlds whose
+    replicas are kept here). A replica kept in a world of another size is another sharding's, and
+    left out (its holder's store releases those)."""
     used = in_use(directory, ranks_here, placement)
     out: dict[int, dict[int, tuple[int, str]]] = {}
+    others: set[int] = set()
     for rec in list_copies(directory) + list_replicas(directory):
         folder = Path(rec["folder"])
+        if "holder" in rec and (w := _world_of(folder)) not in (None, world):
+            others.add(w)
+            continue
         if folder in used or rec["damaged"] is not None or not 0 <= rec["rank"] < world:
             continue
-        if "holder" in rec and _world_of(folder) not in (None, world):
-            continue
         out.setdefault(rec["rank"], {}).setdefault(rec["step"], (rec["bytes"], str(folder)))
-    return out
-
-
-def other_worlds(directory: Path, world: int) -> list[int]:
-    """The sizes other than `world` of the jobs whose replicas are kept on this host: another
-    sharding's, which no rank of this job restores."""
-    return sorted({w for rec in list_replicas(directory)
-                   if (w := _world_of(Path(rec["folder"]))) is not None and w != world})
+    return out, sorted(others)
 
 
 def _world_of(folder: Path) -> int | None:
