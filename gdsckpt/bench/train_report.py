@@ -238,10 +238,7 @@ def headline(result: dict) -> str | None:
             parts.append(f"{name} {idle:.3f} s ({x:.1f}x less)" if x >= 1 else f"{name} {idle:.3f} s ({1 / x:.1f}x more)")
     size = result["state"]["logical_bytes"] / 1e6
     text = f"Each checkpoint of the {size:.1f} MB state cost the training loop {base:.3f} s with {label}"
-    text += ("; " + ", ".join(parts) + "." if parts else ".")
-    if result.get("interrupted"):
-        text += " (Interrupted: from the loops that finished.)"
-    return text
+    return text + ("; " + ", ".join(parts) + "." if parts else ".")
 
 
 def _within_noise(a: dict, b: dict) -> bool:
@@ -276,8 +273,11 @@ def print_train(result: dict, out=None) -> None:
     out = out or sys.stdout
     d = result
     m = d["model"]
-    if headline(d):
-        print(headline(d) + "\n", file=out)
+    # An interrupted run says so first, with or without a headline (a short loop on a busy
+    # CPU can measure no idle for torch.save, and then there is none).
+    first = " ".join(x for x in (headline(d), d.get("interrupted") and "(Interrupted: from the loops that finished.)") if x)
+    if first:
+        print(first + "\n", file=out)
     print(f"gdsckpt-bench --train {d['date']}  device: {d['device']['name']}  io: {d['io_path']}", file=out)
     print(f"  model: GPT {m['layers']}x{m['d_model']} ({m['params'] / 1e6:.1f}M params), batch {m['batch']}x{m['seq']}; "
           f"state {d['state']['logical_bytes'] / 1e9:.2f} GB ({d['state']['tensors']} tensors); "
