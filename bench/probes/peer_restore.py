@@ -236,6 +236,14 @@ def phase_main(a) -> None:
     out["restore_s"] = time.perf_counter() - t
     if a.phase == "restore":
         out["fetched"] = ck.status()["memory"]["replicas"].get("fetched")
+        # after the restore, in the background: a step received is kept in the rank's own tier,
+        # and a step whose holder lost its replica is sent to it again
+        t = time.perf_counter()
+        ck.memory.wait_replicas(120)
+        st = ck.status()["memory"]
+        out["after_restore"] = {"held": st["steps"], "replicated_again_s": time.perf_counter() - t,
+                                "replicated_on": st["replicas"]["steps"].get(r.step, {}).get("replicated_on"),
+                                "last": st["replicas"]["last"]}
     want = json.loads((a.out / f"digests-r{rank}.json").read_text())
     got = digests(model, opt)
     out.update(step=r.step, source=r.source, skipped=[list(map(str, s)) for s in r.skipped],
@@ -356,6 +364,7 @@ def summarize(a) -> dict:
             "replication_GBps": rep, "link_GBps": link,
             "replication_of_link": [g / link for g in rep] if link else None,
             "restore_s": m["restore_s"], "restore_open_s": m.get("open_s"), "fetched": m.get("fetched"),
+            "after_restore": m.get("after_restore"),
             "restore_step": m["step"], "restore_source": m["source"],
             "restore_io_path": m["io_path"], "cold_restore_s": c["restore_s"], "cold_source": c["source"],
             "cold_page_cache": c.get("page_cache"), "speedup": c["restore_s"] / m["restore_s"],

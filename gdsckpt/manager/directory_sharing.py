@@ -16,12 +16,14 @@ import logging
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("gdsckpt.manager.directory_sharing")
 
 _PROBE = ".gdsckpt-probe-{token}-r{rank}"
+STALE_PROBE_S = 3600.0
 
 
 def ranks_sharing(directory: Path) -> list[list[int]] | None:
@@ -57,7 +59,23 @@ def ranks_sharing(directory: Path) -> list[list[int]] | None:
     dist.barrier()  # every rank has looked: its file may go
     if made:
         mine.unlink(missing_ok=True)
+        if rank == min(every[rank] or [rank]):  # one rank of each directory
+            _remove_stale_probes(directory)
     return None if any(s is None for s in every) else every
+
+
+def _remove_stale_probes(directory: Path) -> None:
+    """Probe files older than STALE_PROBE_S: left by an open killed between its file and the
+    barrier (another job opening the directory now would be a concurrent open, its files new)."""
+    now = time.time()
+    try:
+        stale = [e for e in os.scandir(directory)
+                 if e.name.startswith(_PROBE.split("{")[0]) and now - e.stat().st_mtime > STALE_PROBE_S]
+    except OSError:
+        return
+    for e in stale:
+        log.info("gdsckpt: removing %s, left by an open of %s that was killed", e.name, directory)
+        Path(e.path).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

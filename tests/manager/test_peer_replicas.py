@@ -246,13 +246,42 @@ def crashed():
     yield from _crash(NODES)
 
 
+def _restored_then_killed(rank, root, mesh, node, phase):
+    """The job back after a node's loss, killed again before its next save: by then every rank
+    holds step 5 in its own memory (a rank that received it too) and on its holder (rank 0's
+    holder is the replacement node, which held nothing: the restore sent it step 5 again)."""
+    from gdsckpt import Checkpointer
+    model, opt = make_training(mesh, seed=99)
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+                      node=node, remote=ck_remote(root))
+    assert ck.restore({"model": model, "optim": opt}).step == 5
+    assert ck.memory.wait_replicas(60)
+    dist.barrier()  # every origin acknowledged: every holder committed
+    st = ck.status()["memory"]
+    rep = st["replicas"]
+    assert 5 in st["steps"] and rep["steps"][5]["replicated_on"] == rep["holders"], (rank, st)
+    assert all(5 in rep["held"][o] for o in rep["held_for"]), (rank, rep)
+    (root / f"ready-{phase}-r{rank}").touch()
+    time.sleep(600)
+
+
 def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), damage=None, nodes=NODES,
-                left=None) -> None:
+                left=None, again=()) -> None:
+    """The job of the pristine crash back after the nodes `lost` (then, `again`: back, killed
+    before its next save and the nodes `again` lost too), restored and trained on to STEPS."""
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
     for n in lost:  # the node is gone, its memory with it (and its own directory, if it had one)
         shutil.rmtree(root / f"mem-node{n}")
         shutil.rmtree(root / f"dir-node{n}", ignore_errors=True)
+    if again:
+        ctx = spawn(root, _restored_then_killed, nodes, "again")
+        for r in range(len(nodes)):
+            wait_for(root / f"ready-again-r{r}", ctx, timeout=300)
+        kill_job(ctx, [r for r, n in enumerate(nodes) if n in again])
+        for n in again:
+            shutil.rmtree(root / f"mem-node{n}")
+            shutil.rmtree(root / f"dir-node{n}", ignore_errors=True)
     if damage is not None:
         damage(root)
     (root / "want.json").write_text(json.dumps({"step": step, "sources": sources, "skipped": list(skipped)}))
@@ -277,6 +306,15 @@ def test_node_lost_restores_from_its_peer(crashed):
     every rank restores step 5 (not step 1, the newest on disk), bit-exact; the losses of the
     resumed run equal the uninterrupted run's."""
     _after_loss(crashed, lost=[1], step=5, sources=["memory", "peer", "memory"])
+
+
+def test_node_lost_again_before_the_next_save(crashed):
+    """Node 1 lost, the job back from its peers, then killed before its next save and node 0 lost
+    too: rank 0's replica of step 5 was on node 1 and went with the first loss, but the restore
+    sent it again to the replacement, so rank 0 receives step 5 from it (not step 1 from the
+    directory), rank 1 restores the copy it received the first time, all bit-exact, and the
+    resumed losses equal the uninterrupted run's."""
+    _after_loss(crashed, lost=[1], again=[0], step=5, sources=["peer", "memory", "memory"])
 
 
 def test_node_and_its_replica_holder_lost_all_fall_back_together(crashed):
@@ -442,8 +480,19 @@ def _node_local_retention(rank, root, mesh, node, phase):
 
 
 def test_node_local_directories_found_and_kept_in_step(shm_tmp):
+    """(Also: the probe files an open killed midway left, an hour old or more, are removed by the
+    next open; a newer one, maybe another open's now, is left.)"""
     (shm_tmp / "node-local").touch()
+    for n in (0, 1):
+        ck_dir(shm_tmp, n).mkdir(parents=True)
+        old, new = ck_dir(shm_tmp, n) / ".gdsckpt-probe-0123456789abcdef-r3", ck_dir(shm_tmp, n) / ".gdsckpt-probe-fe-r1"
+        old.touch()
+        new.touch()
+        os.utime(old, (time.time() - 7200, time.time() - 7200))
     run(shm_tmp, _node_local_retention, [0, 0, 1, 1], "retention")
+    for n in (0, 1):
+        assert [p.name for p in ck_dir(shm_tmp, n).iterdir() if p.name.startswith(".gdsckpt-probe")] == \
+            [".gdsckpt-probe-fe-r1"]
 
 
 # ------------------------------------------------------------------ replicas' segments made ahead

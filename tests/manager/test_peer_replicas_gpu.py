@@ -93,6 +93,15 @@ def _rank_main(rank: int, world: int, root: str, phase: str) -> None:
         assert got.keys() == expected.keys()
         for k, v in got.items():
             assert torch.equal(v, expected[k]), k
+        if phase == "again":  # killed before its next save: its step is held twice over by then
+            assert ck.memory.wait_replicas(60)
+            dist.barrier()
+            st = ck.status()["memory"]
+            assert r.step in st["steps"] and st["replicas"]["steps"][r.step]["replicated_on"] == [1 - rank], st
+            assert r.step in st["replicas"]["held"][1 - rank], st
+            (root / f"ready-again-r{rank}").touch()
+            faulthandler.cancel_dump_traceback_later()
+            time.sleep(600)
         ck.close()
     finally:
         dist.destroy_process_group()
@@ -130,12 +139,25 @@ def crashed():
     yield from _crash()
 
 
-def _after_loss(root: Path, step: int, sources: list, damage=None, nodes=(0, 1)) -> None:
+def _lose(root: Path, node: int) -> None:
+    """The node is gone, its memory with it (and its own directory); its replacement's is empty."""
+    shutil.rmtree(root / f"mem-node{node}")
+    shutil.rmtree(root / f"dir-node{node}", ignore_errors=True)
+    (root / f"mem-node{node}").mkdir()
+
+
+def _after_loss(root: Path, step: int, sources: list, damage=None, nodes=(0, 1), again: bool = False) -> None:
+    """Node 1 lost, the job back (again: back, killed before its next save, and node 0 lost too)."""
     shutil.rmtree(root)
     shutil.copytree(root.with_name(root.name + "-pristine"), root, symlinks=True)
-    shutil.rmtree(root / "mem-node1")  # node 1 is gone, its memory with it (and its own directory)
-    shutil.rmtree(root / "dir-node1", ignore_errors=True)
-    (root / "mem-node1").mkdir()
+    _lose(root, 1)
+    if again:
+        (root / "want.json").write_text(json.dumps({"step": step, "sources": ["memory", "peer"], "nodes": [0, 1]}))
+        ctx = _spawn(root, "again")
+        for r in (0, 1):
+            wait_for(root / f"ready-again-r{r}", ctx, timeout=300)
+        kill_job(ctx, [0])
+        _lose(root, 0)
     if damage is not None:
         damage(root)
     (root / "want.json").write_text(json.dumps({"step": step, "sources": sources, "nodes": list(nodes)}))
@@ -144,6 +166,14 @@ def _after_loss(root: Path, step: int, sources: list, damage=None, nodes=(0, 1))
 
 def test_lost_gpu_node_restores_from_its_peer_over_nccl(crashed):
     _after_loss(crashed, SAVES, ["memory", "peer"])
+
+
+def test_lost_gpu_node_then_the_other_before_the_next_save(crashed):
+    """Node 1 lost and the job back (rank 1's step received into device memory, and a copy kept in
+    its memory tier meanwhile; rank 0's step sent again to node 1, which held nothing), then
+    killed before its next save and node 0 lost: rank 0 receives its step from node 1, rank 1
+    restores the copy it kept, both bit-exact."""
+    _after_loss(crashed, SAVES, ["peer", "memory"], again=True)
 
 
 def test_lost_gpu_node_and_the_job_numbered_anew(crashed):

@@ -220,14 +220,18 @@ class MemorySteps:
                 out, stats = self.layout.load(source, state, device, strict)
                 return out, source.label, stats
         label = f"memory copy of step {step}"
-        if self.peers is not None and self.peers.needs_fetch(step):  # ranks whose copy is gone get it first
-            with agreed(label, f"step {step} from a peer's replica", damage=(*DAMAGE, KeyError, MemoryTierFullError)):
-                self.peers.fetch(step)
+        restored = None
         try:
-            return self._load_agreed(step, state, strict, label)
+            if self.peers is not None and self.peers.needs_fetch(step):  # ranks whose copy is gone get it first
+                with agreed(label, f"step {step} from a peer's replica",
+                            damage=(*DAMAGE, KeyError, MemoryTierFullError)):
+                    self.peers.fetch(step)
+            out = self._load_agreed(step, state, strict, label)
+            restored = step
+            return out
         finally:
             if self.peers is not None:
-                self.peers.forget_images()
+                self.peers.forget_images(restored)
 
     def _load_agreed(self, step: int, state, strict: bool, label: str) -> tuple[object, str, object]:
         from gdsckpt import api
@@ -268,7 +272,7 @@ class MemorySteps:
         none, the run starts afresh): copies of later steps (some rank could not get them: its
         node was lost, say), and the replicas held of them, belong to a past the run leaves;
         dropped, so that the steps saved next under their numbers never meet them (nor a restore
-        mix the two)."""
+        mix the two). `step` itself goes again to the holders that lost their replica of it."""
         if not self.distributed:
             return
         tiers = [self.tier] + (list(self.peers.store.tiers.values()) if self.peers is not None else [])
@@ -278,6 +282,8 @@ class MemorySteps:
                     tier.drop(s, f"newer than step {step}, which every rank restored (not every rank could get it)")
         if self.peers is not None:  # copies left under another numbering of the ranks: a past too
             self.peers.drop_strays()
+            if step >= 0:  # the holders on a replacement node hold nothing yet
+                self.peers.replicate_again(step)
 
     def source_of(self, step: int) -> str:
         """Where this rank's copy of a step restored from memory came from: "peer" (received from

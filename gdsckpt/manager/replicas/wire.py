@@ -324,19 +324,27 @@ class Sender:
         self.seconds: deque = deque(maxlen=100)
         self._cond = threading.Condition()
         self._next: int | None = None
+        self._to: list[int] | None = None  # the holders of the step waiting (None: all)
         self._busy = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="gdsckpt-replicas-send", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int) -> None:
-        """`step` is committed in the rank's tier: replicate it (a step waiting is replaced)."""
+    def submit(self, step: int, holders: list[int] | None = None) -> None:
+        """`step` is committed in the rank's tier: replicate it (a step waiting is replaced), on
+        `holders` only (after a restore: those that lost their replica; the others hold it)."""
         with self._cond:
             if self._next is not None and self._next != step:
                 self.results.setdefault(self._next, {h: "coalesced: a newer step was committed before it was sent"
                                                      for h in self.holders})
-            self._next = step
+            self._next, self._to = step, holders
             self._cond.notify_all()
+
+    def held_already(self, step: int, holders: list[int]) -> None:
+        """`holders` hold `step`, committed before this run (a restore's reports): it counts as
+        replicated there."""
+        with self._cond:
+            self.results.setdefault(step, {}).update({h: "committed" for h in holders})
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until no step waits or is on the wire; whether it got there."""
@@ -358,9 +366,9 @@ class Sender:
                     self._cond.wait()
                 if self._next is None:
                     return
-                step, self._next, self._busy = self._next, None, True
+                step, to, self._next, self._busy = self._next, self._to, None, True
             try:
-                self._replicate(step)
+                self._replicate(step, self.holders if to is None else to)
             except Exception as e:  # noqa: BLE001 - the step is simply not replicated
                 log.warning("gdsckpt: replicating step %d: %s: %s", step, type(e).__name__, e)
             finally:
@@ -368,17 +376,17 @@ class Sender:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _replicate(self, step: int) -> None:
+    def _replicate(self, step: int, holders: list[int]) -> None:
         t = time.perf_counter()
         out = self.results.setdefault(step, {})
         try:
             copy = self.tier.hold(step)
         except KeyError:
-            out.update({h: "dropped before it was sent" for h in self.holders})
+            out.update({h: "dropped before it was sent" for h in holders})
             return
         try:
             footer = copy.slot.read(fmt.FOOTER_SIZE, copy.nbytes - fmt.FOOTER_SIZE)
-            for h in self.holders:
+            for h in holders:
                 if h in self.closed:
                     out[h] = f"not sent: the channel to rank {h} is closed ({self.closed[h]})"
                     continue
@@ -392,7 +400,7 @@ class Sender:
         finally:
             self.tier.release(step)
         self.seconds.append({"step": step, "seconds": time.perf_counter() - t, "bytes": copy.nbytes,
-                             "wire": {h: dict(self.wires[h].last) for h in self.holders}})
+                             "wire": {h: dict(self.wires[h].last) for h in holders}})
 
     def _offer(self, h: int, step: int, copy, footer: bytes) -> str:
         w, b = self.wires[h], bound(copy.nbytes)
