@@ -220,18 +220,15 @@ class MemorySteps:
                 out, stats = self.layout.load(source, state, device, strict)
                 return out, source.label, stats
         label = f"memory copy of step {step}"
-        restored = None
         try:
             if self.peers is not None and self.peers.needs_fetch(step):  # ranks whose copy is gone get it first
                 with agreed(label, f"step {step} from a peer's replica",
                             damage=(*DAMAGE, KeyError, MemoryTierFullError)):
                     self.peers.fetch(step)
-            out = self._load_agreed(step, state, strict, label)
-            restored = step
-            return out
+            return self._load_agreed(step, state, strict, label)
         finally:
             if self.peers is not None:
-                self.peers.forget_images(restored)
+                self.peers.forget_images()
 
     def _load_agreed(self, step: int, state, strict: bool, label: str) -> tuple[object, str, object]:
         from gdsckpt import api

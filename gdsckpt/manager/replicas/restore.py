@@ -69,7 +69,6 @@ class PeerReplicas:
         self._plans: dict[int, dict[int, tuple]] = {}  # step -> {origin: (server, bytes, folder)}: plan()
         self.from_peer: dict[int, int] = {}  # step -> the holder this rank's copy came from
         self._images: dict[int, DeviceImage] = {}  # step -> its image received into device memory
-        self._keeping: dict[int, KeptImage] = {}  # step -> that image on its way into the own tier
         self._held_by: dict[int, set[int]] = {}  # holder -> the steps of this rank it held at restorable()
         self.ranks_here: list[int] = []  # the ranks sharing this host's memory (restorable() finds them)
         self.fetched: dict = {}  # the last image received at a restore: its wire's timings
@@ -214,7 +213,6 @@ class PeerReplicas:
             image = torch.empty(nbytes, dtype=torch.uint8, device=wire.device)
             wire.recv_to_device(image, holder, TAG_RESTORE)
             self._images[step] = DeviceImage(image, label)
-            self._keeping[step] = KeptImage(self.tier, step, image)
         else:
             def fill(slot):
                 wire.prepare(slot, nbytes)  # before the holder's sends can be waiting for this rank
@@ -251,17 +249,9 @@ class PeerReplicas:
         the restore as it reads it), or None: its copy is in the rank's tier."""
         return self._images.get(step)
 
-    def forget_images(self, restored: int | None = None) -> None:
-        """The restore is over (`restored`: the step it took from memory, None: it failed): the
-        images received into device memory freed, once their copies into the own tier are done;
-        the copy of the step restored is committed there (the rank holds its step again), any
-        other is given back."""
-        try:
-            for step, kept in self._keeping.items():
-                kept.finish(commit=step == restored)
-        finally:
-            self._keeping.clear()
-            self._images.clear()
+    def forget_images(self) -> None:
+        """Free the device memory of the images received (the restore is over)."""
+        self._images.clear()
 
     def replicate_again(self, step: int) -> None:
         """After every rank restored `step`: sent again, in the background as after a save, to
@@ -335,47 +325,6 @@ def plan(every: list, firsts: list[int]) -> dict[int, dict[int, tuple[int, int, 
         else:
             out[step] = transfers
     return out
-
-
-class KeptImage:
-    """A rank's image of a step received into device memory at a restore, copied into a slot of
-    its own tier on a thread of its own while the restore checks and decodes it (a device-to-host
-    copy on a stream of its own, beside the decode's kernels), so that the rank holds its step
-    again: its holders can be sent it, and a restart restores it without the wire. Committed by
-    finish(commit=True) once the restore took the step (checked, every chunk, on the device)."""
-
-    def __init__(self, tier, step: int, image: torch.Tensor):
-        self.tier, self.step, self.image, self.nbytes = tier, step, image, image.numel()
-        self.slot = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._copy, daemon=True, name=f"gdsckpt-replicas-keep-{step}")
-        self._thread.start()
-
-    def _copy(self) -> None:
-        try:
-            torch.cuda.set_device(self.image.device)
-            self.slot, _ = self.tier.reserve(self.step, self.nbytes)
-            with torch.cuda.stream(torch.cuda.Stream(self.image.device)):  # not behind the decode's kernels
-                for lo, hi in pieces(self.nbytes):
-                    at = lo
-                    for piece in self.slot.host(lo, hi, pin=False)[0]:  # pageable: each copy returns when done
-                        piece.copy_(self.image[at:at + piece.numel()])
-                        at += piece.numel()
-        except BaseException as e:  # noqa: BLE001 - the restore goes on; the step is held by its holders
-            self.error = e
-
-    def finish(self, commit: bool) -> None:
-        """Wait for the copy; commit it, or give its slot back."""
-        self._thread.join()
-        self.image = None
-        if self.slot is not None and commit and self.error is None:
-            self.tier.commit(self.slot, self.step, self.nbytes)
-            return
-        if self.slot is not None:
-            self.tier.abandon(self.slot)
-        if self.error is not None:
-            log.warning("gdsckpt: rank %d's step %d, received at the restore, is not kept in its memory tier: %s: %s",
-                        self.tier.rank, self.step, type(self.error).__name__, self.error)
 
 
 def _has(tier, step: int) -> bool:
