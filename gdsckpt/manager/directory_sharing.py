@@ -66,16 +66,21 @@ def ranks_sharing(directory: Path) -> list[list[int]] | None:
 
 def _remove_stale_probes(directory: Path) -> None:
     """Probe files older than STALE_PROBE_S: left by an open killed between its file and the
-    barrier (another job opening the directory now would be a concurrent open, its files new)."""
+    barrier (another job opening the directory now would be a concurrent open, its files new).
+    The other ranks' files of this open may be going meanwhile: each looked at on its own."""
     now = time.time()
     try:
-        stale = [e for e in os.scandir(directory)
-                 if e.name.startswith(_PROBE.split("{")[0]) and now - e.stat().st_mtime > STALE_PROBE_S]
+        names = [e.name for e in os.scandir(directory) if e.name.startswith(_PROBE.split("{")[0])]
     except OSError:
         return
-    for e in stale:
-        log.info("gdsckpt: removing %s, left by an open of %s that was killed", e.name, directory)
-        Path(e.path).unlink(missing_ok=True)
+    for name in names:
+        path = directory / name
+        try:
+            if now - path.stat().st_mtime > STALE_PROBE_S:
+                log.info("gdsckpt: removing %s, left by an open of %s that was killed", name, directory)
+                path.unlink()
+        except OSError:  # gone already
+            continue
 
 
 @dataclass(frozen=True)
