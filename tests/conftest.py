@@ -48,7 +48,7 @@ INTEGRATION_FILES = frozenset({
     "test_integrations_megatron.py", "test_integrations_megatron_gpu.py",
     "test_isolated.py", "test_package.py", "test_readme.py", "test_resume.py", "test_writer_crash.py",
     "test_manager_remote.py", "test_reader_remote.py", "test_remote_tier.py", "test_stores.py",
-    "test_peer_replicas.py", "test_manager_dcp_ranks.py", "test_step_links.py", "test_cli_startup.py",
+    "test_peer_replicas.py", "test_peer_replicas_torchrun.py", "test_manager_dcp_ranks.py", "test_step_links.py", "test_cli_startup.py",
 })
 
 
