@@ -22,7 +22,8 @@ from pathlib import Path
 
 log = logging.getLogger("gdsckpt.manager.directory_sharing")
 
-_PROBE = ".gdsckpt-probe-{token}-r{rank}"
+_PROBE_PREFIX = ".gdsckpt-probe-"
+_PROBE = _PROBE_PREFIX + "{token}-r{rank}"
 STALE_PROBE_S = 3600.0
 
 
@@ -70,7 +71,7 @@ def _remove_stale_probes(directory: Path) -> None:
     The other ranks' files of this open may be going meanwhile: each looked at on its own."""
     now = time.time()
     try:
-        names = [e.name for e in os.scandir(directory) if e.name.startswith(_PROBE.split("{")[0])]
+        names = [e.name for e in os.scandir(directory) if e.name.startswith(_PROBE_PREFIX)]
     except OSError:
         return
     for name in names:

@@ -256,7 +256,7 @@ class PeerReplicas:
     def replicate_again(self, step: int) -> None:
         """After every rank restored `step`: sent again, in the background as after a save, to
         the holders that lack this rank's replica of it (their node was lost, and its replacement
-        holds nothing yet), so that the run survives another node's loss before its next save."""
+        holds nothing yet): the step is on another node again before the next save."""
         lacking = [h for h in self.holders if step not in self._held_by.get(h, ())]
         self.sender.held_already(step, [h for h in self.holders if h not in lacking])
         if lacking and _has(self.tier, step):
