@@ -125,6 +125,11 @@ def ck_dir(root: Path, node: int) -> Path:
     return root / f"dir-node{node}" / "ck" if (root / "node-local").exists() else root / "ck"
 
 
+def replicas_of(root: Path) -> int:
+    """The run's replicas= (1 unless the crash was made with more)."""
+    return int((root / "replicas").read_text()) if (root / "replicas").exists() else 1
+
+
 def ck_remote(root: Path) -> str | None:
     """The run's object store (remote=), if it has one."""
     return (root / "remote").read_text() if (root / "remote").exists() else None
@@ -139,7 +144,7 @@ def _train(rank, root, mesh, node, phase):
     reference = {step: train_step(model, opt, mesh, step) for step in range(1, STEPS + 1)}
     losses_path(root, "reference", rank).write_text(json.dumps(reference))
     model, opt = make_training(mesh)
-    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=replicas_of(root),
                       node=node, remote=ck_remote(root))
     losses = {}
     for step in range(1, 6):
@@ -161,10 +166,10 @@ def _train(rank, root, mesh, node, phase):
     st = ck.status()["memory"]
     rep = st["replicas"]
     from gdsckpt.manager.replicas.placement import held_for, ring
-    placement = ring([str(n) for n in json.loads((root / "nodes.json").read_text())], 1)
+    placement = ring([str(n) for n in json.loads((root / "nodes.json").read_text())], replicas_of(root))
     assert st["steps"] == [4, 5] and rep["holders"] == placement[rank], rep
     assert rep["held_for"] == held_for(placement, rank), rep
-    assert rep["steps"][5]["replicated_on"] == rep["holders"] and rep["steps"][4]["replicated_on"] == rep["holders"]
+    assert rep["steps"][5]["replicated_on"] == rep["steps"][4]["replicated_on"] == sorted(rep["holders"]), rep
     assert rep["held"] == {o: [4, 5] for o in rep["held_for"]}, rep  # keep_memory=2 replicas too
     assert rep["held_bytes"] > 0 and st["held_bytes"] <= st["cap_bytes"]
     # the wire's timings of the last step, on both ends (status()'s trace of a replication)
@@ -181,7 +186,7 @@ def _resume(rank, root, mesh, node, phase):
     from gdsckpt import Checkpointer
     want = json.loads((root / "want.json").read_text())
     model, opt = make_training(mesh, seed=99)  # other values: the restore must fill them all
-    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=replicas_of(root),
                       node=node, remote=ck_remote(root))
     if want["step"] is None:  # nothing every rank can restore: every rank says so, and all start afresh
         from gdsckpt.errors import NoCheckpointError
@@ -217,12 +222,14 @@ def _resume(rank, root, mesh, node, phase):
 NODES = [0, 1, 2]  # one rank each: rank r's replica is held by rank r + 1 (mod 3)
 
 
-def _crash(nodes: list, node_local: bool = False, remote: str | None = None):
+def _crash(nodes: list, node_local: bool = False, remote: str | None = None, replicas: int = 1):
     """A job killed (kill -9, every process) after step 5, steps 2-5 in memory only."""
     root = Path(tempfile.mkdtemp(prefix="gdsckpt-peers-", dir="/dev/shm"))
     try:
         if node_local:
             (root / "node-local").touch()
+        if replicas != 1:
+            (root / "replicas").write_text(str(replicas))
         if remote is not None:
             (root / "remote").write_text(remote)
         ctx = spawn(root, _train, nodes, "crash")
@@ -252,15 +259,19 @@ def _restored_then_killed(rank, root, mesh, node, phase):
     holder is the replacement node, which held nothing: the restore sent it step 5 again)."""
     from gdsckpt import Checkpointer
     model, opt = make_training(mesh, seed=99)
-    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=1,
+    ck = Checkpointer(ck_dir(root, node), memory=True, every_local=EVERY_LOCAL, save_options=OPTS, replicas=replicas_of(root),
                       node=node, remote=ck_remote(root))
     assert ck.restore({"model": model, "optim": opt}).step == 5
     assert ck.memory.wait_replicas(60)
     dist.barrier()  # every origin acknowledged: every holder committed
     st = ck.status()["memory"]
     rep = st["replicas"]
-    assert 5 in st["steps"] and rep["steps"][5]["replicated_on"] == rep["holders"], (rank, st)
+    assert 5 in st["steps"] and rep["steps"][5]["replicated_on"] == sorted(rep["holders"]), (rank, st)
     assert all(5 in rep["held"][o] for o in rep["held_for"]), (rank, rep)
+    lost = json.loads((root / "lost.json").read_text())
+    # sent again to the holders on the lost nodes only (the others held it all along)
+    sent = sorted(h for h in rep["holders"] if NODES[h] in lost)
+    assert (sorted(rep["last"]["wire"]) if rep["last"] else []) == sent, (rank, rep["last"], sent)
     (root / f"ready-{phase}-r{rank}").touch()
     time.sleep(600)
 
@@ -275,6 +286,7 @@ def _after_loss(root: Path, lost: list, step: int, sources: list, skipped=(), da
         shutil.rmtree(root / f"mem-node{n}")
         shutil.rmtree(root / f"dir-node{n}", ignore_errors=True)
     if again:
+        (root / "lost.json").write_text(json.dumps(lost))
         ctx = spawn(root, _restored_then_killed, nodes, "again")
         for r in range(len(nodes)):
             wait_for(root / f"ready-again-r{r}", ctx, timeout=300)
@@ -315,6 +327,19 @@ def test_node_lost_again_before_the_next_save(crashed):
     directory), rank 1 restores the copy it received the first time, all bit-exact, and the
     resumed losses equal the uninterrupted run's."""
     _after_loss(crashed, lost=[1], again=[0], step=5, sources=["peer", "memory", "memory"])
+
+
+@pytest.fixture(scope="module")
+def crashed_replicas2():
+    """Three nodes of one rank each, replicas=2 (every rank's steps on both other nodes)."""
+    yield from _crash(NODES, replicas=2)
+
+
+def test_replicas2_node_lost_again_before_the_next_save(crashed_replicas2):
+    """replicas=2: node 1 lost, the job back: each of ranks 0 and 2 sends step 5 again to node 1
+    alone (its other holder kept it); killed before the next save, then nodes 0 and 2 both lost:
+    their ranks receive step 5 from node 1, bit-exact, losses as uninterrupted."""
+    _after_loss(crashed_replicas2, lost=[1], again=[0, 2], step=5, sources=["peer", "memory", "peer"])
 
 
 def test_node_and_its_replica_holder_lost_all_fall_back_together(crashed):
