@@ -215,13 +215,14 @@ def loop_record(name: str, repeat: int, rank: int | None, loop: Loop, none_loop:
 
 def headline(result: dict) -> str | None:
     """The report's first sentence: what a checkpoint cost the loop with each method, against
-    torch.save + fsync (under torchrun: dcp.save through FileSystemWriter); None without it."""
+    torch.save + fsync (under torchrun: dcp.save through FileSystemWriter); None where that was
+    not measured."""
     ok = {r["name"]: r for r in result["methods"] if r["status"] == "ok" and r.get("overhead_per_ckpt_s")}
     base_name = next((n for n in ("torch.save", "dcp.save FileSystemWriter") if n in ok), None)
     if base_name is None:
         return None
     base = targets.idle_estimate(ok[base_name])[0]
-    if base is None or base <= 0:
+    if base is None:
         return None
     label = "torch.save + fsync" if base_name == "torch.save" else base_name
     parts = []
@@ -229,7 +230,9 @@ def headline(result: dict) -> str | None:
         idle = targets.idle_estimate(row)[0]
         if name in ("none", base_name) or idle is None:
             continue
-        if idle <= 0.01 * base:
+        if base <= 0:  # no ratio to a base the loops could not resolve (a short run on a busy host)
+            parts.append(f"{name} {idle:+.3f} s")
+        elif idle <= 0.01 * base:
             parts.append(f"{name} nothing measurable ({idle:+.3f} s)")
         elif _within_noise(ok[base_name], row):
             parts.append(f"{name} {idle:.3f} s (level with it: within the loops' noise)")
@@ -237,7 +240,8 @@ def headline(result: dict) -> str | None:
             x = base / idle
             parts.append(f"{name} {idle:.3f} s ({x:.1f}x less)" if x >= 1 else f"{name} {idle:.3f} s ({1 / x:.1f}x more)")
     size = result["state"]["logical_bytes"] / 1e6
-    text = f"Each checkpoint of the {size:.1f} MB state cost the training loop {base:.3f} s with {label}"
+    cost = f"{base:.3f} s" if base > 0 else f"nothing measurable ({base:+.3f} s: the loops' noise is larger)"
+    text = f"Each checkpoint of the {size:.1f} MB state cost the training loop {cost} with {label}"
     return text + ("; " + ", ".join(parts) + "." if parts else ".")
 
 
@@ -273,8 +277,8 @@ def print_train(result: dict, out=None) -> None:
     out = out or sys.stdout
     d = result
     m = d["model"]
-    # An interrupted run says so first, with or without a headline (a short loop on a busy
-    # CPU can measure no idle for torch.save, and then there is none).
+    # An interrupted run says so first, with or without a headline (none where torch.save did
+    # not run).
     first = " ".join(x for x in (headline(d), d.get("interrupted") and "(Interrupted: from the loops that finished.)") if x)
     if first:
         print(first + "\n", file=out)

@@ -313,3 +313,9 @@ def test_headline_says_level_where_the_difference_is_within_the_noise():
     text = headline(result)
     assert "gdsckpt.save_async 0.227 s (1.7x more)" in text
     assert "dcp.async_save GdsckptWriter 0.010 s (13.4x less)" in text
+    # torch.save's idle not resolved (a short loop on a busy host: CI once measured it below zero):
+    # the headline says so, with no ratio to it
+    result["methods"][0]["overhead_local_per_ckpt_s"]["mean"] = -0.004
+    text = headline(result)
+    assert text.startswith("Each checkpoint of the 22.8 MB state cost the training loop nothing measurable "
+                           "(-0.004 s: the loops' noise is larger) with torch.save + fsync; gdsckpt.save_async +0.227 s")
