@@ -236,8 +236,7 @@ def phase_main(a) -> None:
     out["restore_s"] = time.perf_counter() - t
     if a.phase == "restore":
         out["fetched"] = ck.status()["memory"]["replicas"].get("fetched")
-        # after the restore, in the background: a step received is kept in the rank's own tier,
-        # and a step whose holder lost its replica is sent to it again
+        # after the restore, in the background: a step whose holder lost its replica is sent to it again
         t = time.perf_counter()
         ck.memory.wait_replicas(120)
         st = ck.status()["memory"]

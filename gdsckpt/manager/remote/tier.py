@@ -81,6 +81,7 @@ class RemoteTier:
         self.layout = layout
         self.policy = policy
         self.parts = parts  # node-local directories: this directory's part of each step (remote/parts.py)
+        self.commits = parts is None or parts.commits  # writes steps' markers, runs the store's retention
         self._after_upload = after_upload
         self._mutex = threading.RLock()
         self._wake = threading.Condition(self._mutex)
@@ -296,8 +297,7 @@ class RemoteTier:
         if pending is None:
             return []
         to, then = pending
-        acts = self.parts is None or self.parts.commits  # (node-local directories: rank 0 removes them)
-        markers, objects, gone = self._objects_newer_than(to) if acts else ([], [], set())
+        markers, objects, gone = self._objects_newer_than(to) if self.commits else ([], [], set())
         for name in markers + objects:  # uncommit first: a kill mid-way leaves objects that do not count
             self.store.delete(name)
         if gone:
@@ -367,7 +367,7 @@ class RemoteTier:
                 continue
             try:  # before the step leaves flight: wait() returns with retention done
                 self._after_upload()
-                if self.parts is None or self.parts.commits:
+                if self.commits:
                     self.retain()
             except Exception as e:
                 log.warning("gdsckpt: retention after uploading step %d: %s: %s", step, type(e).__name__, e)
